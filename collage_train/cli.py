@@ -1,0 +1,127 @@
+"""The Hydra application behind ``python -m collage_train``.
+
+``train`` prepares the run directory (refusing to overwrite a finished or running
+one unless resuming), builds the trainer and the sinks, and runs it. ``hydra_main``
+wraps it so that bad input ends in one ``error:`` line and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from collage_train import checkpoint
+from collage_train.config import register_schemas
+from collage_train.data import DataError
+from collage_train.errors import CollageError, ConfigError, OutOfMemory
+from collage_train.metrics import ConsoleSink, JsonlSink, Sink, WandbSink
+from collage_train.trainer import Trainer
+
+
+def config_dir() -> str:
+    """The configs shipped inside the package (wheel), else the repository's ``configs/``."""
+    packaged = Path(__file__).resolve().parent / "configs"
+    if (packaged / "config.yaml").is_file():
+        return str(packaged)
+    return str(Path(__file__).resolve().parent.parent / "configs")
+
+
+def build_sinks(
+    cfg: Any,
+    run_dir: Path,
+    config: dict[str, Any],
+    *,
+    max_steps: int,
+    start_step: int,
+    resume: bool,
+) -> list[Sink]:
+    """Console, metrics.jsonl and W&B sinks from the ``logging`` sub-config."""
+    sinks: list[Sink] = []
+    if cfg.console != "none":
+        sinks.append(ConsoleSink(cfg.console, max_steps=max_steps, start_step=start_step))
+    sinks.append(JsonlSink(run_dir / "metrics.jsonl", resume_step=start_step if resume else None))
+    if cfg.wandb.mode != "disabled":
+        sinks.append(WandbSink(cfg.wandb, run_dir, config, resume=resume))
+    return sinks
+
+
+def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None) -> dict | None:
+    """Run (or resume) one training job in ``run_dir``; return its summary."""
+    if cfg.logging.console not in ("rich", "plain", "none"):
+        raise ConfigError(
+            f"logging.console must be rich, plain or none, got {cfg.logging.console!r}"
+        )
+    mode = cfg.logging.wandb.mode
+    if mode not in ("online", "offline", "disabled"):
+        raise ConfigError(f"logging.wandb.mode must be online, offline or disabled, got {mode!r}")
+    existing = checkpoint.latest_checkpoint(run_dir)
+    if existing is not None and not cfg.train.resume:
+        raise ConfigError(
+            f"{run_dir} already holds checkpoints; continue it with train.resume=true "
+            "or start a new run in another hydra.run.dir"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(cfg, run_dir, sinks=[])
+    if existing is not None:
+        trainer.resume_from(existing)
+        print(f"resumed from {existing} at step {trainer.step}", flush=True)
+    sinks = build_sinks(
+        cfg.logging,
+        run_dir,
+        OmegaConf.to_container(cfg, resolve=True),
+        max_steps=cfg.train.max_steps,
+        start_step=trainer.step,
+        resume=existing is not None,
+    ) + list(extra_sinks or [])
+    trainer.sinks = sinks
+    try:
+        return trainer.fit()
+    finally:
+        for sink in sinks:
+            sink.close()
+
+
+def _is_out_of_memory(err: BaseException) -> bool:
+    if isinstance(err, torch.OutOfMemoryError | MemoryError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and (
+        "can't allocate memory" in text or "not enough memory" in text or "out of memory" in text
+    )
+
+
+def run(cfg: DictConfig, run_dir: Path) -> int:
+    """``train`` with bad input turned into one error line; returns the exit status."""
+    try:
+        train(cfg, run_dir)
+    except (CollageError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
+    except (RuntimeError, MemoryError) as err:
+        if not _is_out_of_memory(err):
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        message = OutOfMemory(
+            f"out of memory ({first}); lower train.micro_batch_size (gradient accumulation "
+            "keeps train.global_batch_size), pick a smaller model, or spread the model state "
+            "over several GPUs with DeepSpeed ZeRO"
+        )
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+register_schemas()
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
+def hydra_main(cfg: DictConfig) -> None:
+    status = run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    if status:
+        sys.exit(status)

@@ -1,0 +1,146 @@
+"""Typed schema of the Hydra configuration.
+
+Every config group (model/, data/, precision/, ...) is validated against one of
+these dataclasses, so a misspelt key or a wrongly typed value is rejected by Hydra
+with its own message instead of being silently ignored. Each builder receives only
+its own sub-config (``cfg.model``, ``cfg.data``, ...), never the whole tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a GPT (GPT-2 layout) or OPT decoder, built with random init."""
+
+    family: str = MISSING  # "gpt" or "opt"
+    name: str = MISSING
+    hidden_size: int = MISSING
+    num_layers: int = MISSING
+    num_heads: int = MISSING
+    ffn_hidden_size: int | None = None  # None: 4 x hidden_size
+    init_std: float = 0.02
+    dropout: float = 0.0
+    # None: the tokenizer's vocabulary size. Set it to pad the embedding.
+    vocab_size: int | None = None
+    attn_implementation: str = "sdpa"
+    # Extra keyword arguments for the transformers config (e.g. OPT's word_embed_proj_dim).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    """Corpus source, tokenizer and packing."""
+
+    source: str = "stdlib"  # stdlib | files | hf
+    paths: list[str] = field(default_factory=list)
+    name: str | None = None
+    config_name: str | None = None
+    split: str = "train"
+    streaming: bool = False
+    data_files: list[str] | None = None
+    text_field: str = "text"
+    max_documents: int | None = None
+    seq_len: int = 256
+    vocab_size: int = 8192
+    tokenizer_train_chars: int = 4_000_000
+    val_fraction: float = 0.01
+    cache_dir: str = "${oc.env:COLLAGE_CACHE_DIR,'~/.cache/collage_train'}"
+
+
+@dataclass
+class PrecisionConfig:
+    """Which registered precision strategy to use (see collage_train.precision)."""
+
+    name: str = "mixed_fp32"
+
+
+@dataclass
+class OptimConfig:
+    """AdamW hyper-parameters and the learning-rate schedule."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class TrainConfig:
+    """Length, batch, evaluation and checkpoint cadence of a run."""
+
+    max_steps: int = 200
+    stop_at_step: int | None = None
+    micro_batch_size: int = 8
+    global_batch_size: int = 16  # sequences per optimizer step, all ranks together
+    seed: int = 1234
+    device: str = "auto"  # auto | cpu | cuda
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    resume: bool = False
+    export_hf: bool = True
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases streaming; offline by default so no account is needed."""
+
+    mode: str = "offline"  # online | offline | disabled
+    project: str = "collage_train"
+    entity: str | None = None
+    name: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go and how often."""
+
+    log_every: int = 10
+    console: str = "rich"  # rich | plain | none
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class MetricsConfig:
+    """Throughput accounting: dense bf16 peak for MFU (None: detect the GPU)."""
+
+    peak_tflops: float | None = None
+
+
+@dataclass
+class DistributedConfig:
+    """Execution engine; ``single`` is one process on one device."""
+
+    name: str = "single"
+
+
+@dataclass
+class JobConfig:
+    """The root of the configuration tree."""
+
+    model: ModelConfig = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
+def register_schemas() -> None:
+    """Register the schema so ``configs/config.yaml`` can extend it."""
+    ConfigStore.instance().store(name="job_schema", node=JobConfig)

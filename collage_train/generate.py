@@ -1,0 +1,95 @@
+"""Sample text from a trained model: ``python -m collage_train.generate PATH``.
+
+PATH is a run directory (its ``hf/`` export, else its newest checkpoint), an ``hf/``
+export, or a ``checkpoints/step-N`` directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from collage_train import checkpoint
+from collage_train.data import Tokenizer
+
+
+def load_for_generation(path: Path) -> tuple[PreTrainedModel, Tokenizer]:
+    """Model and tokenizer from a run directory, an hf/ export or a checkpoint."""
+    if (path / "hf" / "config.json").is_file():
+        path = path / "hf"
+    elif not (path / "config.json").is_file() and not (path / checkpoint.META).is_file():
+        latest = checkpoint.latest_checkpoint(path)
+        if latest is None:
+            raise FileNotFoundError(f"{path} holds no hf/ export, transformers model or checkpoint")
+        path = latest
+    tokenizer = Tokenizer.load(path / "tokenizer.model")
+    if (path / "config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(path), tokenizer
+    fields = json.loads((path / "model_config.json").read_text())
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(checkpoint.load_checkpoint_file(path, "model"))
+    return model, tokenizer
+
+
+def generate(
+    model: PreTrainedModel,
+    tokenizer: Tokenizer,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    seed: int,
+) -> str:
+    """Continue ``prompt``; temperature 0 decodes greedily."""
+    torch.manual_seed(seed)
+    ids = [tokenizer.eot_id, *tokenizer.encode(prompt)]
+    input_ids = torch.tensor([ids], device=model.device)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k}
+    output = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.eot_id,
+        eos_token_id=tokenizer.eot_id,
+        **(sampling if temperature > 0 else {"do_sample": False}),
+    )
+    return prompt + tokenizer.decode(output[0, len(ids) :].tolist())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m collage_train.generate", description=__doc__)
+    parser.add_argument("path", type=Path, help="run directory, hf/ export or checkpoint directory")
+    parser.add_argument("--prompt", default="def ", help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    parser.add_argument("--top-k", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        model, tokenizer = load_for_generation(args.path)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    model.eval()
+    text = generate(
+        model,
+        tokenizer,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Memory accounting: device peaks and the measured size of the model state."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak window on CUDA (the host RSS peak cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    """Peak memory so far: CUDA allocated and reserved on GPU, process peak RSS on CPU."""
+    if device.type == "cuda":
+        return {
+            "peak_mem_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_mem_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_mem_bytes": rss if sys.platform == "darwin" else rss * 1024}
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors_in(value)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            yield from _tensors_in(value)
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by parameters, their gradients and every optimizer-state tensor.
+
+    Each storage is counted once (tied weights, views). Call it after an optimizer
+    step and before gradients are released, so that all three are present.
+    """
+    tensors = list(model.parameters())
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += list(_tensors_in(list(optimizer.state.values())))
+    seen: dict[tuple[str, int], int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())

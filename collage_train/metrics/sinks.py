@@ -1,0 +1,219 @@
+"""Where metric records go: console, metrics.jsonl, Weights & Biases, or a test recorder.
+
+A record is a flat dict with at least ``step``; training records carry ``loss``,
+validation records ``val_loss``. Every sink receives the same records.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+
+class Sink(Protocol):
+    """Receives metric records and the final summary."""
+
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def summary(self, summary: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RecordingSink:
+    """Keeps every record in memory; for tests and programmatic use."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.final: dict[str, Any] | None = None
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.records.append(dict(record))
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        self.final = dict(summary)
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    """Appends one JSON object per record to ``metrics.jsonl``.
+
+    On resume from step N, records after N (written by the interrupted run after its
+    last checkpoint) are dropped first, so the file holds each step once.
+    """
+
+    def __init__(self, path: Path, resume_step: int | None = None) -> None:
+        self.path = path
+        if resume_step is not None and path.exists():
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= resume_step
+            ]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
+        self._file = path.open("a")
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def format_record(record: dict[str, Any], max_steps: int) -> str:
+    """One console line for a record."""
+    step = f"step {record['step']}/{max_steps}"
+    if "val_loss" in record:
+        return f"{step} | val_loss {record['val_loss']:.4f} | val_ppl {record['val_ppl']:.2f}"
+    parts = [
+        step,
+        f"loss {record['loss']:.4f}",
+        f"lr {record['lr']:.2e}",
+        f"grad_norm {record['grad_norm']:.3f}",
+        f"{record['tokens_per_s']:,.0f} tok/s",
+        f"{record['step_time_s']:.3f} s/step",
+        f"mem {_format_bytes(record['peak_mem_bytes'])}",
+    ]
+    if record.get("mfu") is not None:
+        parts.append(f"mfu {100 * record['mfu']:.1f}%")
+    return " | ".join(parts)
+
+
+class ConsoleSink:
+    """Prints records; with ``style='rich'`` on a terminal, also a progress bar with ETA."""
+
+    def __init__(self, style: str, max_steps: int, start_step: int) -> None:
+        self.console = Console(highlight=False)
+        self.max_steps = max_steps
+        self._progress: Progress | None = None
+        if style == "rich" and self.console.is_terminal:
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[loss]}"),
+                console=self.console,
+            )
+            self._task = self._progress.add_task(
+                "train", total=max_steps, completed=start_step, loss=""
+            )
+            self._progress.start()
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.console.print(format_record(record, self.max_steps))
+        if self._progress is not None and "loss" in record:
+            self._progress.update(
+                self._task, completed=record["step"], loss=f"loss {record['loss']:.4f}"
+            )
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        self.close()
+        table = Table(title="run summary", show_header=False)
+        for key, value in summary.items():
+            if isinstance(value, dict):
+                value = ", ".join(f"{k} {v}" for k, v in value.items())
+            elif isinstance(value, float) and math.isfinite(value):
+                value = f"{value:.6g}"
+            table.add_row(key, str(value))
+        self.console.print(table)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+# W&B panels are grouped by the prefix before the slash.
+_WANDB_SECTIONS = {
+    "loss": "train",
+    "lr": "train",
+    "grad_norm": "train",
+    "tokens": "train",
+    "epoch": "train",
+    "val_loss": "val",
+    "val_ppl": "val",
+    "tokens_per_s": "perf",
+    "step_time_s": "perf",
+    "data_time_frac": "perf",
+    "mfu": "perf",
+    "peak_mem_bytes": "memory",
+    "peak_mem_reserved_bytes": "memory",
+}
+
+
+class WandbSink:
+    """Streams records to Weights & Biases (online, or offline for a later ``wandb sync``).
+
+    The W&B run id is kept in the run directory so that a resumed run continues the
+    same W&B run.
+    """
+
+    def __init__(self, cfg: Any, run_dir: Path, config: dict[str, Any], resume: bool) -> None:
+        import wandb
+
+        id_file = run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if resume and id_file.exists() else None
+        self.run = wandb.init(
+            mode=cfg.mode,
+            project=cfg.project,
+            entity=cfg.entity,
+            name=cfg.name or run_dir.name,
+            group=cfg.group,
+            tags=list(cfg.tags),
+            config=config,
+            dir=str(run_dir),
+            id=run_id,
+            resume="allow" if run_id else None,
+        )
+        if self.run.id:
+            id_file.write_text(self.run.id)
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, record: dict[str, Any]) -> None:
+        grouped = {
+            f"{_WANDB_SECTIONS.get(key, 'train')}/{key}": value
+            for key, value in record.items()
+            if key != "step" and value is not None
+        }
+        grouped["step"] = record["step"]
+        self.run.log(grouped)
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        self.run.summary.update(summary)
+
+    def close(self) -> None:
+        self.run.finish()

@@ -1,0 +1,8 @@
+"""Optimizers, parameter grouping, gradient clipping and learning-rate schedules."""
+
+from collage_train.optim.adamw import AdamW
+from collage_train.optim.clipping import clip_grad_norm
+from collage_train.optim.param_groups import decay_param_groups
+from collage_train.optim.schedule import warmup_cosine_lr
+
+__all__ = ["AdamW", "clip_grad_norm", "decay_param_groups", "warmup_cosine_lr"]

@@ -1,0 +1,19 @@
+"""Split a model's parameters into weight-decayed matrices and undecayed vectors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices (linear and embedding weights) only, not on norms or biases."""
+    matrices, vectors = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (matrices if param.ndim >= 2 else vectors).append(param)
+    return [
+        {"params": matrices, "weight_decay": weight_decay},
+        {"params": vectors, "weight_decay": 0.0},
+    ]

@@ -1,0 +1,10 @@
+"""Precision strategies, selected by name with ``precision=NAME``.
+
+Importing this package registers the built-in strategies; ``get_strategy`` looks one
+up and ``available`` lists them.
+"""
+
+from collage_train.precision import bf16, fp32, mixed_fp32  # noqa: F401  (registration)
+from collage_train.precision.base import PrecisionStrategy, available, get_strategy, register
+
+__all__ = ["PrecisionStrategy", "available", "get_strategy", "register"]

@@ -1,0 +1,74 @@
+"""The interface every precision strategy implements, and the registry that names them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from collage_train.errors import ConfigError
+from collage_train.optim import AdamW
+
+
+@dataclass(frozen=True)
+class PrecisionStrategy:
+    """How a run stores and computes: parameter dtype, autocast, optimizer, state size.
+
+    Attributes:
+        name: registry name, as selected with ``precision=NAME``.
+        summary: one line for ``--help``-like listings and the run summary.
+        param_dtype: dtype of the model's parameters (and so of its gradients).
+        autocast_dtype: dtype for ``torch.autocast`` around the forward pass, or None.
+        master_dtype: dtype of master weights held by the optimizer, or None for none.
+        expected_state_bytes_per_param: analytic bytes per parameter of weights,
+            gradients and optimizer state; the trainer also measures the real value.
+        checkpoint_holds: what a checkpoint of this strategy contains, for meta.json.
+    """
+
+    name: str
+    summary: str
+    param_dtype: torch.dtype
+    autocast_dtype: torch.dtype | None
+    master_dtype: torch.dtype | None
+    expected_state_bytes_per_param: float
+    checkpoint_holds: tuple[str, ...]
+
+    def build_optimizer(
+        self, param_groups: list[dict[str, Any]], optim_cfg: Any
+    ) -> torch.optim.Optimizer:
+        """The optimizer for parameters already cast to ``param_dtype``."""
+        return AdamW(
+            param_groups,
+            lr=optim_cfg.lr,
+            betas=tuple(optim_cfg.betas),
+            eps=optim_cfg.eps,
+            weight_decay=optim_cfg.weight_decay,
+            master_dtype=self.master_dtype,
+        )
+
+
+_REGISTRY: dict[str, PrecisionStrategy] = {}
+
+
+def register(strategy: PrecisionStrategy) -> PrecisionStrategy:
+    """Add a strategy under its name; names are unique."""
+    if strategy.name in _REGISTRY:
+        raise ValueError(f"precision strategy {strategy.name!r} is already registered")
+    _REGISTRY[strategy.name] = strategy
+    return strategy
+
+
+def get_strategy(name: str) -> PrecisionStrategy:
+    """Look a strategy up by name (compared by value), with the choices in the error."""
+    try:
+        return _REGISTRY[str(name)]
+    except KeyError:
+        raise ConfigError(
+            f"unknown precision strategy {name!r}; choose one of {', '.join(available())}"
+        ) from None
+
+
+def available() -> list[str]:
+    """Registered strategy names, sorted."""
+    return sorted(_REGISTRY)

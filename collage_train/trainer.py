@@ -1,0 +1,388 @@
+"""The training loop: build the pieces, step, evaluate, checkpoint, log, export.
+
+``Trainer.fit`` reads like the algorithm: for each optimizer step, accumulate
+gradients over micro-batches, clip, set the scheduled lr, step; every so often log,
+validate and checkpoint. State that a resumed run needs (step, loader position, RNG,
+optimizer state) goes through ``state_dict``/``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from collage_train import checkpoint
+from collage_train.data import build_data
+from collage_train.engine import build_engine
+from collage_train.errors import ConfigError, TrainingDiverged
+from collage_train.metrics import (
+    Sink,
+    detect_peak_tflops,
+    model_flops_utilisation,
+    model_state_bytes,
+    peak_memory,
+    reset_peak_memory,
+)
+from collage_train.models import build_model, count_parameters, flops_per_token
+from collage_train.optim import clip_grad_norm, decay_param_groups, warmup_cosine_lr
+from collage_train.precision import get_strategy
+
+_VERSIONED_PACKAGES = ("torch", "transformers", "sentencepiece", "hydra-core", "wandb", "numpy")
+
+
+def gradient_accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
+    """Micro-steps per optimizer step; the global batch must split evenly."""
+    per_pass = micro_batch * world_size
+    if micro_batch < 1 or global_batch < 1 or global_batch % per_pass != 0:
+        raise ConfigError(
+            f"train.global_batch_size={global_batch} is not divisible by "
+            f"train.micro_batch_size={micro_batch} x world size {world_size}; "
+            f"use a global batch that is a multiple of {per_pass}"
+        )
+    return global_batch // per_pass
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of Python and the packages a run's numbers depend on."""
+    versions = {"python": platform.python_version()}
+    for name in ("collage_train", *_VERSIONED_PACKAGES):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[name] = metadata.version(name)
+    return versions
+
+
+class _StopRequest:
+    """Turns SIGTERM/SIGINT into a flag the loop checks after each step."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[_StopRequest]:
+        previous = {
+            sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+class Trainer:
+    """One training run of one model with one precision strategy."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, sinks: list[Sink]) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.sinks = sinks
+        train = cfg.train
+        if train.max_steps < 1:
+            raise ConfigError(f"train.max_steps must be at least 1, got {train.max_steps}")
+        if train.stop_at_step is not None and not 0 < train.stop_at_step <= train.max_steps:
+            raise ConfigError(
+                f"train.stop_at_step={train.stop_at_step} must lie in 1..{train.max_steps}"
+            )
+        self.engine = build_engine(cfg.distributed, device=train.device)
+        self.device = self.engine.device
+        self.accum_steps = gradient_accumulation_steps(
+            train.global_batch_size, train.micro_batch_size, self.engine.world_size
+        )
+        self.strategy = get_strategy(cfg.precision.name)
+
+        self.data = build_data(
+            cfg.data,
+            seq_len=cfg.data.seq_len,
+            micro_batch_size=train.micro_batch_size,
+            seed=train.seed,
+            rank=self.engine.rank,
+            world_size=self.engine.world_size,
+        )
+        tokenizer = self.data.tokenizer
+        model = build_model(
+            cfg.model,
+            vocab_size=tokenizer.vocab_size,
+            seq_len=cfg.data.seq_len,
+            eot_id=tokenizer.eot_id,
+            seed=train.seed,
+        )
+        self.model = model.to(device=self.device, dtype=self.strategy.param_dtype)
+        self.optimizer = self.strategy.build_optimizer(
+            decay_param_groups(self.model, cfg.optim.weight_decay), cfg.optim
+        )
+        self.num_params = count_parameters(self.model)
+        self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
+        self.peak_tflops = cfg.metrics.peak_tflops or detect_peak_tflops(self.device)
+        self.tokens_per_step = train.global_batch_size * cfg.data.seq_len
+        self.step = 0
+        self.state_bytes: int | None = None
+
+    # ----------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything besides model and optimizer that a resumed run needs."""
+        rng = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {"step": self.step, "loader": self.data.train_loader.state_dict(), "rng": rng}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.data.train_loader.load_state_dict(state["loader"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if "cuda" in state["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the current step, refusing to store non-finite weights."""
+        if not all(torch.isfinite(p).all() for p in self.model.parameters()):
+            raise TrainingDiverged(
+                f"the weights became NaN or infinite at step {self.step}; nothing was saved "
+                "over the last good checkpoint. Lower optim.lr or use a more precise strategy"
+            )
+        meta = {
+            "precision": self.strategy.name,
+            "holds": list(self.strategy.checkpoint_holds),
+            "model": self.cfg.model.name,
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+        }
+        return checkpoint.save_checkpoint(
+            self.run_dir,
+            self.step,
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "trainer": self.state_dict(),
+            },
+            meta,
+            keep=self.cfg.train.keep_checkpoints,
+            extra_files={
+                "model_config.json": self.model.config.to_json_string().encode(),
+                "tokenizer.model": Path(self.data.tokenizer.model_path).read_bytes(),
+            },
+        )
+
+    def resume_from(self, path: Path) -> None:
+        """Restore model, optimizer, loader position, RNG and step from a checkpoint."""
+        meta = checkpoint.read_meta(path)
+        if meta.get("precision") != self.strategy.name:
+            raise ConfigError(
+                f"{path} was written with precision={meta.get('precision')}, this run uses "
+                f"precision={self.strategy.name}; resume with the same strategy"
+            )
+        try:
+            self.model.load_state_dict(checkpoint.load_checkpoint_file(path, "model", self.device))
+            self.optimizer.load_state_dict(checkpoint.load_checkpoint_file(path, "optimizer"))
+        except (RuntimeError, ValueError) as err:
+            first_line = str(err).strip().splitlines()[0]
+            raise ConfigError(
+                f"{path} does not match this model or optimizer ({first_line}); "
+                "resume with the configuration it was written with"
+            ) from None
+        self.load_state_dict(checkpoint.load_checkpoint_file(path, "trainer"))
+
+    # -------------------------------------------------------------- stepping
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        autocast = (
+            torch.autocast(self.device.type, dtype=self.strategy.autocast_dtype)
+            if self.strategy.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            logits = self.model(input_ids=inputs, use_cache=False).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over ``accum_steps`` micro-batches."""
+        start = time.perf_counter()
+        data_time = 0.0
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(self.accum_steps):
+            fetch_start = time.perf_counter()
+            batch = self.data.train_loader.next_batch().to(self.device, non_blocking=True)
+            data_time += time.perf_counter() - fetch_start
+            loss = self._loss(batch)
+            (loss / self.accum_steps).backward()
+            loss_sum += loss.detach()
+        loss_value = (loss_sum / self.accum_steps).item()
+        if not math.isfinite(loss_value):
+            raise TrainingDiverged(
+                f"the loss became {loss_value} at step {self.step + 1}; the last good checkpoint "
+                "is kept. Lower optim.lr, raise optim.warmup_steps, or use precision=mixed_fp32"
+            )
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip).item()
+        lr = warmup_cosine_lr(
+            self.step,
+            peak_lr=self.cfg.optim.lr,
+            min_lr=self.cfg.optim.min_lr,
+            warmup_steps=self.cfg.optim.warmup_steps,
+            max_steps=self.cfg.train.max_steps,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        if self.state_bytes is None:
+            self.state_bytes = model_state_bytes(self.model, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        return {
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "time": elapsed,
+            "data_time": data_time,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss over the first ``train.eval_batches`` held-out micro-batches."""
+        self.model.eval()
+        loader = self.data.val_loader(self.cfg.train.micro_batch_size)
+        batches = min(self.cfg.train.eval_batches, loader.samples_per_epoch // loader.batch_size)
+        total = 0.0
+        for _ in range(batches):
+            total += self._loss(loader.next_batch().to(self.device)).item()
+        self.model.train()
+        val_loss = total / batches
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+    # ------------------------------------------------------------------- run
+
+    def _train_record(self, window: list[dict[str, float]]) -> dict[str, Any]:
+        elapsed = sum(w["time"] for w in window)
+        tokens_per_s = self.tokens_per_step * len(window) / elapsed
+        return {
+            "step": self.step,
+            "tokens": self.step * self.tokens_per_step,
+            "epoch": self.data.train_loader.epoch,
+            "loss": sum(w["loss"] for w in window) / len(window),
+            "lr": window[-1]["lr"],
+            "grad_norm": window[-1]["grad_norm"],
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s / self.engine.world_size,
+            "step_time_s": elapsed / len(window),
+            "data_time_frac": sum(w["data_time"] for w in window) / elapsed,
+            "mfu": model_flops_utilisation(
+                tokens_per_s / self.engine.world_size, self.flops_per_token, self.peak_tflops
+            ),
+            **peak_memory(self.device),
+        }
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log(record)
+
+    def fit(self) -> dict[str, Any] | None:
+        """Train to ``max_steps`` (or ``stop_at_step``); return the summary, None if stopped."""
+        train = self.cfg.train
+        end = train.stop_at_step or train.max_steps
+        start_step, wall_start = self.step, time.perf_counter()
+        reset_peak_memory(self.device)
+        self.model.train()
+        history: list[dict[str, float]] = []  # per-step stats of this launch
+        logged = 0
+        last_record: dict[str, Any] | None = None
+        val: dict[str, float] | None = None
+        with _StopRequest().installed() as stop:
+            while self.step < end:
+                history.append(self.train_step())
+                if self.step % self.cfg.logging.log_every == 0 or self.step == end:
+                    last_record = self._train_record(history[logged:])
+                    self._emit(last_record)
+                    logged = len(history)
+                if self.step % train.eval_every == 0 or self.step == train.max_steps:
+                    val = self.evaluate()
+                    self._emit({"step": self.step, **val})
+                if stop.signal_name is not None:
+                    self.save_checkpoint()
+                    self._emit_notice(
+                        f"{stop.signal_name} received: checkpoint saved at step {self.step}; "
+                        "continue with train.resume=true"
+                    )
+                    return None
+                if self.step % train.checkpoint_every == 0 or self.step == end:
+                    self.save_checkpoint()
+        if self.step < train.max_steps:
+            self._emit_notice(
+                f"stopped at step {self.step} of {train.max_steps} (train.stop_at_step); "
+                "continue with train.resume=true"
+            )
+            return None
+        if train.export_hf:
+            self.export_hf(self.run_dir / "hf")
+        steady = history[1:] or history  # the first step pays for warm-up
+        return self._summary(last_record, val, steady, time.perf_counter() - wall_start, start_step)
+
+    def _emit_notice(self, message: str) -> None:
+        print(message, flush=True)
+
+    def _summary(
+        self,
+        last: dict[str, Any] | None,
+        val: dict[str, float] | None,
+        timed: list[dict[str, float]],
+        wall_time: float,
+        start_step: int,
+    ) -> dict[str, Any]:
+        elapsed = sum(w["time"] for w in timed)
+        summary = {
+            "model": self.cfg.model.name,
+            "precision": self.strategy.name,
+            "num_params": self.num_params,
+            "steps": self.step,
+            "steps_this_launch": self.step - start_step,
+            "tokens": self.step * self.tokens_per_step,
+            "final_train_loss": last["loss"] if last else None,
+            "final_val_loss": val["val_loss"] if val else None,
+            "final_val_ppl": val["val_ppl"] if val else None,
+            "tokens_per_s": self.tokens_per_step * len(timed) / elapsed if elapsed else None,
+            "peak_mem_bytes": peak_memory(self.device)["peak_mem_bytes"],
+            "state_bytes_per_param": (self.state_bytes or 0) / self.num_params,
+            "expected_state_bytes_per_param": self.strategy.expected_state_bytes_per_param,
+            "wall_time_s": wall_time,
+            "device": str(self.device),
+            "corpus": {k: v for k, v in self.data.meta.items() if isinstance(v, str | int)},
+            "versions": package_versions(),
+        }
+        write_json_atomic(self.run_dir / "summary.json", summary)
+        for sink in self.sinks:
+            sink.summary(summary)
+        return summary
+
+    def export_hf(self, target: Path) -> None:
+        """Write the model (transformers format) and tokenizer to ``target``, atomically."""
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp)
+        self.data.tokenizer.save(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,119 @@
+"""AdamW: float64 reference agreement, master weights, state round trip."""
+
+import math
+
+import pytest
+import torch
+
+from collage_train.optim import AdamW
+
+
+def reference_adamw(theta, grads, lr, betas, eps, wd):
+    """Textbook AdamW in float64 on plain Python floats per element (via tensors)."""
+    theta = theta.double().clone()
+    m = torch.zeros_like(theta)
+    v = torch.zeros_like(theta)
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        theta *= 1 - lr * wd
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        m_hat = m / (1 - betas[0] ** t)
+        v_hat = v / (1 - betas[1] ** t)
+        theta -= lr * m_hat / (v_hat.sqrt() + eps)
+    return theta
+
+
+def run(dtype, master_dtype, steps=50, lr=1e-2, wd=0.1):
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(64, 32, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(64, 32, generator=gen, dtype=torch.float64) for _ in range(steps)]
+    param = torch.nn.Parameter(start.to(dtype, copy=True))
+    opt = AdamW(
+        [param], lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd, master_dtype=master_dtype
+    )
+    for g in grads:
+        param.grad = g.to(dtype)
+        opt.step()
+    ref = reference_adamw(start.to(dtype), [g.to(dtype) for g in grads], lr, (0.9, 0.95), 1e-8, wd)
+    return param, opt, ref
+
+
+def test_fp32_matches_float64_reference():
+    param, _, ref = run(torch.float32, None)
+    assert torch.allclose(param.double(), ref, rtol=0, atol=1e-5)
+
+
+def test_float64_params_match_reference_to_rounding():
+    param, _, ref = run(torch.float64, None)
+    assert torch.allclose(param, ref, rtol=0, atol=1e-12)
+
+
+def test_master_weights_are_fp32_and_params_their_rounding():
+    param, opt, ref = run(torch.bfloat16, torch.float32)
+    state = opt.state[param]
+    assert state["master"].dtype == torch.float32
+    assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
+    assert torch.equal(param.detach(), state["master"].to(torch.bfloat16))
+    # Master trajectory tracks float64 (grads are the same bf16 values in both).
+    assert (state["master"].double() - ref).abs().max() < 1e-5
+
+
+def test_plain_bf16_loses_small_updates_that_master_keeps():
+    # lr * update ~ 1e-4 of weights ~ 1: below bf16's half-ulp, so plain bf16 never moves.
+    param = torch.nn.Parameter(torch.ones(1000, dtype=torch.bfloat16))
+    master_param = torch.nn.Parameter(torch.ones(1000, dtype=torch.bfloat16))
+    plain = AdamW([param], lr=1e-4, master_dtype=None)
+    mixed = AdamW([master_param], lr=1e-4, master_dtype=torch.float32)
+    for _ in range(100):
+        param.grad = torch.ones_like(param)
+        master_param.grad = torch.ones_like(master_param)
+        plain.step()
+        mixed.step()
+    assert torch.equal(param.detach(), torch.ones_like(param))
+    assert master_param.detach().float().max() < 1.0  # 100 x 1e-4 accumulated, then rounded
+
+
+def test_step_count_is_integer_beyond_bf16_range():
+    param = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    opt = AdamW([param], lr=0.0)
+    for _ in range(300):
+        param.grad = torch.ones_like(param)
+        opt.step()
+    assert opt.state[param]["step"] == 300 and isinstance(opt.state[param]["step"], int)
+
+
+def test_state_dict_round_trip_keeps_fp32_state_exactly():
+    param, opt, _ = run(torch.bfloat16, torch.float32, steps=5)
+    saved = opt.state_dict()
+    fresh_param = torch.nn.Parameter(param.detach().clone())
+    fresh = AdamW(
+        [fresh_param], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, master_dtype=torch.float32
+    )
+    fresh.load_state_dict(saved)
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert fresh.state[fresh_param][key].dtype == torch.float32
+        assert torch.equal(fresh.state[fresh_param][key], opt.state[param][key])
+    assert fresh.state[fresh_param]["step"] == 5
+    g = torch.randn(64, 32).to(torch.bfloat16)
+    param.grad, fresh_param.grad = g.clone(), g.clone()
+    opt.step()
+    fresh.step()
+    assert torch.equal(param, fresh_param)
+
+
+def test_load_state_dict_rejects_wrong_shapes():
+    _param, opt, _ = run(torch.float32, None, steps=1)
+    other = torch.nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="shape"):
+        AdamW([other]).load_state_dict(opt.state_dict())
+
+
+def test_params_without_grad_are_untouched():
+    a = torch.nn.Parameter(torch.ones(3))
+    b = torch.nn.Parameter(torch.ones(3))
+    opt = AdamW([a, b], lr=0.1, weight_decay=0.5)
+    a.grad = torch.ones(3)
+    opt.step()
+    assert torch.equal(b.detach(), torch.ones(3)) and b not in opt.state
+    assert not math.isclose(a[0].item(), 1.0)

@@ -1,0 +1,147 @@
+"""End-to-end runs of the real ``python -m collage_train`` CLI on a tiny GPT."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from collage_train.checkpoint import load_checkpoint_file
+
+from .conftest import REPO, run_cli, tiny_overrides
+
+pytestmark = pytest.mark.slow
+
+TRAIN_KEYS = {
+    "step",
+    "tokens",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "step_time_s",
+    "data_time_frac",
+    "mfu",
+    "peak_mem_bytes",
+}
+SUMMARY_KEYS = {
+    "final_train_loss",
+    "final_val_loss",
+    "tokens_per_s",
+    "peak_mem_bytes",
+    "state_bytes_per_param",
+    "wall_time_s",
+    "precision",
+    "model",
+    "versions",
+}
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_full_run_writes_metrics_checkpoints_export_and_summary(tiny):
+    result = tiny("train.max_steps=12", "optim.lr=3e-3")
+    assert result.returncode == 0, result.stderr
+    run_dir = tiny.run_dir
+    records = read_metrics(run_dir)
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in train] == [2, 4, 6, 8, 10, 12]
+    assert all(r.keys() >= TRAIN_KEYS for r in train)
+    assert train[-1]["tokens"] == 12 * 8 * 32
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5  # visibly learning
+    assert [r["step"] for r in val] == [4, 8, 12] and all(r["val_ppl"] > 1 for r in val)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary.keys() >= SUMMARY_KEYS
+    assert summary["precision"] == "mixed_fp32" and summary["state_bytes_per_param"] == 16
+    assert summary["final_val_loss"] == val[-1]["val_loss"]
+    assert "run summary" in result.stdout
+
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert ckpts == ["step-12", "step-8"]  # keep_checkpoints=2
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "hf")
+    assert (run_dir / "hf" / "tokenizer.model").is_file()
+    saved = load_checkpoint_file(run_dir / "checkpoints" / "step-12", "model")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
+
+    gen = run_cli(
+        str(run_dir), "--max-new-tokens", "8", "--temperature", "0", module="collage_train.generate"
+    )
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("def ") and len(gen.stdout.strip()) > 4
+
+
+def _final_state(run_dir, step):
+    ckpt = run_dir / "checkpoints" / f"step-{step}"
+    return load_checkpoint_file(ckpt, "model"), load_checkpoint_file(ckpt, "optimizer")
+
+
+@pytest.mark.parametrize("precision", ["mixed_fp32", "bf16"])
+def test_stop_and_resume_is_bitwise_identical(tiny, tmp_path, precision):
+    # Dropout makes the RNG state part of what a resume must restore.
+    common = [f"precision={precision}", "model.dropout=0.1"]
+    straight = tiny(*common, run_dir=tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr
+    first = tiny(*common, "train.stop_at_step=4", run_dir=tmp_path / "chunked")
+    assert first.returncode == 0, first.stderr
+    assert "stopped at step 4 of 8" in first.stdout
+    assert not (tmp_path / "chunked" / "summary.json").exists()
+    second = tiny(*common, "train.resume=true", run_dir=tmp_path / "chunked")
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stdout
+
+    model_a, opt_a = _final_state(tmp_path / "straight", 8)
+    model_b, opt_b = _final_state(tmp_path / "chunked", 8)
+    assert model_a.keys() == model_b.keys()
+    for name in model_a:
+        assert torch.equal(model_a[name], model_b[name]), name
+    for index, state in opt_a["state"].items():
+        for key, value in state.items():
+            other = opt_b["state"][index][key]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other
+    steps = [r["step"] for r in read_metrics(tmp_path / "chunked") if "loss" in r]
+    assert steps == [2, 4, 6, 8]
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus_dir, cache_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [
+        *tiny_overrides(corpus_dir, cache_dir, run_dir),
+        "train.max_steps=100000",
+        "train.checkpoint_every=100000",
+        "logging.log_every=1",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "collage_train", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "SIGTERM received: checkpoint saved" in stdout
+    saved = sorted((run_dir / "checkpoints").glob("step-*"))
+    assert len(saved) == 1 and int(saved[0].name.split("-")[1]) >= 3
+
+
+def test_wandb_offline_writes_a_run_folder(tiny):
+    result = tiny("train.max_steps=2", "logging.wandb.mode=offline", "train.export_hf=false")
+    assert result.returncode == 0, result.stderr
+    assert list((tiny.run_dir / "wandb").glob("offline-run-*"))
+    assert (tiny.run_dir / "wandb_run_id").read_text().strip()

@@ -1,0 +1,60 @@
+"""Precision registry: lookup by value, errors, measured state bytes per strategy."""
+
+import pytest
+import torch
+
+from collage_train.errors import ConfigError
+from collage_train.metrics import model_state_bytes
+from collage_train.optim import decay_param_groups
+from collage_train.precision import available, get_strategy, register
+from collage_train.precision.base import PrecisionStrategy
+
+
+def test_builtin_strategies_registered():
+    assert {"fp32", "mixed_fp32", "bf16"} <= set(available())
+
+
+def test_lookup_is_by_value_not_identity():
+    name = "".join(["mixed", "_fp32"])  # a distinct string object, as read from a config
+    assert get_strategy(name).name == "mixed_fp32"
+
+
+def test_unknown_strategy_lists_choices():
+    with pytest.raises(ConfigError, match=r"unknown precision strategy .fp8.*bf16.*fp32"):
+        get_strategy("fp8")
+
+
+def test_duplicate_registration_is_refused():
+    with pytest.raises(ValueError, match="already registered"):
+        register(get_strategy("bf16"))
+
+
+class OptCfg:
+    lr, betas, eps, weight_decay = 1e-3, (0.9, 0.95), 1e-8, 0.1
+
+
+@pytest.mark.parametrize("name", ["fp32", "mixed_fp32", "bf16"])
+def test_measured_state_bytes_match_expected(name):
+    strategy = get_strategy(name)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    model.to(strategy.param_dtype)
+    opt = strategy.build_optimizer(decay_param_groups(model, 0.1), OptCfg)
+    model(torch.randn(4, 64, dtype=strategy.param_dtype)).sum().backward()
+    opt.step()
+    params = sum(p.numel() for p in model.parameters())
+    assert model_state_bytes(model, opt) / params == strategy.expected_state_bytes_per_param
+
+
+def test_state_bytes_counts_tied_weights_once():
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleList([emb, head])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert model_state_bytes(model, opt) == 10 * 4 * 4
+
+
+def test_strategy_is_a_frozen_record():
+    with pytest.raises(AttributeError):
+        get_strategy("bf16").name = "x"  # type: ignore[misc]
+    assert isinstance(get_strategy("fp32"), PrecisionStrategy)
