@@ -76,8 +76,8 @@ def build_model(
     hf_config = build_hf_config(cfg, vocab_size=vocab_size, seq_len=seq_len, eot_id=eot_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
-        hf_config, attn_implementation=cfg.attn_implementation, torch_dtype=torch.float32
-    )
+        hf_config, attn_implementation=cfg.attn_implementation
+    ).float()
     model.config.use_cache = False
     return model
 

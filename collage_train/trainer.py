@@ -115,6 +115,7 @@ class Trainer:
             rank=self.engine.rank,
             world_size=self.engine.world_size,
         )
+        self.data.val_loader(train.micro_batch_size)  # fail now if validation cannot fill a batch
         tokenizer = self.data.tokenizer
         model = build_model(
             cfg.model,
@@ -259,13 +260,14 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Mean loss over the first ``train.eval_batches`` held-out micro-batches."""
         self.model.eval()
-        loader = self.data.val_loader(self.cfg.train.micro_batch_size)
-        batches = min(self.cfg.train.eval_batches, loader.samples_per_epoch // loader.batch_size)
-        total = 0.0
-        for _ in range(batches):
-            total += self._loss(loader.next_batch().to(self.device)).item()
+        losses = [
+            self._loss(batch.to(self.device)).item()
+            for batch in self.data.validation_batches(
+                self.cfg.train.micro_batch_size, self.cfg.train.eval_batches
+            )
+        ]
         self.model.train()
-        val_loss = total / batches
+        val_loss = sum(losses) / len(losses)
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
     # ------------------------------------------------------------------- run

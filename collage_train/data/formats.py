@@ -37,8 +37,8 @@ def read_jsonl(path: Path, text_field: str) -> Iterator[str]:
                 continue
             if not isinstance(text, str):
                 raise DataError(
-                    f"{path}:{line_number}: field {text_field!r} is a "
-                    f"{type(text).__name__}, not a string"
+                    f"{path}:{line_number}: field {text_field!r} must be a string, "
+                    f"not {type(text).__name__}"
                 )
             yield text
 

@@ -35,17 +35,18 @@ class DataSettings:
         source = str(getattr(cfg, "source", "stdlib"))
         if source not in SOURCES:
             raise DataError(f"data.source: {source!r} is not one of {', '.join(SOURCES)}")
-        paths = tuple(str(p) for p in (getattr(cfg, "paths", None) or ()))
+        paths = _strings(getattr(cfg, "paths", None)) or ()
         if source == "files" and not paths:
             raise DataError("data.paths: list at least one file or directory for source 'files'")
         name = getattr(cfg, "name", None)
         if source == "hf" and not name:
             raise DataError("data.name: set a dataset name or local path for source 'hf'")
-        data_files = getattr(cfg, "data_files", None)
         max_documents = getattr(cfg, "max_documents", None)
         if max_documents is not None:
             max_documents = _positive_int("max_documents", max_documents)
-        val_fraction = float(getattr(cfg, "val_fraction", 0.01))
+        val_fraction = getattr(cfg, "val_fraction", 0.01)
+        if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)):
+            raise DataError(f"data.val_fraction: {val_fraction!r} must be a number in (0, 0.5]")
         if not 0.0 < val_fraction <= 0.5:
             raise DataError(f"data.val_fraction: {val_fraction} must be in (0, 0.5]")
         config_name = getattr(cfg, "config_name", None)
@@ -56,16 +57,25 @@ class DataSettings:
             config_name=None if config_name is None else str(config_name),
             split=str(getattr(cfg, "split", "train")),
             streaming=bool(getattr(cfg, "streaming", False)),
-            data_files=None if data_files is None else tuple(str(f) for f in data_files),
+            data_files=_strings(getattr(cfg, "data_files", None)),
             text_field=str(getattr(cfg, "text_field", "text")),
             max_documents=max_documents,
             vocab_size=_positive_int("vocab_size", getattr(cfg, "vocab_size", 8192)),
             tokenizer_train_chars=_positive_int(
                 "tokenizer_train_chars", getattr(cfg, "tokenizer_train_chars", 4_000_000)
             ),
-            val_fraction=val_fraction,
+            val_fraction=float(val_fraction),
             cache_dir=Path(str(getattr(cfg, "cache_dir", "~/.cache/collage_train"))).expanduser(),
         )
+
+
+def _strings(value: Any) -> tuple[str, ...] | None:
+    """Return a list-like config value (or a lone string) as a tuple of strings."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    return tuple(str(item) for item in value)
 
 
 def _positive_int(field: str, value: Any) -> int:

@@ -4,6 +4,8 @@ SentencePiece normally collapses whitespace and treats its input as single lines
 normalizer is the identity, whitespace-only pieces are allowed (so indentation becomes a few
 ``▁▁▁▁`` pieces), unknown characters fall back to bytes, and ``"\\n"`` is a user-defined symbol:
 it is always its own token (id 3) and the trainer sees the corpus one line at a time.
+Any text then decodes back exactly, except that U+2581 (``▁``, SentencePiece's own space
+marker) decodes to an ordinary space.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def available_cpus() -> int:
 def split_after_newlines(text: str, min_chars: int) -> Iterator[str]:
     """Cut ``text`` into consecutive pieces, each ending at the first newline after ``min_chars``.
 
-    ``"\n"`` is an atomic token that no BPE merge crosses, so concatenating the encodings of
+    ``"\\n"`` is an atomic token that no BPE merge crosses, so concatenating the encodings of
     the pieces gives exactly the encoding of ``text``; short pieces encode faster and spread
     evenly over threads.
     """

@@ -133,7 +133,7 @@ class ConsoleSink:
             self._progress.start()
 
     def log(self, record: dict[str, Any]) -> None:
-        self.console.print(format_record(record, self.max_steps))
+        self.console.print(format_record(record, self.max_steps), soft_wrap=True)
         if self._progress is not None and "loss" in record:
             self._progress.update(
                 self._task, completed=record["step"], loss=f"loss {record['loss']:.4f}"

@@ -1,0 +1,62 @@
+"""Run the real CLI in a subprocess, with the overrides of a tiny, fast configuration."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def error_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("error:")]
+
+
+def tiny_overrides(corpus: Path, cache: Path, run_dir: Path) -> list[str]:
+    """A 2-layer GPT on the small corpus: a few seconds per run."""
+    return [
+        "model.hidden_size=32",
+        "model.num_layers=2",
+        "model.num_heads=2",
+        "data=files",
+        f"data.paths=[{corpus}]",
+        "data.vocab_size=512",
+        "data.seq_len=32",
+        "data.tokenizer_train_chars=200000",
+        "data.val_fraction=0.05",
+        f"data.cache_dir={cache}",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=8",
+        "train.max_steps=8",
+        "train.eval_every=4",
+        "train.eval_batches=2",
+        "train.checkpoint_every=4",
+        "optim.warmup_steps=2",
+        "logging.log_every=2",
+        "logging.console=plain",
+        "logging.wandb.mode=disabled",
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
+def run_cli(*args: str, module: str = "collage_train", timeout: float = 600) -> Result:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return Result(proc.returncode, proc.stdout, proc.stderr)

@@ -1,0 +1,186 @@
+"""TokenLoader: sample layout, determinism, exact resume, epochs, coverage and rank splits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from collage_train.data import DataError, TokenLoader
+
+
+def sample_ids(batch: torch.Tensor, seq_len: int) -> list[int]:
+    """Recover sample indices from batches over ``np.arange`` tokens."""
+    return (batch[:, 0] // seq_len).tolist()
+
+
+def arange_tokens(tmp_path: Path, count: int) -> np.ndarray:
+    np.arange(count, dtype=np.uint32).tofile(tmp_path / "tokens.bin")
+    return np.memmap(tmp_path / "tokens.bin", dtype=np.uint32, mode="r")
+
+
+def test_samples_are_windows_sharing_one_boundary_token(tmp_path: Path) -> None:
+    tokens = arange_tokens(tmp_path, 1_000)
+    loader = TokenLoader(tokens, seq_len=10, batch_size=3, seed=0, shuffle=False)
+    assert loader.num_samples == 99
+    batch = loader.next_batch()
+    assert batch.dtype == torch.int64 and batch.shape == (3, 11)
+    assert batch.tolist() == [list(range(i * 10, i * 10 + 11)) for i in range(3)]
+    assert next(iter(loader)).tolist() == [list(range(i * 10, i * 10 + 11)) for i in range(3, 6)]
+
+
+def test_uses_last_token_only_as_a_target() -> None:
+    loader = TokenLoader(np.arange(21, dtype=np.uint16), seq_len=10, batch_size=2, seed=0)
+    assert loader.num_samples == 2
+    assert sorted(loader.next_batch()[:, -1].tolist()) == [10, 20]
+
+
+def test_too_few_tokens_raises() -> None:
+    with pytest.raises(DataError, match=r"^the train split has 20 tokens, too few for one global"):
+        TokenLoader(np.arange(20, dtype=np.uint16), seq_len=10, batch_size=2, seed=0)
+    with pytest.raises(DataError, match="lower seq_len or the batch size"):
+        TokenLoader(np.arange(41, dtype=np.uint16), seq_len=10, batch_size=3, seed=0, world_size=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"seq_len": 0}, {"batch_size": 0}, {"seed": -1}, {"rank": 2, "world_size": 2}],
+)
+def test_rejects_bad_arguments(kwargs: dict[str, int]) -> None:
+    arguments = {"seq_len": 4, "batch_size": 2, "seed": 0} | kwargs
+    with pytest.raises(DataError):
+        TokenLoader(np.arange(1_000, dtype=np.uint16), **arguments)
+
+
+def test_same_seed_same_batches_other_seed_other_batches() -> None:
+    tokens = np.arange(10_000, dtype=np.uint16)
+    first = TokenLoader(tokens, seq_len=8, batch_size=4, seed=3)
+    second = TokenLoader(tokens, seq_len=8, batch_size=4, seed=3)
+    other = TokenLoader(tokens, seq_len=8, batch_size=4, seed=4)
+    a = [first.next_batch() for _ in range(5)]
+    assert all(torch.equal(x, second.next_batch()) for x in a)
+    assert not all(torch.equal(x, other.next_batch()) for x in a)
+
+
+def test_every_sample_exactly_once_per_epoch_then_a_new_order() -> None:
+    seq_len, batch_size = 5, 4
+    loader = TokenLoader(np.arange(5 * 103 + 1, dtype=np.uint16), seq_len, batch_size, seed=1)
+    assert loader.num_samples == 103
+    assert loader.batches_per_epoch == 25 and loader.samples_per_epoch == 100
+    epochs = []
+    for expected_epoch in range(3):
+        assert loader.epoch == expected_epoch
+        ids = [i for _ in range(25) for i in sample_ids(loader.next_batch(), seq_len)]
+        assert len(set(ids)) == 100 and set(ids) <= set(range(103))
+        epochs.append(ids)
+    assert loader.epoch == 3
+    assert epochs[0] != sorted(epochs[0])
+    assert epochs[0] != epochs[1] != epochs[2]
+
+
+def test_unshuffled_order_is_identity_every_epoch() -> None:
+    loader = TokenLoader(np.arange(41, dtype=np.uint16), 4, 3, seed=0, shuffle=False)
+    first = [i for _ in range(3) for i in sample_ids(loader.next_batch(), 4)]
+    second = [i for _ in range(3) for i in sample_ids(loader.next_batch(), 4)]
+    assert first == second == list(range(9))
+
+
+@pytest.mark.parametrize("consumed", [0, 1, 7, 24, 25, 26, 60])
+def test_resume_matches_uninterrupted_run(consumed: int) -> None:
+    tokens = np.arange(5 * 103 + 1, dtype=np.uint16)
+    reference = TokenLoader(tokens, 5, 4, seed=9)
+    expected = [reference.next_batch() for _ in range(consumed + 30)]
+    interrupted = TokenLoader(tokens, 5, 4, seed=9)
+    for _ in range(consumed):
+        interrupted.next_batch()
+    state = interrupted.state_dict()
+    assert all(type(value) is int for value in state.values())
+    resumed = TokenLoader(tokens, 5, 4, seed=9)
+    resumed.load_state_dict(state)
+    assert resumed.epoch == interrupted.epoch == consumed // 25
+    for batch in expected[consumed:]:
+        assert torch.equal(resumed.next_batch(), batch)
+
+
+def test_state_keys() -> None:
+    loader = TokenLoader(np.arange(1_001, dtype=np.uint16), 10, 2, seed=5, world_size=2, rank=1)
+    loader.next_batch()
+    assert loader.state_dict() == {
+        "epoch": 0,
+        "position": 4,
+        "seed": 5,
+        "num_samples": 100,
+        "seq_len": 10,
+        "world_size": 2,
+    }
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"seq_len": 20}, "seq_len 10 != 20"),
+        ({"seed": 6}, "seed 5 != 6"),
+        ({"world_size": 2}, "world_size 1 != 2"),
+        ({"tokens": np.arange(2_001, dtype=np.uint16)}, "num_samples 100 != 200"),
+    ],
+)
+def test_load_state_from_another_run_raises(kwargs: dict[str, object], message: str) -> None:
+    state = TokenLoader(np.arange(1_001, dtype=np.uint16), 10, 2, seed=5).state_dict()
+    arguments = {"tokens": np.arange(1_001, dtype=np.uint16), "seq_len": 10, "seed": 5} | kwargs
+    loader = TokenLoader(batch_size=2, **arguments)
+    prefix = "^the data loader state does not match this run: "
+    with pytest.raises(DataError, match=prefix + ".*" + message):
+        loader.load_state_dict(state)
+
+
+def test_load_state_with_out_of_range_position_raises() -> None:
+    loader = TokenLoader(np.arange(1_001, dtype=np.uint16), 10, 2, seed=5)
+    state = loader.state_dict() | {"position": 101}
+    with pytest.raises(DataError, match="out of range"):
+        loader.load_state_dict(state)
+
+
+def test_two_ranks_split_the_global_batch() -> None:
+    tokens = np.arange(8 * 50 + 1, dtype=np.uint16)
+    single = TokenLoader(tokens, 8, batch_size=6, seed=2)
+    ranks = [TokenLoader(tokens, 8, batch_size=3, seed=2, rank=r, world_size=2) for r in (0, 1)]
+    for _ in range(20):
+        parts = [loader.next_batch() for loader in ranks]
+        assert not set(sample_ids(parts[0], 8)) & set(sample_ids(parts[1], 8))
+        assert torch.equal(torch.cat(parts), single.next_batch())
+    assert ranks[0].state_dict() == ranks[1].state_dict()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_samples=st.integers(1, 200),
+    seq_len=st.integers(1, 6),
+    batch_size=st.integers(1, 5),
+    world_size=st.integers(1, 4),
+    seed=st.integers(0, 2**32),
+)
+def test_one_epoch_over_all_ranks_covers_disjoint_samples(
+    num_samples: int, seq_len: int, batch_size: int, world_size: int, seed: int
+) -> None:
+    tokens = np.arange(num_samples * seq_len + 1, dtype=np.uint32)
+    if num_samples < batch_size * world_size:
+        with pytest.raises(DataError):
+            TokenLoader(tokens, seq_len, batch_size, seed, world_size=world_size)
+        return
+    loaders = [
+        TokenLoader(tokens, seq_len, batch_size, seed, rank=r, world_size=world_size)
+        for r in range(world_size)
+    ]
+    seen = [
+        i
+        for _ in range(loaders[0].batches_per_epoch)
+        for loader in loaders
+        for i in sample_ids(loader.next_batch(), seq_len)
+    ]
+    assert len(seen) == len(set(seen)) == loaders[0].samples_per_epoch * world_size
+    assert num_samples - len(seen) < batch_size * world_size
+    assert all(loader.epoch == 1 for loader in loaders)
