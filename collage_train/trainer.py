@@ -365,7 +365,7 @@ class Trainer:
             "expected_state_bytes_per_param": self.strategy.expected_state_bytes_per_param,
             "wall_time_s": wall_time,
             "device": str(self.device),
-            "corpus": {k: v for k, v in self.data.meta.items() if isinstance(v, str | int)},
+            "corpus": corpus_summary(self.data.meta),
             "versions": package_versions(),
         }
         write_json_atomic(self.run_dir / "summary.json", summary)
@@ -382,6 +382,12 @@ class Trainer:
         if target.exists():
             shutil.rmtree(target)
         os.rename(tmp, target)
+
+
+def corpus_summary(meta: dict[str, Any]) -> dict[str, Any]:
+    """The corpus facts worth keeping with a run's results (source, sizes, Python version)."""
+    keys = ("vocab_size", "num_documents", "train_tokens", "val_tokens", "cache_dir")
+    return {**meta.get("source", {}), **{key: meta[key] for key in keys if key in meta}}
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

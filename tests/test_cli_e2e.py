@@ -145,3 +145,24 @@ def test_wandb_offline_writes_a_run_folder(tiny):
     assert result.returncode == 0, result.stderr
     assert list((tiny.run_dir / "wandb").glob("offline-run-*"))
     assert (tiny.run_dir / "wandb_run_id").read_text().strip()
+
+
+def test_default_corpus_trains(cache_dir, tmp_path):
+    """The README's default (data=stdlib, gpt_tiny), cut to two small steps."""
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "train.max_steps=2",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        "train.eval_batches=1",
+        "logging.wandb.mode=disabled",
+        "train.export_hf=false",
+        f"data.cache_dir={cache_dir}",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["model"] == "gpt_tiny" and summary["num_params"] > 1_000_000
+    corpus = summary["corpus"]
+    assert corpus["source"] == "stdlib" and corpus["python_version"] == sys.version.split()[0]
+    assert corpus["vocab_size"] == 8192 and corpus["train_tokens"] > 1_000_000

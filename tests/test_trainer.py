@@ -1,0 +1,113 @@
+"""The trainer in-process: gradient accumulation, batch accounting, sinks, validation."""
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from collage_train.cli import config_dir, train
+from collage_train.config import register_schemas
+from collage_train.errors import ConfigError
+from collage_train.metrics import RecordingSink
+from collage_train.trainer import Trainer, gradient_accumulation_steps
+
+register_schemas()
+
+
+@pytest.fixture
+def make_cfg(corpus_dir, cache_dir):
+    def _make(*overrides):
+        base = [
+            "model.hidden_size=32",
+            "model.num_layers=2",
+            "model.num_heads=2",
+            "data=files",
+            f"data.paths=[{corpus_dir}]",
+            "data.vocab_size=512",
+            "data.seq_len=32",
+            "data.tokenizer_train_chars=200000",
+            "data.val_fraction=0.05",
+            f"data.cache_dir={cache_dir}",
+            "train.max_steps=4",
+            "train.eval_every=2",
+            "train.eval_batches=2",
+            "logging.log_every=1",
+            "logging.console=none",
+            "logging.wandb.mode=disabled",
+            "train.export_hf=false",
+        ]
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+            return compose(config_name="config", overrides=base + list(overrides))
+
+    return _make
+
+
+def test_accumulation_steps():
+    assert gradient_accumulation_steps(16, 4, 1) == 4
+    assert gradient_accumulation_steps(16, 4, 2) == 2
+    with pytest.raises(ConfigError, match="not divisible"):
+        gradient_accumulation_steps(16, 3, 1)
+
+
+def test_accumulated_micro_batches_equal_one_large_batch(make_cfg, tmp_path):
+    """Loss scaled by the number of micro-steps: 2 x 4 sequences == 1 x 8 sequences."""
+    weights = []
+    for micro in (8, 4, 2):
+        cfg = make_cfg(
+            "precision=fp32",
+            f"train.micro_batch_size={micro}",
+            "train.global_batch_size=8",
+            "optim.grad_clip=0",
+        )
+        trainer = Trainer(cfg, tmp_path / f"m{micro}", sinks=[])
+        assert trainer.accum_steps == 8 // micro
+        steps = [trainer.train_step() for _ in range(3)]
+        # The gradient norm (before any clipping) exposes a wrong loss scale, which
+        # Adam's update alone would hide.
+        stats = [(s["loss"], s["grad_norm"]) for s in steps]
+        weights.append((stats, [p.detach().clone() for p in trainer.model.parameters()]))
+    (ref_stats, ref), *others = weights
+    for stats, params in others:
+        assert [x for pair in stats for x in pair] == pytest.approx(
+            [x for pair in ref_stats for x in pair], rel=1e-4
+        )
+        for a, b in zip(ref, params, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_train_streams_records_to_extra_sinks_and_follows_schedule(make_cfg, tmp_path):
+    cfg = make_cfg("optim.warmup_steps=2", "optim.lr=1e-3", "optim.min_lr=1e-4")
+    sink = RecordingSink()
+    summary = train(cfg, tmp_path / "run", extra_sinks=[sink])
+    steps = [r for r in sink.records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [r["lr"] for r in steps] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-4])
+    assert [r["tokens"] for r in steps] == [16 * 32 * s for s in (1, 2, 3, 4)]
+    assert [r["step"] for r in sink.records if "val_loss" in r] == [2, 4]
+    assert sink.final == summary and summary["steps"] == 4
+    assert summary["corpus"]["source"] == "files" and summary["corpus"]["val_tokens"] > 0
+    assert all(r["mfu"] is None for r in steps)  # no peak known on CPU
+    assert all(0 <= r["data_time_frac"] < 1 for r in steps)
+
+
+def test_mfu_uses_configured_peak(make_cfg, tmp_path):
+    sink = RecordingSink()
+    trainer = Trainer(
+        make_cfg("metrics.peak_tflops=2.0", "train.max_steps=1"), tmp_path / "run", sinks=[sink]
+    )
+    trainer.fit()
+    record = sink.records[0]
+    expected = record["tokens_per_s"] * trainer.flops_per_token / 2.0e12
+    assert record["mfu"] == pytest.approx(expected) and record["mfu"] > 0
+
+
+def test_validation_is_deterministic(make_cfg, tmp_path):
+    trainer = Trainer(make_cfg(), tmp_path / "run", sinks=[])
+    assert trainer.evaluate() == trainer.evaluate()
+
+
+def test_bad_stop_step_and_device(make_cfg, tmp_path):
+    with pytest.raises(ConfigError, match="stop_at_step"):
+        Trainer(make_cfg("train.stop_at_step=9"), tmp_path / "a", sinks=[])
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            Trainer(make_cfg("train.device=cuda"), tmp_path / "b", sinks=[])
