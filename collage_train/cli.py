@@ -18,7 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from collage_train import checkpoint
 from collage_train.config import register_schemas
-from collage_train.data import DataError
 from collage_train.errors import CollageError, ConfigError, OutOfMemory
 from collage_train.metrics import ConsoleSink, JsonlSink, Sink, WandbSink
 from collage_train.trainer import Trainer
@@ -66,6 +65,8 @@ def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None)
             f"{run_dir} already holds checkpoints; continue it with train.resume=true "
             "or start a new run in another hydra.run.dir"
         )
+    if cfg.train.resume and existing is None:
+        print(f"no checkpoint in {run_dir} yet: starting from step 0", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, run_dir, sinks=[])
     if existing is not None:
@@ -100,7 +101,7 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
     """``train`` with bad input turned into one error line; returns the exit status."""
     try:
         train(cfg, run_dir)
-    except (CollageError, DataError) as err:
+    except CollageError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 1
     except (RuntimeError, MemoryError) as err:

@@ -78,6 +78,16 @@ def test_full_run_writes_metrics_checkpoints_export_and_summary(tiny):
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("def ")
     assert len(gen.stdout) > len("def \n")  # the continuation (often newlines this early)
+    from_ckpt = run_cli(
+        str(run_dir / "checkpoints" / "step-12"),
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+        module="collage_train.generate",
+    )
+    assert from_ckpt.returncode == 0, from_ckpt.stderr
+    assert from_ckpt.stdout == gen.stdout  # same weights, greedy: same text
 
 
 def _final_state(run_dir, step):
@@ -112,7 +122,8 @@ def test_stop_and_resume_is_bitwise_identical(tiny, tmp_path, precision):
     assert steps == [2, 4, 6, 8]
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus_dir, cache_dir, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_a_checkpoint_and_exits_cleanly(corpus_dir, cache_dir, tmp_path, signum):
     run_dir = tmp_path / "run"
     args = [
         *tiny_overrides(corpus_dir, cache_dir, run_dir),
@@ -132,10 +143,10 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus_dir, cache_dir, tmp
     while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
-    assert "SIGTERM received: checkpoint saved" in stdout
+    assert f"{signal.Signals(signum).name} received: checkpoint saved" in stdout
     saved = sorted((run_dir / "checkpoints").glob("step-*"))
     assert len(saved) == 1 and int(saved[0].name.split("-")[1]) >= 3
 

@@ -1,5 +1,7 @@
-"""The single exception type raised for user-facing data pipeline errors."""
+"""The error raised for bad data input (missing files, empty corpora, bad settings)."""
+
+from collage_train.errors import CollageError
 
 
-class DataError(ValueError):
-    """A problem with the data configuration or the data itself, worded for the user."""
+class DataError(CollageError, ValueError):
+    """A data problem the user can fix; the message says what and how."""
