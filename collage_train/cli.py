@@ -69,6 +69,7 @@ def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None)
         print(f"no checkpoint in {run_dir} yet: starting from step 0", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, run_dir, sinks=[])
+    print(trainer.describe(), flush=True)
     if existing is not None:
         trainer.resume_from(existing)
         print(f"resumed from {existing} at step {trainer.step}", flush=True)

@@ -340,6 +340,18 @@ class Trainer:
     def _emit_notice(self, message: str) -> None:
         print(message, flush=True)
 
+    def describe(self) -> str:
+        """One line stating what this run trains, where, and with which batch."""
+        train = self.cfg.train
+        return (
+            f"{self.cfg.model.name} ({self.num_params / 1e6:.2f}M params) | "
+            f"precision={self.strategy.name} | {self.device} | global batch "
+            f"{train.global_batch_size} sequences x {self.cfg.data.seq_len} tokens = "
+            f"{self.tokens_per_step:,} tokens (micro-batch {train.micro_batch_size} x "
+            f"{self.accum_steps} accumulation x {self.engine.world_size} rank) | "
+            f"{train.max_steps} steps"
+        )
+
     def _summary(
         self,
         last: dict[str, Any] | None,
@@ -356,6 +368,8 @@ class Trainer:
             "steps": self.step,
             "steps_this_launch": self.step - start_step,
             "tokens": self.step * self.tokens_per_step,
+            "global_batch_sequences": self.cfg.train.global_batch_size,
+            "global_batch_tokens": self.tokens_per_step,
             "final_train_loss": last["loss"] if last else None,
             "final_val_loss": val["val_loss"] if val else None,
             "final_val_ppl": val["val_ppl"] if val else None,

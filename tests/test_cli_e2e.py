@@ -62,6 +62,9 @@ def test_full_run_writes_metrics_checkpoints_export_and_summary(tiny):
     assert summary["precision"] == "mixed_fp32" and summary["state_bytes_per_param"] == 16
     assert summary["final_val_loss"] == val[-1]["val_loss"]
     assert "run summary" in result.stdout
+    assert "global batch 8 sequences x 32 tokens = 256 tokens" in result.stdout
+    assert "micro-batch 4 x 2 accumulation" in result.stdout
+    assert summary["global_batch_tokens"] == 256
 
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["step-12", "step-8"]  # keep_checkpoints=2
