@@ -115,9 +115,10 @@ class LoggingConfig:
 
 @dataclass
 class MetricsConfig:
-    """Throughput accounting: dense bf16 peak for MFU (None: detect the GPU)."""
+    """Throughput and descent-quality accounting."""
 
-    peak_tflops: float | None = None
+    peak_tflops: float | None = None  # dense bf16 peak for MFU; None: detect the GPU
+    edq_every: int | None = None  # steps between EDQ measurements; None: every logged step, 0: off
 
 
 @dataclass

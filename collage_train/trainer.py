@@ -31,7 +31,9 @@ from collage_train.engine import build_engine
 from collage_train.errors import ConfigError, TrainingDiverged
 from collage_train.metrics import (
     Sink,
+    descent_metrics,
     detect_peak_tflops,
+    layer_group,
     model_flops_utilisation,
     model_state_bytes,
     peak_memory,
@@ -132,6 +134,9 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
         self.peak_tflops = cfg.metrics.peak_tflops or detect_peak_tflops(self.device)
         self.tokens_per_step = train.global_batch_size * cfg.data.seq_len
+        edq_every = cfg.metrics.edq_every
+        self.edq_every = cfg.logging.log_every if edq_every is None else edq_every
+        self.layer_groups = {p: layer_group(n) for n, p in self.model.named_parameters()}
         self.step = 0
         self.state_bytes: int | None = None
 
@@ -240,7 +245,11 @@ class Trainer:
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        track = self.edq_every > 0 and (self.step + 1) % self.edq_every == 0
+        self.optimizer.track_descent = track
         self.optimizer.step()
+        descent = self._descent() if track else None
+        self.optimizer.track_descent = False
         if self.state_bytes is None:
             self.state_bytes = model_state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
@@ -254,7 +263,21 @@ class Trainer:
             "grad_norm": grad_norm,
             "time": elapsed,
             "data_time": data_time,
+            "descent": descent,
         }
+
+    def _descent(self) -> dict[str, float]:
+        """Effective-descent metrics of the last step, for the model and per layer group."""
+        sums: dict[str, torch.Tensor] = {}
+        for param, partials in self.optimizer.last_descent.items():
+            group = self.layer_groups[param]
+            sums[group] = sums[group] + partials if group in sums else partials.clone()
+        with_dtheta = self.strategy.collage_mode in ("light", "plus")
+        metrics = descent_metrics(sum(sums.values()), with_dtheta)
+        for group, partials in sorted(sums.items()):
+            for key, value in descent_metrics(partials, with_dtheta).items():
+                metrics[f"{key}.{group}"] = value
+        return metrics
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -272,9 +295,10 @@ class Trainer:
 
     # ------------------------------------------------------------------- run
 
-    def _train_record(self, window: list[dict[str, float]]) -> dict[str, Any]:
+    def _train_record(self, window: list[dict[str, Any]]) -> dict[str, Any]:
         elapsed = sum(w["time"] for w in window)
         tokens_per_s = self.tokens_per_step * len(window) / elapsed
+        descent = next((w["descent"] for w in reversed(window) if w["descent"]), {})
         return {
             "step": self.step,
             "tokens": self.step * self.tokens_per_step,
@@ -290,6 +314,7 @@ class Trainer:
                 tokens_per_s / self.engine.world_size, self.flops_per_token, self.peak_tflops
             ),
             **peak_memory(self.device),
+            **descent,
         }
 
     def _emit(self, record: dict[str, Any]) -> None:

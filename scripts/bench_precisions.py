@@ -15,26 +15,16 @@ The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
-REPO = Path(__file__).resolve().parent.parent
+from runs import append_results, run_training
 
 
 def run_strategy(precision: str, args: argparse.Namespace, run_dir: Path) -> dict:
-    command = [
-        sys.executable,
-        "-m",
-        "collage_train",
+    overrides = [
         f"model={args.model}",
         f"precision={precision}",
         f"train.max_steps={args.steps}",
@@ -44,17 +34,10 @@ def run_strategy(precision: str, args: argparse.Namespace, run_dir: Path) -> dic
         "logging.console=none",
         "logging.wandb.mode=disabled",
         "train.export_hf=false",
-        f"hydra.run.dir={run_dir}",
         *args.overrides,
     ]
-    subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True)
-    return json.loads((run_dir / "summary.json").read_text())
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    return f"{os.cpu_count()}-core {platform.machine()} CPU, torch {torch.__version__}"
+    summary, _ = run_training(overrides, run_dir)
+    return summary
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -120,17 +103,13 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     if not args.no_append:
-        command = "python scripts/bench_precisions.py " + " ".join(sys.argv[1:])
-        entry = (
-            f"\n## Precision strategies side by side ({datetime.date.today()})\n\n"
-            f"Command: `{command.strip()}`. Machine: {machine()}. "
+        append_results(
+            "Precision strategies side by side",
             f"{args.model}, {args.steps} steps, same seed and data order; each run in its own "
             f"process, {args.repeats} repeats in rotating order; throughput excludes the first "
-            "step and is the median over repeats.\n\n"
-            f"{result}\n"
+            "step and is the median over repeats.",
+            result,
         )
-        with (REPO / "docs" / "RESULTS.md").open("a") as handle:
-            handle.write(entry)
 
 
 if __name__ == "__main__":

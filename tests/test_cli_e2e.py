@@ -98,7 +98,7 @@ def _final_state(run_dir, step):
     return load_checkpoint_file(ckpt, "model"), load_checkpoint_file(ckpt, "optimizer")
 
 
-@pytest.mark.parametrize("precision", ["mixed_fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["mixed_fp32", "bf16", "collage_light", "collage_plus"])
 def test_stop_and_resume_is_bitwise_identical(tiny, tmp_path, precision):
     # Dropout makes the RNG state part of what a resume must restore.
     common = [f"precision={precision}", "model.dropout=0.1"]
@@ -121,8 +121,21 @@ def test_stop_and_resume_is_bitwise_identical(tiny, tmp_path, precision):
         for key, value in state.items():
             other = opt_b["state"][index][key]
             assert torch.equal(value, other) if torch.is_tensor(value) else value == other
-    steps = [r["step"] for r in read_metrics(tmp_path / "chunked") if "loss" in r]
-    assert steps == [2, 4, 6, 8]
+    records = [r for r in read_metrics(tmp_path / "chunked") if "loss" in r]
+    assert [r["step"] for r in records] == [2, 4, 6, 8]
+    for record in records:  # EDQ streams on every logged step, per layer group too
+        assert {
+            "edq",
+            "edq_normalized",
+            "lost_update_frac",
+            "edq_normalized.block_0",
+            "lost_update_frac.embeddings",
+            "lost_update_frac.head",
+        } <= record.keys()
+        assert ("dtheta_norm" in record) == precision.startswith("collage")
+    summary = json.loads((tmp_path / "chunked" / "summary.json").read_text())
+    expected_bytes = {"mixed_fp32": 16, "bf16": 8, "collage_light": 10, "collage_plus": 12}
+    assert summary["state_bytes_per_param"] == expected_bytes[precision]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

@@ -11,7 +11,7 @@ from collage_train.precision.base import PrecisionStrategy
 
 
 def test_builtin_strategies_registered():
-    assert {"fp32", "mixed_fp32", "bf16"} <= set(available())
+    assert {"fp32", "mixed_fp32", "bf16", "collage_light", "collage_plus"} <= set(available())
 
 
 def test_lookup_is_by_value_not_identity():
@@ -33,8 +33,11 @@ class OptCfg:
     lr, betas, eps, weight_decay = 1e-3, (0.9, 0.95), 1e-8, 0.1
 
 
-@pytest.mark.parametrize("name", ["fp32", "mixed_fp32", "bf16"])
-def test_measured_state_bytes_match_expected(name):
+@pytest.mark.parametrize(
+    "name,expected",
+    [("fp32", 16), ("mixed_fp32", 16), ("bf16", 8), ("collage_light", 10), ("collage_plus", 12)],
+)
+def test_measured_state_bytes_match_expected(name, expected):
     strategy = get_strategy(name)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
     model.to(strategy.param_dtype)
@@ -42,7 +45,8 @@ def test_measured_state_bytes_match_expected(name):
     model(torch.randn(4, 64, dtype=strategy.param_dtype)).sum().backward()
     opt.step()
     params = sum(p.numel() for p in model.parameters())
-    assert model_state_bytes(model, opt) / params == strategy.expected_state_bytes_per_param
+    assert model_state_bytes(model, opt) / params == expected
+    assert strategy.expected_state_bytes_per_param == expected
 
 
 def test_state_bytes_counts_tied_weights_once():

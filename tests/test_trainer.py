@@ -111,3 +111,25 @@ def test_bad_stop_step_and_device(make_cfg, tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no CUDA device"):
             Trainer(make_cfg("train.device=cuda"), tmp_path / "b", sinks=[])
+
+
+def test_edq_every_controls_descent_metrics(make_cfg, tmp_path):
+    sink = RecordingSink()
+    train(
+        make_cfg("precision=collage_plus", "metrics.edq_every=2"),
+        tmp_path / "a",
+        extra_sinks=[sink],
+    )
+    tracked = [r["step"] for r in sink.records if "edq" in r]
+    assert tracked == [2, 4]  # a record carries EDQ when it was measured in its window
+    assert all(
+        r["lost_update_frac"] >= 0 and r["dtheta_norm"] > 0 for r in sink.records if "edq" in r
+    )
+
+    off = RecordingSink()
+    trainer = Trainer(
+        make_cfg("precision=collage_plus", "metrics.edq_every=0"), tmp_path / "b", sinks=[off]
+    )
+    trainer.fit()
+    assert not any("edq" in r for r in off.records)
+    assert trainer.optimizer.last_descent == {}

@@ -1,5 +1,6 @@
 """Metrics: throughput and MFU, memory, and the sinks records are streamed to."""
 
+from collage_train.metrics.descent import descent_metrics, descent_partials, layer_group
 from collage_train.metrics.memory import model_state_bytes, peak_memory, reset_peak_memory
 from collage_train.metrics.sinks import ConsoleSink, JsonlSink, RecordingSink, Sink, WandbSink
 from collage_train.metrics.throughput import detect_peak_tflops, model_flops_utilisation
@@ -10,7 +11,10 @@ __all__ = [
     "RecordingSink",
     "Sink",
     "WandbSink",
+    "descent_metrics",
+    "descent_partials",
     "detect_peak_tflops",
+    "layer_group",
     "model_flops_utilisation",
     "model_state_bytes",
     "peak_memory",

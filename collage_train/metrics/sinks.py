@@ -106,6 +106,9 @@ def format_record(record: dict[str, Any], max_steps: int) -> str:
     ]
     if record.get("mfu") is not None:
         parts.append(f"mfu {100 * record['mfu']:.1f}%")
+    if "edq_normalized" in record:
+        parts.append(f"edq {record['edq_normalized']:.3f}")
+        parts.append(f"lost {100 * record['lost_update_frac']:.1f}%")
     return " | ".join(parts)
 
 
@@ -174,6 +177,17 @@ _WANDB_SECTIONS = {
 }
 
 
+_DESCENT_KEYS = ("edq", "edq_normalized", "lost_update_frac", "dtheta_norm", "dtheta_dot_update")
+
+
+def _wandb_section(key: str) -> str:
+    """W&B panel section of a record key; per-layer descent keys go to their own panel."""
+    base, _, group = key.partition(".")
+    if base in _DESCENT_KEYS:
+        return "descent_by_layer" if group else "descent"
+    return _WANDB_SECTIONS.get(key, "train")
+
+
 class WandbSink:
     """Streams records to Weights & Biases (online, or offline for a later ``wandb sync``).
 
@@ -205,7 +219,7 @@ class WandbSink:
 
     def log(self, record: dict[str, Any]) -> None:
         grouped = {
-            f"{_WANDB_SECTIONS.get(key, 'train')}/{key}": value
+            f"{_wandb_section(key)}/{key}": value
             for key, value in record.items()
             if key != "step" and value is not None
         }

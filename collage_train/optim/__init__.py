@@ -2,7 +2,8 @@
 
 from collage_train.optim.adamw import AdamW
 from collage_train.optim.clipping import clip_grad_norm
+from collage_train.optim.collage_adamw import CollageAdamW
 from collage_train.optim.param_groups import decay_param_groups
 from collage_train.optim.schedule import warmup_cosine_lr
 
-__all__ = ["AdamW", "clip_grad_norm", "decay_param_groups", "warmup_cosine_lr"]
+__all__ = ["AdamW", "CollageAdamW", "clip_grad_norm", "decay_param_groups", "warmup_cosine_lr"]

@@ -1,16 +1,16 @@
 """AdamW with decoupled weight decay, integer step counts and optional master weights.
 
-One implementation serves the fp32, mixed_fp32 and plain-bf16 strategies:
+Serves the fp32 and mixed_fp32 strategies:
 
 - ``master_dtype=None``: the update is applied to the parameters themselves and the
-  moments have the parameters' dtype (fp32 AdamW for fp32 params, the paper's
-  (16,16) baseline for bf16 params).
+  moments have the parameters' dtype (fp32 AdamW for fp32 params).
 - ``master_dtype=torch.float32`` on bf16 parameters: the optimizer keeps an fp32
   master copy and fp32 moments, applies the update there and rounds the result into
   the bf16 parameter (the usual mixed-precision baseline).
 
 Bias corrections come from an integer step count and are computed on the host in
-float64; all elementwise work uses multi-tensor ``torch._foreach_*`` kernels.
+float64; all elementwise work uses multi-tensor ``torch._foreach_*`` kernels. The
+all-bf16 strategies use ``CollageAdamW``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from collage_train.optim.base import TrackingOptimizer
 
-class AdamW(torch.optim.Optimizer):
+
+class AdamW(TrackingOptimizer):
     """AdamW (Loshchilov & Hutter) whose state may be held in a wider dtype than the params."""
 
     def __init__(
@@ -34,12 +36,7 @@ class AdamW(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         master_dtype: torch.dtype | None = None,
     ) -> None:
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(
-                f"invalid AdamW hyper-parameters: lr={lr}, eps={eps}, wd={weight_decay}"
-            )
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"AdamW betas must lie in [0, 1), got {betas}")
+        check_hyperparameters(lr, betas, eps, weight_decay)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.master_dtype = master_dtype
@@ -65,6 +62,7 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.last_descent = {}
         for group in self.param_groups:
             self._step_group(group)
         return loss
@@ -83,44 +81,36 @@ class AdamW(torch.optim.Optimizer):
         for s in states:
             s["step"] += 1
 
-        if weight_decay != 0.0:
-            torch._foreach_mul_(targets, 1.0 - lr * weight_decay)
         torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
 
-        # Bias corrections in float64 on the host, from the integer step count.
+        # u = -lr * m_hat / (sqrt(v_hat) + eps) - lr * wd * theta, with the bias
+        # corrections in float64 on the host from the integer step count.
         steps = [s["step"] for s in states]
         sqrt_bias2 = [math.sqrt(1.0 - beta2**t) for t in steps]
         step_sizes = [-lr / (1.0 - beta1**t) for t in steps]
         denom = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_div_(denom, sqrt_bias2)
         torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(targets, exp_avgs, denom, step_sizes)
+        updates = torch._foreach_div(exp_avgs, denom)
+        torch._foreach_mul_(updates, step_sizes)
+        if weight_decay != 0.0:
+            torch._foreach_add_(updates, targets, alpha=-lr * weight_decay)
 
+        before = self._snapshot(params)
+        torch._foreach_add_(targets, updates)
         masters = [(p, s["master"]) for p, s in zip(params, states, strict=True) if "master" in s]
         if masters:
             torch._foreach_copy_([p for p, _ in masters], [m for _, m in masters])
+        self._record_descent(params, before, updates)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore state without torch's cast of every state tensor to the param dtype.
 
-        The base class would round fp32 masters and moments to bf16; here each
-        tensor keeps the dtype it was saved with and only moves to the param's device.
-        """
-        saved_state = state_dict["state"]
-        super().load_state_dict({**state_dict, "state": {}})
-        params = [p for group in self.param_groups for p in group["params"]]
-        for index, saved in saved_state.items():
-            param = params[int(index)]
-            restored = {}
-            for key, value in saved.items():
-                if torch.is_tensor(value):
-                    if key != "step" and value.shape != param.shape:
-                        raise ValueError(
-                            f"optimizer state {key!r} has shape {tuple(value.shape)} but its "
-                            f"parameter has shape {tuple(param.shape)}"
-                        )
-                    value = value.to(param.device, copy=True)
-                restored[key] = value
-            self.state[param] = restored
+def check_hyperparameters(
+    lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+) -> None:
+    """Reject hyper-parameters AdamW cannot work with."""
+    if lr < 0 or eps < 0 or weight_decay < 0:
+        raise ValueError(f"invalid AdamW hyper-parameters: lr={lr}, eps={eps}, wd={weight_decay}")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"AdamW betas must lie in [0, 1), got {betas}")

@@ -4,7 +4,13 @@ Importing this package registers the built-in strategies; ``get_strategy`` looks
 up and ``available`` lists them.
 """
 
-from collage_train.precision import bf16, fp32, mixed_fp32  # noqa: F401  (registration)
+from collage_train.precision import (  # noqa: F401  (registration)
+    bf16,
+    collage_light,
+    collage_plus,
+    fp32,
+    mixed_fp32,
+)
 from collage_train.precision.base import PrecisionStrategy, available, get_strategy, register
 
 __all__ = ["PrecisionStrategy", "available", "get_strategy", "register"]

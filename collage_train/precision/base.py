@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from collage_train.errors import ConfigError
-from collage_train.optim import AdamW
 
 
 @dataclass(frozen=True)
@@ -24,6 +23,8 @@ class PrecisionStrategy:
         expected_state_bytes_per_param: analytic bytes per parameter of weights,
             gradients and optimizer state; the trainer also measures the real value.
         checkpoint_holds: what a checkpoint of this strategy contains, for meta.json.
+        collage_mode: None for the master-weight AdamW, else the CollageAdamW mode
+            ("none", "light" or "plus") that keeps all state in bf16.
     """
 
     name: str
@@ -33,11 +34,25 @@ class PrecisionStrategy:
     master_dtype: torch.dtype | None
     expected_state_bytes_per_param: float
     checkpoint_holds: tuple[str, ...]
+    collage_mode: str | None = None
 
     def build_optimizer(
         self, param_groups: list[dict[str, Any]], optim_cfg: Any
     ) -> torch.optim.Optimizer:
         """The optimizer for parameters already cast to ``param_dtype``."""
+        # Imported here: the optimizers use precision.mcf, so a module-level import
+        # would make the two packages import each other.
+        from collage_train.optim import AdamW, CollageAdamW
+
+        if self.collage_mode is not None:
+            return CollageAdamW(
+                param_groups,
+                lr=optim_cfg.lr,
+                betas=tuple(optim_cfg.betas),
+                eps=optim_cfg.eps,
+                weight_decay=optim_cfg.weight_decay,
+                mode=self.collage_mode,
+            )
         return AdamW(
             param_groups,
             lr=optim_cfg.lr,

@@ -17,5 +17,6 @@ BF16 = register(
         master_dtype=None,
         expected_state_bytes_per_param=8,  # theta 2 + grad 2 + m 2 + v 2
         checkpoint_holds=("bf16 weights", "bf16 exp_avg", "bf16 exp_avg_sq"),
+        collage_mode="none",
     )
 )

@@ -1,0 +1,72 @@
+"""Effective descent quality (EDQ): how much of each intended update survives rounding.
+
+For the intended update u and the change D the model sees (theta_after - theta_before):
+EDQ = <D, u> / ||u||, normalised EDQ = <D, u> / ||u||^2 (1.0 when nothing is lost), and
+the lost-update fraction is the share of elements with u != 0 whose theta did not move.
+For Collage, ||dtheta|| and <dtheta, u> show what the low part is carrying.
+
+Optimizers produce one small fp32 vector of partial sums per parameter
+(``descent_partials``); partials add across parameters, layer groups and ranks, and
+``descent_metrics`` turns a sum into the reported values.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+FIELDS = ("dot", "update_sq", "nonzero", "lost", "dtheta_sq", "dtheta_dot")
+
+
+@torch.no_grad()
+def descent_partials(
+    before: torch.Tensor,
+    after: torch.Tensor,
+    update: torch.Tensor,
+    dtheta: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Partial sums (see FIELDS) for one tensor, accumulated in fp32."""
+    realised = after.float() - before.float()
+    intended = update.float()
+    moved = intended != 0
+    values = [
+        torch.dot(realised.flatten(), intended.flatten()),
+        torch.dot(intended.flatten(), intended.flatten()),
+        moved.sum(dtype=torch.float32),
+        (moved & (realised == 0)).sum(dtype=torch.float32),
+    ]
+    if dtheta is None:
+        values += [torch.zeros((), device=after.device), torch.zeros((), device=after.device)]
+    else:
+        low = dtheta.float().flatten()
+        values += [torch.dot(low, low), torch.dot(low, intended.flatten())]
+    return torch.stack(values)
+
+
+def descent_metrics(partials: torch.Tensor, with_dtheta: bool) -> dict[str, float]:
+    """EDQ, normalised EDQ, lost-update fraction (and dtheta norms) from summed partials."""
+    dot, update_sq, nonzero, lost, dtheta_sq, dtheta_dot = partials.tolist()
+    metrics = {
+        "edq": dot / math.sqrt(update_sq) if update_sq > 0 else 0.0,
+        "edq_normalized": dot / update_sq if update_sq > 0 else 0.0,
+        "lost_update_frac": lost / nonzero if nonzero > 0 else 0.0,
+    }
+    if with_dtheta:
+        metrics["dtheta_norm"] = math.sqrt(dtheta_sq)
+        metrics["dtheta_dot_update"] = dtheta_dot
+    return metrics
+
+
+_BLOCK = re.compile(r"\.(?:h|layers)\.(\d+)\.")
+
+
+def layer_group(name: str) -> str:
+    """Group of a transformers parameter name: embeddings, block_N or head."""
+    block = _BLOCK.search(f".{name}")
+    if block:
+        return f"block_{block.group(1)}"
+    if any(key in name for key in ("wte", "wpe", "embed_tokens", "embed_positions", "project_in")):
+        return "embeddings"
+    return "head"
