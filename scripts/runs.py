@@ -39,7 +39,8 @@ def machine() -> str:
 
 def append_results(title: str, description: str, table: str) -> None:
     """Append a dated entry, with the command that produced it, to docs/RESULTS.md."""
-    command = "python " + " ".join([Path(sys.argv[0]).relative_to(REPO).as_posix(), *sys.argv[1:]])
+    script = Path(sys.argv[0]).resolve().relative_to(REPO).as_posix()
+    command = "python " + " ".join([script, *sys.argv[1:]])
     entry = (
         f"\n## {title} ({datetime.date.today()})\n\n"
         f"Command: `{command}`. Machine: {machine()}. {description}\n\n{table}\n"
