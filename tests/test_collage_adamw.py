@@ -213,6 +213,9 @@ def test_plain_training_loop_with_param_groups():
     assert losses[-1] < 0.2 * losses[0]
     assert torch.equal(frozen_lr.detach(), bias_before)
     assert set(optimizer.last_descent) == set(model.parameters())
+    latest = optimizer.descent_metrics()
+    assert {"edq", "edq_normalized", "lost_update_frac", "dtheta_norm"} <= latest.keys()
+    assert 0 < latest["edq_normalized"] < 2
     assert optimizer.last_descent[frozen_lr][1] == 0  # ||u||^2 of the lr-0 group
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from collage_train.metrics.descent import descent_partials
+from collage_train.metrics.descent import descent_metrics, descent_partials
 
 
 class TrackingOptimizer(torch.optim.Optimizer):
@@ -35,6 +35,13 @@ class TrackingOptimizer(torch.optim.Optimizer):
         lows = dthetas if dthetas is not None else [None] * len(params)
         for param, old, update, low in zip(params, before, updates, lows, strict=True):
             self.last_descent[param] = descent_partials(old, param.detach(), update, low)
+
+    def descent_metrics(self) -> dict[str, float]:
+        """EDQ metrics of the last tracked step over all its parameters ({} if none)."""
+        if not self.last_descent:
+            return {}
+        with_dtheta = any("dtheta" in self.state[p] for p in self.last_descent)
+        return descent_metrics(sum(self.last_descent.values()), with_dtheta)
 
     def _snapshot(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Copies of the weights before an update, only when descent is tracked."""
