@@ -217,7 +217,7 @@ class Trainer:
             logits = self.model(input_ids=inputs, use_cache=False).logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> dict[str, Any]:
         """One optimizer step over ``accum_steps`` micro-batches."""
         start = time.perf_counter()
         data_time = 0.0
