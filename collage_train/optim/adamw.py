@@ -15,7 +15,6 @@ all-bf16 strategies use ``CollageAdamW``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -56,23 +55,8 @@ class AdamW(TrackingOptimizer):
             state["exp_avg_sq"] = torch.zeros_like(target, memory_format=torch.preserve_format)
         return state
 
-    @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.last_descent = {}
-        for group in self.param_groups:
-            self._step_group(group)
-        return loss
-
-    def _step_group(self, group: dict[str, Any]) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            return
+    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         beta1, beta2 = group["betas"]
-        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         states = [self._state_for(p) for p in params]
         targets = [s.get("master", p) for s, p in zip(states, params, strict=True)]
         grads = [p.grad.to(t.dtype) for p, t in zip(params, targets, strict=True)]
@@ -84,19 +68,8 @@ class AdamW(TrackingOptimizer):
         torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-
-        # u = -lr * m_hat / (sqrt(v_hat) + eps) - lr * wd * theta, with the bias
-        # corrections in float64 on the host from the integer step count.
         steps = [s["step"] for s in states]
-        sqrt_bias2 = [math.sqrt(1.0 - beta2**t) for t in steps]
-        step_sizes = [-lr / (1.0 - beta1**t) for t in steps]
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, sqrt_bias2)
-        torch._foreach_add_(denom, eps)
-        updates = torch._foreach_div(exp_avgs, denom)
-        torch._foreach_mul_(updates, step_sizes)
-        if weight_decay != 0.0:
-            torch._foreach_add_(updates, targets, alpha=-lr * weight_decay)
+        updates = self._adamw_updates(group, steps, exp_avgs, exp_avg_sqs, targets)
 
         before = self._snapshot(params)
         torch._foreach_add_(targets, updates)

@@ -21,7 +21,6 @@ bf16 parameter). A drop-in for ``torch.optim.AdamW`` on bf16 parameters::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -74,23 +73,8 @@ class CollageAdamW(TrackingOptimizer):
                 state["dv"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
 
-    @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.last_descent = {}
-        for group in self.param_groups:
-            self._step_group(group)
-        return loss
-
-    def _step_group(self, group: dict[str, Any]) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            return
+    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         beta1, beta2 = group["betas"]
-        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         states = [self._state_for(p) for p in params]
         grads = [p.grad for p in params]
         thetas = [p.detach() for p in params]
@@ -100,17 +84,9 @@ class CollageAdamW(TrackingOptimizer):
 
         torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
         self._update_second_moment(states, grads, beta2)
-
         steps = [s["step"] for s in states]
-        sqrt_bias2 = [math.sqrt(1.0 - beta2**t) for t in steps]
-        step_sizes = [-lr / (1.0 - beta1**t) for t in steps]
-        denom = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
-        torch._foreach_div_(denom, sqrt_bias2)
-        torch._foreach_add_(denom, eps)
-        updates = torch._foreach_div(exp_avgs, denom)
-        torch._foreach_mul_(updates, step_sizes)
-        if weight_decay != 0.0:
-            torch._foreach_add_(updates, thetas, alpha=-lr * weight_decay)
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]  # only the high part enters the sqrt
+        updates = self._adamw_updates(group, steps, exp_avgs, exp_avg_sqs, thetas)
 
         before = self._snapshot(params)
         if self.mode == "none":

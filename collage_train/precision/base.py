@@ -44,23 +44,15 @@ class PrecisionStrategy:
         # would make the two packages import each other.
         from collage_train.optim import AdamW, CollageAdamW
 
+        hyperparameters = {
+            "lr": optim_cfg.lr,
+            "betas": tuple(optim_cfg.betas),
+            "eps": optim_cfg.eps,
+            "weight_decay": optim_cfg.weight_decay,
+        }
         if self.collage_mode is not None:
-            return CollageAdamW(
-                param_groups,
-                lr=optim_cfg.lr,
-                betas=tuple(optim_cfg.betas),
-                eps=optim_cfg.eps,
-                weight_decay=optim_cfg.weight_decay,
-                mode=self.collage_mode,
-            )
-        return AdamW(
-            param_groups,
-            lr=optim_cfg.lr,
-            betas=tuple(optim_cfg.betas),
-            eps=optim_cfg.eps,
-            weight_decay=optim_cfg.weight_decay,
-            master_dtype=self.master_dtype,
-        )
+            return CollageAdamW(param_groups, mode=self.collage_mode, **hyperparameters)
+        return AdamW(param_groups, master_dtype=self.master_dtype, **hyperparameters)
 
 
 _REGISTRY: dict[str, PrecisionStrategy] = {}
