@@ -28,9 +28,10 @@ from omegaconf import DictConfig, OmegaConf
 from collage_train import checkpoint
 from collage_train.data import build_data
 from collage_train.engine import build_engine
-from collage_train.errors import ConfigError, TrainingDiverged
+from collage_train.errors import ConfigError, OutOfMemory, TrainingDiverged
 from collage_train.metrics import (
     Sink,
+    available_memory,
     descent_metrics,
     detect_peak_tflops,
     layer_group,
@@ -39,7 +40,12 @@ from collage_train.metrics import (
     peak_memory,
     reset_peak_memory,
 )
-from collage_train.models import build_model, count_parameters, flops_per_token
+from collage_train.models import (
+    build_model,
+    count_parameters,
+    flops_per_token,
+    planned_parameter_count,
+)
 from collage_train.optim import clip_grad_norm, decay_param_groups, warmup_cosine_lr
 from collage_train.precision import get_strategy
 
@@ -119,6 +125,14 @@ class Trainer:
         )
         self.data.val_loader(train.micro_batch_size)  # fail now if validation cannot fill a batch
         tokenizer = self.data.tokenizer
+        self._check_memory(
+            planned_parameter_count(
+                cfg.model,
+                vocab_size=tokenizer.vocab_size,
+                seq_len=cfg.data.seq_len,
+                eot_id=tokenizer.eot_id,
+            )
+        )
         model = build_model(
             cfg.model,
             vocab_size=tokenizer.vocab_size,
@@ -139,6 +153,32 @@ class Trainer:
         self.layer_groups = {p: layer_group(n) for n, p in self.model.named_parameters()}
         self.step = 0
         self.state_bytes: int | None = None
+
+    def _check_memory(self, num_params: int) -> None:
+        """Refuse a model whose state cannot fit, before the kernel's OOM killer would.
+
+        Needs at least the strategy's model-state bytes on the device, and on the host
+        the fp32 build plus its cast copy (activations come on top of both).
+        """
+        param_bytes = self.strategy.param_dtype.itemsize
+        needs = {"host": num_params * (4 + param_bytes)}
+        device_needs = num_params * self.strategy.expected_state_bytes_per_param
+        if self.device.type == "cuda":
+            needs[str(self.device)] = device_needs
+        else:
+            needs["host"] = max(needs["host"], device_needs)
+        for where, needed in needs.items():
+            device = self.device if where != "host" else torch.device("cpu")
+            available = available_memory(device)
+            if available is not None and needed > available:
+                raise OutOfMemory(
+                    f"out of memory: {self.cfg.model.name} has {num_params / 1e9:.2f}B "
+                    f"parameters and precision={self.strategy.name} needs at least "
+                    f"{needed / 2**30:.1f} GiB on {where} for weights, gradients and optimizer "
+                    f"state, but {available / 2**30:.1f} GiB is free (a smaller "
+                    "train.micro_batch_size cannot fix this); pick a smaller model or spread "
+                    "the model state over several GPUs with DeepSpeed ZeRO"
+                )
 
     # ----------------------------------------------------------------- state
 

@@ -4,9 +4,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from collage_train import cli
 from collage_train.cli import config_dir, train
 from collage_train.config import register_schemas
-from collage_train.errors import ConfigError
+from collage_train.errors import ConfigError, OutOfMemory
 from collage_train.metrics import RecordingSink
 from collage_train.trainer import Trainer, gradient_accumulation_steps
 
@@ -133,3 +134,46 @@ def test_edq_every_controls_descent_metrics(make_cfg, tmp_path):
     trainer.fit()
     assert not any("edq" in r for r in off.records)
     assert trainer.optimizer.last_descent == {}
+
+
+def test_model_state_that_cannot_fit_is_refused_before_building(make_cfg, tmp_path, monkeypatch):
+    monkeypatch.setattr("collage_train.trainer.available_memory", lambda device: 10 * 2**30)
+    with pytest.raises(OutOfMemory, match=r"gpt_1\.3b has 1\.\d+B parameters.*10\.0 GiB is free"):
+        big = (
+            "model=gpt_1.3b",
+            "model.hidden_size=2048",
+            "model.num_layers=24",
+            "model.num_heads=16",
+        )  # the fixture shrinks models; restore the preset's shape
+        Trainer(make_cfg(*big), tmp_path / "big", sinks=[])
+    Trainer(make_cfg(), tmp_path / "small", sinks=[])  # the tiny model fits in 10 GiB
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 42949672960 bytes. Error code 12 (Cannot allocate memory)"
+        ),
+    ],
+)
+def test_allocator_failures_end_in_one_error_line(make_cfg, tmp_path, monkeypatch, capsys, failure):
+    def fail(self):
+        raise failure
+
+    monkeypatch.setattr(Trainer, "fit", fail)
+    assert cli.run(make_cfg(), tmp_path / "run") == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: out of memory")
+    assert "micro_batch_size" in lines[0] and "ZeRO" in lines[0]
+
+
+def test_other_runtime_errors_are_not_disguised(make_cfg, tmp_path, monkeypatch):
+    def fail(self):
+        raise RuntimeError("a genuine bug")
+
+    monkeypatch.setattr(Trainer, "fit", fail)
+    with pytest.raises(RuntimeError, match="genuine bug"):
+        cli.run(make_cfg(), tmp_path / "run")

@@ -1,7 +1,12 @@
 """Metrics: throughput and MFU, memory, and the sinks records are streamed to."""
 
 from collage_train.metrics.descent import descent_metrics, descent_partials, layer_group
-from collage_train.metrics.memory import model_state_bytes, peak_memory, reset_peak_memory
+from collage_train.metrics.memory import (
+    available_memory,
+    model_state_bytes,
+    peak_memory,
+    reset_peak_memory,
+)
 from collage_train.metrics.sinks import ConsoleSink, JsonlSink, RecordingSink, Sink, WandbSink
 from collage_train.metrics.throughput import detect_peak_tflops, model_flops_utilisation
 
@@ -11,6 +16,7 @@ __all__ = [
     "RecordingSink",
     "Sink",
     "WandbSink",
+    "available_memory",
     "descent_metrics",
     "descent_partials",
     "detect_peak_tflops",

@@ -10,6 +10,21 @@ from typing import Any
 import torch
 
 
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on ``device`` (None when unknown)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak window on CUDA (the host RSS peak cannot be reset)."""
     if device.type == "cuda":
