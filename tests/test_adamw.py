@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from collage_train.optim import AdamW
+from collage_train.optim import AdamW, CollageAdamW
 
 
 def reference_adamw(theta, grads, lr, betas, eps, wd):
@@ -117,3 +117,12 @@ def test_params_without_grad_are_untouched():
     opt.step()
     assert torch.equal(b.detach(), torch.ones(3)) and b not in opt.state
     assert not math.isclose(a[0].item(), 1.0)
+
+
+@pytest.mark.parametrize("optimizer", [AdamW, CollageAdamW])
+def test_invalid_hyperparameters_are_rejected(optimizer):
+    param = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="hyper-parameters"):
+        optimizer([param], lr=-1.0)
+    with pytest.raises(ValueError, match="betas"):
+        optimizer([param], betas=(0.9, 1.0))

@@ -169,6 +169,7 @@ _WANDB_SECTIONS = {
     "val_loss": "val",
     "val_ppl": "val",
     "tokens_per_s": "perf",
+    "tokens_per_s_per_device": "perf",
     "step_time_s": "perf",
     "data_time_frac": "perf",
     "mfu": "perf",

@@ -35,9 +35,7 @@ class AdamW(TrackingOptimizer):
         weight_decay: float = 0.0,
         master_dtype: torch.dtype | None = None,
     ) -> None:
-        check_hyperparameters(lr, betas, eps, weight_decay)
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults)
+        super().__init__(params, lr, betas, eps, weight_decay)
         self.master_dtype = master_dtype
 
     def _keeps_master(self, param: torch.Tensor) -> bool:
@@ -77,13 +75,3 @@ class AdamW(TrackingOptimizer):
         if masters:
             torch._foreach_copy_([p for p, _ in masters], [m for _, m in masters])
         self._record_descent(params, before, updates)
-
-
-def check_hyperparameters(
-    lr: float, betas: tuple[float, float], eps: float, weight_decay: float
-) -> None:
-    """Reject hyper-parameters AdamW cannot work with."""
-    if lr < 0 or eps < 0 or weight_decay < 0:
-        raise ValueError(f"invalid AdamW hyper-parameters: lr={lr}, eps={eps}, wd={weight_decay}")
-    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-        raise ValueError(f"AdamW betas must lie in [0, 1), got {betas}")

@@ -21,7 +21,16 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
 
     track_descent: bool = False
 
-    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+    def __init__(
+        self, params: Any, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+    ) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(
+                f"invalid AdamW hyper-parameters: lr={lr}, eps={eps}, wd={weight_decay}"
+            )
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"AdamW betas must lie in [0, 1), got {betas}")
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.last_descent: dict[torch.Tensor, torch.Tensor] = {}
 

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from collage_train.optim.adamw import check_hyperparameters
 from collage_train.optim.base import TrackingOptimizer
 from collage_train.precision import mcf
 
@@ -45,12 +44,10 @@ class CollageAdamW(TrackingOptimizer):
         weight_decay: float = 0.0,
         mode: str = "plus",
     ) -> None:
-        check_hyperparameters(lr, betas, eps, weight_decay)
         mode = str(mode)
         if mode not in MODES:
             raise ValueError(f"CollageAdamW mode must be one of {', '.join(MODES)}, got {mode!r}")
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults)
+        super().__init__(params, lr, betas, eps, weight_decay)
         self.mode = mode
         for group in self.param_groups:
             for param in group["params"]:
