@@ -1,4 +1,7 @@
-"""``python -m collage_train``: strip a launcher's ``--local_rank``, then run the Hydra app."""
+"""``python -m collage_train``: strip a launcher's ``--local_rank``, then run the Hydra app.
+
+Under a launcher (WORLD_SIZE > 1) the ranks first agree on one run directory.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ def strip_local_rank(argv: list[str]) -> list[str]:
 
 def main() -> None:
     sys.argv = strip_local_rank(sys.argv)
+    from collage_train.engine.launch import hydra_overrides_for_rank
+
+    sys.argv += hydra_overrides_for_rank(sys.argv[1:])
     from collage_train.cli import hydra_main
 
     hydra_main()

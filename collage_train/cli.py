@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from collage_train import checkpoint
 from collage_train.config import register_schemas
+from collage_train.engine.launch import launched_rank
 from collage_train.errors import CollageError, ConfigError, OutOfMemory
 from collage_train.metrics import ConsoleSink, JsonlSink, Sink, WandbSink
 from collage_train.trainer import Trainer
@@ -69,24 +70,32 @@ def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None)
         print(f"no checkpoint in {run_dir} yet: starting from step 0", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, run_dir, sinks=[])
-    print(trainer.describe(), flush=True)
-    if existing is not None:
-        trainer.resume_from(existing)
-        print(f"resumed from {existing} at step {trainer.step}", flush=True)
-    sinks = build_sinks(
-        cfg.logging,
-        run_dir,
-        OmegaConf.to_container(cfg, resolve=True),
-        max_steps=cfg.train.max_steps,
-        start_step=trainer.step,
-        resume=existing is not None,
-    ) + list(extra_sinks or [])
-    trainer.sinks = sinks
     try:
-        return trainer.fit()
+        main = trainer.engine.is_main
+        if main:
+            print(trainer.describe(), flush=True)
+        if existing is not None:
+            trainer.resume_from(existing)
+            if main:
+                print(f"resumed from {existing} at step {trainer.step}", flush=True)
+        sinks: list[Sink] = []
+        if main:  # only rank 0 logs
+            sinks = build_sinks(
+                cfg.logging,
+                run_dir,
+                OmegaConf.to_container(cfg, resolve=True),
+                max_steps=cfg.train.max_steps,
+                start_step=trainer.step,
+                resume=existing is not None,
+            ) + list(extra_sinks or [])
+        trainer.sinks = sinks
+        try:
+            return trainer.fit()
+        finally:
+            for sink in sinks:
+                sink.close()
     finally:
-        for sink in sinks:
-            sink.close()
+        trainer.engine.close()
 
 
 def _is_out_of_memory(err: BaseException) -> bool:
@@ -100,10 +109,15 @@ def _is_out_of_memory(err: BaseException) -> bool:
 
 def run(cfg: DictConfig, run_dir: Path) -> int:
     """``train`` with bad input turned into one error line; returns the exit status."""
+    rank = launched_rank()
     try:
         train(cfg, run_dir)
-    except CollageError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+    except OutOfMemory as err:  # may strike one rank only: every rank reports its own
+        print(f"error: {_rank_prefix(rank)}{err}", file=sys.stderr, flush=True)
+        return 1
+    except CollageError as err:  # the same on every rank: rank 0 reports it
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
         return 1
     except (RuntimeError, MemoryError) as err:
         if not _is_out_of_memory(err):
@@ -114,9 +128,13 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
             "keeps train.global_batch_size), pick a smaller model, or spread the model state "
             "over several GPUs with DeepSpeed ZeRO"
         )
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        print(f"error: {_rank_prefix(rank)}{message}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _rank_prefix(rank: int) -> str:
+    return f"[rank {rank}] " if rank else ""
 
 
 register_schemas()

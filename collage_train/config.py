@@ -123,9 +123,18 @@ class MetricsConfig:
 
 @dataclass
 class DistributedConfig:
-    """Execution engine; ``single`` is one process on one device."""
+    """Execution engine: ``single`` (one process) or DeepSpeed ZeRO (``zero1``/``zero2``/``zero3``).
+
+    Under ZeRO the DeepSpeed config is rendered from the trainer's own settings (batch
+    sizes, clipping, precision); ``deepspeed`` holds any other DeepSpeed key, merged in.
+    """
 
     name: str = "single"
+    zero_stage: int | None = None  # 1, 2 or 3 for the ZeRO engines
+    offload_optimizer: bool = False  # optimizer state and master weights in host memory
+    offload_param: bool = False  # ZeRO-3 only: parameters in host memory
+    timeout_minutes: int = 30  # collective-operation timeout
+    deepspeed: dict[str, Any] = field(default_factory=dict)  # extra DeepSpeed config keys
 
 
 @dataclass

@@ -36,17 +36,17 @@ from collage_train.metrics import (
     detect_peak_tflops,
     layer_group,
     model_flops_utilisation,
-    model_state_bytes,
     peak_memory,
     reset_peak_memory,
 )
+from collage_train.metrics.descent import FIELDS
 from collage_train.models import (
     build_model,
     count_parameters,
     flops_per_token,
     planned_parameter_count,
 )
-from collage_train.optim import clip_grad_norm, decay_param_groups, warmup_cosine_lr
+from collage_train.optim import decay_param_groups, warmup_cosine_lr
 from collage_train.precision import get_strategy
 
 _VERSIONED_PACKAGES = ("torch", "transformers", "sentencepiece", "hydra-core", "wandb", "numpy")
@@ -141,18 +141,29 @@ class Trainer:
             seed=train.seed,
         )
         self.model = model.to(device=self.device, dtype=self.strategy.param_dtype)
+        self.num_params = count_parameters(self.model)
+        self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
+        group_of = {p: layer_group(n) for n, p in self.model.named_parameters()}
+        self.layer_groups = sorted(set(group_of.values()))
         self.optimizer = self.strategy.build_optimizer(
             decay_param_groups(self.model, cfg.optim.weight_decay), cfg.optim
         )
-        self.num_params = count_parameters(self.model)
-        self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
+        # The module to run forward with (DeepSpeed's wrapper under ZeRO).
+        self.forward_module = self.engine.prepare(
+            self.model,
+            self.optimizer,
+            strategy=self.strategy,
+            micro_batch_size=train.micro_batch_size,
+            accum_steps=self.accum_steps,
+            grad_clip=cfg.optim.grad_clip,
+        )
+        self.optimizer.descent_segments = self.engine.descent_segments(group_of)
         self.peak_tflops = cfg.metrics.peak_tflops or detect_peak_tflops(self.device)
         self.tokens_per_step = train.global_batch_size * cfg.data.seq_len
         edq_every = cfg.metrics.edq_every
         self.edq_every = cfg.logging.log_every if edq_every is None else edq_every
-        self.layer_groups = {p: layer_group(n) for n, p in self.model.named_parameters()}
         self.step = 0
-        self.state_bytes: int | None = None
+        self.skipped_steps = 0
 
     def _check_memory(self, num_params: int) -> None:
         """Refuse a model whose state cannot fit, before the kernel's OOM killer would.
@@ -162,7 +173,7 @@ class Trainer:
         """
         param_bytes = self.strategy.param_dtype.itemsize
         needs = {"host": num_params * (4 + param_bytes)}
-        device_needs = num_params * self.strategy.expected_state_bytes_per_param
+        device_needs = num_params * self.engine.peak_state_bytes_per_param(self.strategy)
         if self.device.type == "cuda":
             needs[str(self.device)] = device_needs
         else:
@@ -173,11 +184,12 @@ class Trainer:
             if available is not None and needed > available:
                 raise OutOfMemory(
                     f"out of memory: {self.cfg.model.name} has {num_params / 1e9:.2f}B "
-                    f"parameters and precision={self.strategy.name} needs at least "
+                    f"parameters and precision={self.strategy.name} with "
+                    f"distributed={self.cfg.distributed.name} needs at least "
                     f"{needed / 2**30:.1f} GiB on {where} for weights, gradients and optimizer "
                     f"state, but {available / 2**30:.1f} GiB is free (a smaller "
                     "train.micro_batch_size cannot fix this); pick a smaller model or spread "
-                    "the model state over several GPUs with DeepSpeed ZeRO"
+                    "the model state over more GPUs with distributed=zero2 or zero3"
                 )
 
     # ----------------------------------------------------------------- state
@@ -196,34 +208,48 @@ class Trainer:
         if "cuda" in state["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
 
+    def _all_ranks_agree(self, ok: bool) -> bool:
+        """True when ``ok`` holds on every rank."""
+        failures = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        return self.engine.all_reduce_sum(failures).item() == 0
+
     def save_checkpoint(self) -> Path:
-        """Checkpoint the current step, refusing to store non-finite weights."""
-        if not all(torch.isfinite(p).all() for p in self.model.parameters()):
+        """Checkpoint the current step on every rank, refusing to store non-finite weights."""
+        finite = all(bool(torch.isfinite(w).all()) for w in self.engine.local_weights())
+        if not self._all_ranks_agree(finite):
             raise TrainingDiverged(
                 f"the weights became NaN or infinite at step {self.step}; nothing was saved "
                 "over the last good checkpoint. Lower optim.lr or use a more precise strategy"
             )
-        meta = {
-            "precision": self.strategy.name,
-            "holds": list(self.strategy.checkpoint_holds),
-            "model": self.cfg.model.name,
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
-        }
-        return checkpoint.save_checkpoint(
-            self.run_dir,
-            self.step,
-            {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "trainer": self.state_dict(),
-            },
-            meta,
-            keep=self.cfg.train.keep_checkpoints,
-            extra_files={
-                "model_config.json": self.model.config.to_json_string().encode(),
-                "tokenizer.model": Path(self.data.tokenizer.model_path).read_bytes(),
-            },
-        )
+        if self.engine.is_main:
+            checkpoint.begin_checkpoint(self.run_dir, self.step)
+        self.engine.barrier()
+        tmp = checkpoint.temporary_dir(self.run_dir, self.step)
+        self.engine.save(tmp, self.state_dict())
+        self.engine.barrier()
+        final = checkpoint.checkpoint_dir(self.run_dir) / f"step-{self.step}"
+        if self.engine.is_main:
+            meta = {
+                "precision": self.strategy.name,
+                "holds": list(self.strategy.checkpoint_holds),
+                "model": self.cfg.model.name,
+                "distributed": self.cfg.distributed.name,
+                "world_size": self.engine.world_size,
+                "config": OmegaConf.to_container(self.cfg, resolve=True),
+            }
+            final = checkpoint.commit_checkpoint(
+                self.run_dir,
+                self.step,
+                tmp,
+                meta,
+                keep=self.cfg.train.keep_checkpoints,
+                extra_files={
+                    "model_config.json": self.model.config.to_json_string().encode(),
+                    "tokenizer.model": Path(self.data.tokenizer.model_path).read_bytes(),
+                },
+            )
+        self.engine.barrier()
+        return final
 
     def resume_from(self, path: Path) -> None:
         """Restore model, optimizer, loader position, RNG and step from a checkpoint."""
@@ -233,16 +259,29 @@ class Trainer:
                 f"{path} was written with precision={meta.get('precision')}, this run uses "
                 f"precision={self.strategy.name}; resume with the same strategy"
             )
+        written_by = meta.get("distributed", "single")
+        if written_by != self.cfg.distributed.name:
+            raise ConfigError(
+                f"{path} was written with distributed={written_by}, this run uses "
+                f"distributed={self.cfg.distributed.name}; resume with the same engine, or "
+                "export its weights with python -m collage_train.export and start a new run"
+            )
+        saved_world = int(meta.get("world_size", 1))
+        if saved_world != self.engine.world_size:
+            raise ConfigError(
+                f"{path} was written by {saved_world} data-parallel ranks and this run has "
+                f"{self.engine.world_size}; ZeRO checkpoints are tied to the data-parallel "
+                f"size: resume with {saved_world} ranks (deepspeed --num_gpus/--num_nodes)"
+            )
         try:
-            self.model.load_state_dict(checkpoint.load_checkpoint_file(path, "model", self.device))
-            self.optimizer.load_state_dict(checkpoint.load_checkpoint_file(path, "optimizer"))
-        except (RuntimeError, ValueError) as err:
-            first_line = str(err).strip().splitlines()[0]
+            client_state = self.engine.load(path)
+        except (RuntimeError, ValueError, KeyError) as err:
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise ConfigError(
                 f"{path} does not match this model or optimizer ({first_line}); "
                 "resume with the configuration it was written with"
             ) from None
-        self.load_state_dict(checkpoint.load_checkpoint_file(path, "trainer"))
+        self.load_state_dict(client_state)
 
     # -------------------------------------------------------------- stepping
 
@@ -254,7 +293,7 @@ class Trainer:
             else contextlib.nullcontext()
         )
         with autocast:
-            logits = self.model(input_ids=inputs, use_cache=False).logits
+            logits = self.forward_module(input_ids=inputs, use_cache=False).logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def train_step(self) -> dict[str, Any]:
@@ -267,15 +306,15 @@ class Trainer:
             batch = self.data.train_loader.next_batch().to(self.device, non_blocking=True)
             data_time += time.perf_counter() - fetch_start
             loss = self._loss(batch)
-            (loss / self.accum_steps).backward()
+            self.engine.backward(loss)
             loss_sum += loss.detach()
-        loss_value = (loss_sum / self.accum_steps).item()
+        loss_sum /= self.accum_steps * self.engine.world_size
+        loss_value = self.engine.all_reduce_sum(loss_sum).item()  # mean over all ranks
         if not math.isfinite(loss_value):
             raise TrainingDiverged(
                 f"the loss became {loss_value} at step {self.step + 1}; the last good checkpoint "
                 "is kept. Lower optim.lr, raise optim.warmup_steps, or use precision=mixed_fp32"
             )
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip).item()
         lr = warmup_cosine_lr(
             self.step,
             peak_lr=self.cfg.optim.lr,
@@ -287,12 +326,11 @@ class Trainer:
             group["lr"] = lr
         track = self.edq_every > 0 and (self.step + 1) % self.edq_every == 0
         self.optimizer.track_descent = track
-        self.optimizer.step()
-        descent = self._descent() if track else None
+        outcome = self.engine.step()  # clips, steps, clears gradients
+        descent = self._descent() if track and outcome.applied else None
         self.optimizer.track_descent = False
-        if self.state_bytes is None:
-            self.state_bytes = model_state_bytes(self.model, self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
+        if not outcome.applied:
+            self.skipped_steps += 1
         self.step += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -300,21 +338,28 @@ class Trainer:
         return {
             "loss": loss_value,
             "lr": lr,
-            "grad_norm": grad_norm,
+            "grad_norm": outcome.grad_norm,
             "time": elapsed,
             "data_time": data_time,
             "descent": descent,
         }
 
     def _descent(self) -> dict[str, float]:
-        """Effective-descent metrics of the last step, for the model and per layer group."""
-        sums: dict[str, torch.Tensor] = {}
+        """Effective-descent metrics of the last step, for the model and per layer group.
+
+        Each rank sums the partials of the elements it updated, per layer group; the
+        all-reduce makes them the global sums (under ZeRO a rank updates a partition).
+        """
+        index = {group: i for i, group in enumerate(self.layer_groups)}
+        sums = torch.zeros(len(self.layer_groups), len(FIELDS), device=self.device)
         for param, partials in self.optimizer.last_descent.items():
-            group = self.layer_groups[param]
-            sums[group] = sums[group] + partials if group in sums else partials.clone()
+            segments = self.optimizer.descent_segments[param]
+            for (group, _, _), row in zip(segments, partials.reshape(-1, len(FIELDS)), strict=True):
+                sums[index[group]] += row.to(self.device)
+        self.engine.all_reduce_sum(sums)
         with_dtheta = self.strategy.collage_mode in ("light", "plus")
-        metrics = descent_metrics(sum(sums.values()), with_dtheta)
-        for group, partials in sorted(sums.items()):
+        metrics = descent_metrics(sums.sum(dim=0), with_dtheta)
+        for group, partials in zip(self.layer_groups, sums, strict=True):
             for key, value in descent_metrics(partials, with_dtheta).items():
                 metrics[f"{key}.{group}"] = value
         return metrics
@@ -322,15 +367,16 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Mean loss over the first ``train.eval_batches`` held-out micro-batches."""
-        self.model.eval()
-        losses = [
-            self._loss(batch.to(self.device)).item()
-            for batch in self.data.validation_batches(
-                self.cfg.train.micro_batch_size, self.cfg.train.eval_batches
-            )
-        ]
-        self.model.train()
-        val_loss = sum(losses) / len(losses)
+        self.forward_module.eval()
+        totals = torch.zeros(2, device=self.device)  # loss sum, batch count
+        for batch in self.data.validation_batches(
+            self.cfg.train.micro_batch_size, self.cfg.train.eval_batches
+        ):
+            totals[0] += self._loss(batch.to(self.device))
+            totals[1] += 1
+        self.forward_module.train()
+        loss_sum, batches = self.engine.all_reduce_sum(totals).tolist()
+        val_loss = loss_sum / batches
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
     # ------------------------------------------------------------------- run
@@ -346,6 +392,7 @@ class Trainer:
             "loss": sum(w["loss"] for w in window) / len(window),
             "lr": window[-1]["lr"],
             "grad_norm": window[-1]["grad_norm"],
+            "skipped_steps": self.skipped_steps,
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": tokens_per_s / self.engine.world_size,
             "step_time_s": elapsed / len(window),
@@ -367,7 +414,7 @@ class Trainer:
         end = train.stop_at_step or train.max_steps
         start_step, wall_start = self.step, time.perf_counter()
         reset_peak_memory(self.device)
-        self.model.train()
+        self.forward_module.train()
         history: list[dict[str, float]] = []  # per-step stats of this launch
         logged = 0
         last_record: dict[str, Any] | None = None
@@ -403,7 +450,8 @@ class Trainer:
         return self._summary(last_record, val, steady, time.perf_counter() - wall_start, start_step)
 
     def _emit_notice(self, message: str) -> None:
-        print(message, flush=True)
+        if self.engine.is_main:
+            print(message, flush=True)
 
     def describe(self) -> str:
         """One line stating what this run trains, where, and with which batch."""
@@ -414,6 +462,7 @@ class Trainer:
             f"{train.global_batch_size} sequences x {self.cfg.data.seq_len} tokens = "
             f"{self.tokens_per_step:,} tokens (micro-batch {train.micro_batch_size} x "
             f"{self.accum_steps} accumulation x {self.engine.world_size} rank) | "
+            f"distributed={self.cfg.distributed.name} | "
             f"{train.max_steps} steps"
         )
 
@@ -440,27 +489,34 @@ class Trainer:
             "final_val_ppl": val["val_ppl"] if val else None,
             "tokens_per_s": self.tokens_per_step * len(timed) / elapsed if elapsed else None,
             "peak_mem_bytes": peak_memory(self.device)["peak_mem_bytes"],
-            "state_bytes_per_param": (self.state_bytes or 0) / self.num_params,
-            "expected_state_bytes_per_param": self.strategy.expected_state_bytes_per_param,
+            "state_bytes_per_param": self.engine.state_bytes() / self.num_params,
+            "expected_state_bytes_per_param": self.engine.expected_state_bytes_per_param(
+                self.strategy
+            ),
+            "state_bytes_measure": self.engine.state_bytes_measure,
+            "distributed": self.cfg.distributed.name,
+            "world_size": self.engine.world_size,
+            "skipped_steps": self.skipped_steps,
             "wall_time_s": wall_time,
             "device": str(self.device),
             "corpus": corpus_summary(self.data.meta),
             "versions": package_versions(),
         }
-        write_json_atomic(self.run_dir / "summary.json", summary)
+        if self.engine.is_main:
+            write_json_atomic(self.run_dir / "summary.json", summary)
         for sink in self.sinks:
             sink.summary(summary)
         return summary
 
     def export_hf(self, target: Path) -> None:
-        """Write the model (transformers format) and tokenizer to ``target``, atomically."""
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)
-        self.data.tokenizer.save(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
+        """Write the whole model (transformers format) and tokenizer to ``target``, atomically.
+
+        Under ZeRO-3 every rank takes part in gathering the weights; rank 0 writes.
+        """
+        with self.engine.full_weights() as model:
+            if self.engine.is_main:
+                export_model(model, self.data.tokenizer, target)
+        self.engine.barrier()
 
 
 def corpus_summary(meta: dict[str, Any]) -> dict[str, Any]:
@@ -473,3 +529,14 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
     os.replace(tmp, path)
+
+
+def export_model(model: torch.nn.Module, tokenizer: Any, target: Path) -> None:
+    """``save_pretrained`` plus the tokenizer into ``target``, replacing it atomically."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save(tmp)
+    if target.exists():
+        shutil.rmtree(target)
+    os.rename(tmp, target)

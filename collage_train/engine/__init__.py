@@ -1,18 +1,45 @@
-"""Execution engines: how many processes train, on which devices, and how they talk."""
+"""Execution engines: how many processes train, on which devices, and how they talk.
+
+``single`` is one process on one device; ``zero1``/``zero2``/``zero3`` are DeepSpeed
+ZeRO stages over every rank of a ``deepspeed`` or ``torchrun`` launch.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from collage_train.engine.base import Engine, Segment, StepOutcome
+from collage_train.engine.launch import launched_world_size
 from collage_train.engine.single import SingleProcessEngine, resolve_device
 from collage_train.errors import ConfigError
 
+ENGINES = ("single", "zero1", "zero2", "zero3")
 
-def build_engine(cfg: Any, *, device: str) -> SingleProcessEngine:
-    """The engine named by the ``distributed`` sub-config."""
+
+def build_engine(cfg: Any, *, device: str) -> Engine:
+    """The engine named by the ``distributed`` sub-config, on ``train.device``."""
+    if cfg.name not in ENGINES:
+        raise ConfigError(
+            f"unknown distributed engine {cfg.name!r}; choose one of: {', '.join(ENGINES)}"
+        )
     if cfg.name == "single":
+        if launched_world_size() > 1:
+            raise ConfigError(
+                f"this process is one of {launched_world_size()} launched ranks but "
+                "distributed=single; choose distributed=zero1, zero2 or zero3"
+            )
         return SingleProcessEngine(device=resolve_device(device))
-    raise ConfigError(f"unknown distributed engine {cfg.name!r}; choose one of: single")
+    from collage_train.engine.zero import ZeroEngine  # imports DeepSpeed, which is slow
+
+    return ZeroEngine(cfg, resolve_device(device))
 
 
-__all__ = ["SingleProcessEngine", "build_engine", "resolve_device"]
+__all__ = [
+    "ENGINES",
+    "Engine",
+    "Segment",
+    "SingleProcessEngine",
+    "StepOutcome",
+    "build_engine",
+    "resolve_device",
+]

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from collage_train import checkpoint
+from collage_train.engine.base import Segment, StepOutcome, unchanged
 from collage_train.errors import ConfigError
+from collage_train.metrics import model_state_bytes
+from collage_train.optim import clip_grad_norm
+from collage_train.precision.base import PrecisionStrategy
 
 
 def resolve_device(name: str) -> torch.device:
@@ -20,14 +28,95 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-@dataclass(frozen=True)
+@dataclass
 class SingleProcessEngine:
-    """Rank 0 of a world of one."""
+    """Rank 0 of a world of one: plain backward, fp32-accumulated clipping, optimizer step."""
 
     device: torch.device
+    name: str = "single"
     rank: int = 0
     world_size: int = 1
+    model: torch.nn.Module | None = field(default=None, repr=False)
+    optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)
+    accum_steps: int = 1
+    grad_clip: float = 0.0
+    _state_bytes: int | None = field(default=None, repr=False)
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return True
+
+    def prepare(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        strategy: PrecisionStrategy,
+        micro_batch_size: int,
+        accum_steps: int,
+        grad_clip: float,
+    ) -> torch.nn.Module:
+        del strategy, micro_batch_size  # one process needs neither
+        self.model, self.optimizer = model, optimizer
+        self.accum_steps, self.grad_clip = accum_steps, grad_clip
+        return model
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.accum_steps).backward()
+
+    def step(self) -> StepOutcome:
+        grad_norm = clip_grad_norm(self.model.parameters(), self.grad_clip).item()
+        self.optimizer.step()
+        if self._state_bytes is None:  # gradients are still present here
+            self._state_bytes = model_state_bytes(self.model, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepOutcome(grad_norm=grad_norm, applied=True)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        pass
+
+    def descent_segments(
+        self, group_of: dict[torch.Tensor, str]
+    ) -> dict[torch.Tensor, list[Segment]]:
+        return {param: [(group, 0, param.numel())] for param, group in group_of.items()}
+
+    def local_weights(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    state_bytes_measure = "weights + gradients + optimizer state"
+
+    def state_bytes(self) -> int:
+        """Weights, gradients and optimizer state, measured at the first step."""
+        return self._state_bytes or 0
+
+    def expected_state_bytes_per_param(self, strategy: PrecisionStrategy) -> float:
+        """The analytic counterpart of ``state_bytes`` per parameter."""
+        return strategy.expected_state_bytes_per_param
+
+    def peak_state_bytes_per_param(self, strategy: PrecisionStrategy) -> float:
+        """Model-state bytes per parameter at the optimizer step (for the memory check)."""
+        return strategy.expected_state_bytes_per_param
+
+    def close(self) -> None:
+        pass
+
+    def save(self, directory: Path, client_state: dict[str, Any]) -> None:
+        checkpoint.write_tensors(
+            directory,
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "trainer": client_state,
+            },
+        )
+
+    def load(self, directory: Path) -> dict[str, Any]:
+        self.model.load_state_dict(checkpoint.load_checkpoint_file(directory, "model", self.device))
+        self.optimizer.load_state_dict(checkpoint.load_checkpoint_file(directory, "optimizer"))
+        return checkpoint.load_checkpoint_file(directory, "trainer")
+
+    def full_weights(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
+        return unchanged(self.model)

@@ -62,6 +62,11 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     tensors = list(model.parameters())
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
     tensors += list(_tensors_in(list(optimizer.state.values())))
+    return storage_bytes(tensors)
+
+
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views and shared storage once)."""
     seen: dict[tuple[str, int], int] = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()

@@ -8,18 +8,34 @@ from typing import Any
 
 import torch
 
-from collage_train.metrics.descent import descent_metrics, descent_partials
+from collage_train.metrics.descent import FIELDS, descent_metrics, descent_partials
 
 
 class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
     """Base of the AdamW family.
 
-    ``track_descent = True`` makes the next ``step`` record, per parameter, the partial
-    sums of the effective-descent metrics in ``last_descent`` (keyed by parameter);
-    with it False a step does no extra work.
+    Setting ``track_descent = True`` clears ``last_descent`` and makes the following
+    ``step`` calls record, per parameter, the partial sums of the effective-descent
+    metrics in ``last_descent`` (keyed by parameter); with it False a step does no
+    extra work. A parameter listed in ``descent_segments`` (as ``(label, start, stop)``
+    ranges of its flattened elements, as for DeepSpeed's flat partitions) gets one row
+    of partial sums per range instead. ``descent_view_dtype`` measures the realised
+    change in that dtype: the weight the model sees when the optimizer is handed fp32
+    masters directly.
     """
 
-    track_descent: bool = False
+    _track_descent: bool = False
+    descent_view_dtype: torch.dtype | None = None
+
+    @property
+    def track_descent(self) -> bool:
+        return self._track_descent
+
+    @track_descent.setter
+    def track_descent(self, value: bool) -> None:
+        if value:
+            self.last_descent = {}
+        self._track_descent = bool(value)
 
     def __init__(
         self, params: Any, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
@@ -33,6 +49,7 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.last_descent: dict[torch.Tensor, torch.Tensor] = {}
+        self.descent_segments: dict[torch.Tensor, list[tuple[str, int, int]]] = {}
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -40,7 +57,6 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.last_descent = {}
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
@@ -86,15 +102,39 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
         if before is None:
             return
         lows = dthetas if dthetas is not None else [None] * len(params)
+        view = self.descent_view_dtype
         for param, old, update, low in zip(params, before, updates, lows, strict=True):
-            self.last_descent[param] = descent_partials(old, param.detach(), update, low)
+            after = param.detach()
+            if view is not None and after.dtype != view:
+                old, after = old.to(view), after.to(view)
+            segments = self.descent_segments.get(param)
+            if segments is None:
+                self.last_descent[param] = descent_partials(old, after, update, low)
+                continue
+            if not segments:
+                self.last_descent[param] = torch.zeros(0, len(FIELDS), device=after.device)
+                continue
+            old, after, update = old.flatten(), after.flatten(), update.flatten()
+            low = low.flatten() if low is not None else None
+            self.last_descent[param] = torch.stack(
+                [
+                    descent_partials(
+                        old[start:stop],
+                        after[start:stop],
+                        update[start:stop],
+                        low[start:stop] if low is not None else None,
+                    )
+                    for _, start, stop in segments
+                ]
+            )
 
     def descent_metrics(self) -> dict[str, float]:
         """EDQ metrics of the last tracked step over all its parameters ({} if none)."""
         if not self.last_descent:
             return {}
         with_dtheta = any("dtheta" in self.state[p] for p in self.last_descent)
-        return descent_metrics(sum(self.last_descent.values()), with_dtheta)
+        total = sum(p.reshape(-1, len(FIELDS)).sum(dim=0) for p in self.last_descent.values())
+        return descent_metrics(total, with_dtheta)
 
     def _snapshot(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Copies of the weights before an update, only when descent is tracked."""

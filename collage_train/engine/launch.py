@@ -1,0 +1,82 @@
+"""Facts about how this process was launched (torchrun / deepspeed), read from the environment.
+
+Launchers export RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Before
+Hydra composes the configuration, the ranks of one launch agree on the timestamp
+that names the default run directory, so that they all write into the same one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+RUN_STAMP_VARIABLE = "COLLAGE_RUN_STAMP"
+
+
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launched_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_process_group(timeout_minutes: int = 30) -> None:
+    """Join the launch's process group (once): NCCL for CUDA tensors, gloo for CPU ones.
+
+    A process started without a launcher becomes rank 0 of a world of one.
+    """
+    if dist.is_initialized():
+        return
+    if "MASTER_ADDR" not in os.environ:
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )  # fmt: skip
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank())
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def share_run_stamp() -> None:
+    """Give every rank rank 0's start time, for the default ``hydra.run.dir``."""
+    init_process_group()
+    stamp = [time.strftime("%Y-%m-%d_%H-%M-%S")]
+    dist.broadcast_object_list(stamp, src=0)
+    os.environ[RUN_STAMP_VARIABLE] = stamp[0]
+
+
+def hydra_overrides_for_rank(argv: list[str]) -> list[str]:
+    """Extra Hydra overrides for a launched rank.
+
+    All ranks share rank 0's default run directory; only rank 0 writes Hydra's
+    ``.hydra/`` record and log file into it.
+    """
+    if launched_world_size() <= 1:
+        return []
+    if not any(arg.startswith("hydra.run.dir=") for arg in argv):
+        share_run_stamp()
+    if launched_rank() == 0:
+        return []
+    return [
+        "hydra.output_subdir=null",
+        "hydra/job_logging=disabled",
+        "hydra/hydra_logging=disabled",
+    ]

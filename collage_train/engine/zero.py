@@ -1,0 +1,250 @@
+"""DeepSpeed ZeRO stages 1-3 as an engine, with the project's optimizer as client optimizer.
+
+DeepSpeed partitions the optimizer's work across data-parallel ranks: the optimizer is
+handed one flat 1-D partition per parameter group, not the model's tensors. For the
+all-bf16 strategies (bf16, collage_light, collage_plus) DeepSpeed keeps bf16 master
+weights and bf16 optimizer state, so Collage's extra components (dtheta, dv) are
+partitioned with the rest and nothing is held in fp32. For mixed_fp32 the partitions
+are fp32 masters (DeepSpeed's standard bf16 mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from collage_train.engine.base import Segment, StepOutcome, unchanged
+from collage_train.engine.deepspeed_config import render_deepspeed_config
+from collage_train.engine.launch import init_process_group, local_rank
+from collage_train.engine.zero_memory import zero_state_bytes
+from collage_train.errors import ConfigError
+from collage_train.metrics.memory import storage_bytes
+from collage_train.precision.base import PrecisionStrategy
+
+
+def _import_deepspeed(device_type: str) -> Any:
+    if device_type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except ImportError as err:
+        raise ConfigError(
+            f"distributed=zero* needs DeepSpeed, which failed to import ({err}); "
+            "install it with pip install deepspeed"
+        ) from None
+    return deepspeed
+
+
+def _merge_runs(segments: list[Segment]) -> list[Segment]:
+    """Join adjacent segments of the same layer group."""
+    merged: list[Segment] = []
+    for label, start, stop in segments:
+        if stop <= start:
+            continue
+        if merged and merged[-1][0] == label and merged[-1][2] == start:
+            merged[-1] = (label, merged[-1][1], stop)
+        else:
+            merged.append((label, start, stop))
+    return merged
+
+
+class ZeroEngine:
+    """One data-parallel rank of a DeepSpeed ZeRO run."""
+
+    name = "deepspeed"
+
+    def __init__(self, dist_cfg: Any, device: torch.device) -> None:
+        self.dist_cfg = dist_cfg
+        self.stage = int(dist_cfg.zero_stage)
+        self.deepspeed = _import_deepspeed(device.type)
+        init_process_group(dist_cfg.timeout_minutes)
+        self.deepspeed.init_distributed(
+            dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False
+        )
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = torch.device("cuda", local_rank()) if device.type == "cuda" else device
+        self.ds: Any = None
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._state_bytes: int | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # -------------------------------------------------------------- training
+
+    def prepare(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        strategy: PrecisionStrategy,
+        micro_batch_size: int,
+        accum_steps: int,
+        grad_clip: float,
+    ) -> torch.nn.Module:
+        config = render_deepspeed_config(
+            self.dist_cfg,
+            strategy,
+            micro_batch_size=micro_batch_size,
+            accum_steps=accum_steps,
+            world_size=self.world_size,
+            grad_clip=grad_clip,
+        )
+        self.ds, _, _, _ = self.deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config, dist_init_required=False
+        )
+        self.model, self.optimizer = model, optimizer
+        if strategy.master_dtype is not None and strategy.master_dtype != strategy.param_dtype:
+            # The optimizer updates fp32 masters; the model sees their bf16 rounding.
+            optimizer.descent_view_dtype = strategy.param_dtype
+        return self.ds
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss)  # DeepSpeed divides by the accumulation steps
+        if not self.ds.is_gradient_accumulation_boundary():
+            self.ds.step()  # only advances DeepSpeed's micro-step counter
+
+    def step(self) -> StepOutcome:
+        self.ds.step()
+        if self._state_bytes is None:
+            self._state_bytes = self._measure_state_bytes()
+        grad_norm = self.ds.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        return StepOutcome(grad_norm=grad_norm, applied=bool(self.ds.was_step_applied()))
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor)
+        return tensor
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    # ------------------------------------------------------------ inspection
+
+    def _zero_optimizer(self) -> Any:
+        return self.ds.optimizer
+
+    def master_partitions(self) -> list[torch.Tensor]:
+        """The flat tensors the client optimizer updates on this rank."""
+        zero = self._zero_optimizer()
+        if self.stage < 3:
+            return list(zero.single_partition_of_fp32_groups)
+        return list(zero.fp32_partitioned_groups_flat)
+
+    def local_weights(self) -> list[torch.Tensor]:
+        if self.stage < 3:
+            return list(self.model.parameters())
+        return [p.ds_tensor for p in self.model.parameters()]
+
+    def descent_segments(
+        self, group_of: dict[torch.Tensor, str]
+    ) -> dict[torch.Tensor, list[Segment]]:
+        """Map each flat master partition to the layer groups of the elements it holds.
+
+        Stages 1 and 2 cut the concatenation of a group's parameters into equal
+        partitions (a partition may start inside a parameter); stage 3 concatenates
+        each parameter's own 1/N shard.
+        """
+        zero = self._zero_optimizer()
+        segments: dict[torch.Tensor, list[Segment]] = {}
+        for index, flat in enumerate(self.master_partitions()):
+            parts: list[Segment] = []
+            position = 0
+            if self.stage < 3:
+                size = int(zero.partition_size[index])
+                for k, param in enumerate(zero.params_in_partition[index]):
+                    offset = int(zero.first_offset[index]) if k == 0 else 0
+                    length = min(param.numel() - offset, size - position)
+                    parts.append((group_of[param], position, position + length))
+                    position += length
+            else:
+                for param in zero.fp16_groups[index]:
+                    length = int(param.partition_numel())
+                    parts.append((group_of[param], position, position + length))
+                    position += length
+            segments[flat] = _merge_runs(parts)
+        return segments
+
+    def _measure_state_bytes(self) -> int:
+        """Weights, master partitions and optimizer state on this rank (no gradients)."""
+        # Stage 3 keeps parameters below ``stage3_param_persistence_threshold`` whole on
+        # every rank as well as partitioned; a partitioned-away parameter holds no data.
+        tensors = list(self.model.parameters())
+        if self.stage == 3:
+            tensors += list(self._zero_optimizer().fp16_partitioned_groups_flat)
+        tensors += self.master_partitions()
+        tensors += [
+            value
+            for state in self.optimizer.state.values()
+            for value in state.values()
+            if torch.is_tensor(value)
+        ]
+        return storage_bytes(tensors)
+
+    state_bytes_measure = "weights + master partition + optimizer state, per rank"
+
+    def state_bytes(self) -> int:
+        """Persistent model state on this rank, measured at the first step."""
+        return self._state_bytes or 0
+
+    def expected_state_bytes_per_param(self, strategy: PrecisionStrategy) -> float:
+        return zero_state_bytes(strategy, self.stage, self.world_size).persistent
+
+    def peak_state_bytes_per_param(self, strategy: PrecisionStrategy) -> float:
+        return zero_state_bytes(strategy, self.stage, self.world_size).total
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def optimizer_state_numel(self) -> dict[str, int]:
+        """Elements of each optimizer-state component on this rank."""
+        totals: dict[str, int] = {}
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    totals[key] = totals.get(key, 0) + value.numel()
+        return totals
+
+    # ----------------------------------------------------------- checkpoints
+
+    def save(self, directory: Path, client_state: dict[str, Any]) -> None:
+        """Every rank writes its shards into ``directory`` (DeepSpeed's layout)."""
+        self.ds.save_checkpoint(
+            str(directory.parent),
+            tag=directory.name,
+            client_state={"trainer": client_state},
+            save_latest=False,
+        )
+
+    def load(self, directory: Path) -> dict[str, Any]:
+        path, client_state = self.ds.load_checkpoint(
+            str(directory.parent),
+            tag=directory.name,
+            load_module_strict=True,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
+        if path is None or not client_state or "trainer" not in client_state:
+            raise ConfigError(f"{directory} is not a readable DeepSpeed checkpoint of this run")
+        return client_state["trainer"]
+
+    def full_weights(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
+        """Gather ZeRO-3's partitioned weights on every rank for the duration of the block."""
+        if self.stage < 3:
+            return unchanged(self.model)
+        return self._gathered()
+
+    @contextlib.contextmanager
+    def _gathered(self):
+        params = list(self.model.parameters())
+        with self.deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield self.model

@@ -1,0 +1,61 @@
+"""Analytic model-state bytes per parameter per rank under DeepSpeed ZeRO.
+
+What one rank of N holds, per parameter, for a precision strategy (DeepSpeed 0.19.8):
+
+| component                           | stage 1 | stage 2 | stage 3         |
+|-------------------------------------|---------|---------|-----------------|
+| weights (param dtype)               | full    | full    | 1/N             |
+| gradients at the step (param dtype) | full    | 1/N     | 1/N             |
+| master partition (master dtype)     | 1/N     | 1/N     | 1/N, or shared* |
+| optimizer state (its components)    | 1/N     | 1/N     | 1/N             |
+
+(*) stage 3 updates the weight partition itself when master and param dtypes match;
+stages 1 and 2 always keep a separate copy of the partition.
+
+``persistent`` (weights + master + optimizer state) is what survives between steps
+and what ``ZeroEngine.state_bytes`` measures; gradients live only during a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from collage_train.precision.base import PrecisionStrategy
+
+
+@dataclass(frozen=True)
+class ZeroStateBytes:
+    """Bytes per parameter held by one rank, by component."""
+
+    weights: float
+    gradients: float
+    master: float
+    optimizer: float
+
+    @property
+    def persistent(self) -> float:
+        return self.weights + self.master + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.persistent + self.gradients
+
+
+def optimizer_state_bytes(strategy: PrecisionStrategy) -> float:
+    """Bytes per parameter of the optimizer's own state (moments, dtheta, dv)."""
+    param = strategy.param_dtype.itemsize
+    master = strategy.master_dtype.itemsize if strategy.master_dtype is not None else 0
+    return strategy.expected_state_bytes_per_param - 2 * param - master
+
+
+def zero_state_bytes(strategy: PrecisionStrategy, stage: int, world_size: int) -> ZeroStateBytes:
+    """Analytic bytes per parameter on one of ``world_size`` ranks at ZeRO ``stage``."""
+    param = strategy.param_dtype.itemsize
+    master_dtype = strategy.master_dtype or strategy.param_dtype
+    shares_weights = stage == 3 and master_dtype == strategy.param_dtype
+    return ZeroStateBytes(
+        weights=param if stage < 3 else param / world_size,
+        gradients=param if stage == 1 else param / world_size,
+        master=0.0 if shares_weights else master_dtype.itemsize / world_size,
+        optimizer=optimizer_state_bytes(strategy) / world_size,
+    )
