@@ -85,7 +85,7 @@ class TrainConfig:
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     eval_every: int = 100
-    eval_batches: int = 8
+    eval_batches: int = 8  # micro-batches per validation, all ranks together
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     resume: bool = False

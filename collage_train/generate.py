@@ -7,34 +7,23 @@ export, or a ``checkpoints/step-N`` directory.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from collage_train import checkpoint
 from collage_train.data import Tokenizer
+from collage_train.export import load_checkpoint_model, resolve_checkpoint
 
 
 def load_for_generation(path: Path) -> tuple[PreTrainedModel, Tokenizer]:
     """Model and tokenizer from a run directory, an hf/ export or a checkpoint."""
     if (path / "hf" / "config.json").is_file():
         path = path / "hf"
-    elif not (path / "config.json").is_file() and not (path / checkpoint.META).is_file():
-        latest = checkpoint.latest_checkpoint(path)
-        if latest is None:
-            raise FileNotFoundError(f"{path} holds no hf/ export, transformers model or checkpoint")
-        path = latest
-    tokenizer = Tokenizer.load(path / "tokenizer.model")
     if (path / "config.json").is_file():
-        return AutoModelForCausalLM.from_pretrained(path), tokenizer
-    fields = json.loads((path / "model_config.json").read_text())
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(checkpoint.load_checkpoint_file(path, "model"))
-    return model, tokenizer
+        return AutoModelForCausalLM.from_pretrained(path), Tokenizer.load(path / "tokenizer.model")
+    return load_checkpoint_model(resolve_checkpoint(path))
 
 
 def generate(

@@ -366,11 +366,16 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Mean loss over the first ``train.eval_batches`` held-out micro-batches."""
+        """Mean loss over the first ``train.eval_batches`` held-out micro-batches.
+
+        The count is over all ranks together, so that (with a count divisible by the
+        number of ranks) the same windows are evaluated whatever the world size.
+        """
         self.forward_module.eval()
         totals = torch.zeros(2, device=self.device)  # loss sum, batch count
         for batch in self.data.validation_batches(
-            self.cfg.train.micro_batch_size, self.cfg.train.eval_batches
+            self.cfg.train.micro_batch_size,
+            max(1, self.cfg.train.eval_batches // self.engine.world_size),
         ):
             totals[0] += self._loss(batch.to(self.device))
             totals[1] += 1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -58,5 +60,25 @@ def run_cli(*args: str, module: str = "collage_train", timeout: float = 600) -> 
         capture_output=True,
         text=True,
         timeout=timeout,
+    )
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_deepspeed(*args: str, ranks: int = 2, timeout: float = 900) -> Result:
+    """``deepspeed --num_gpus RANKS --no_local_rank --module collage_train ARGS`` on CPU."""
+    launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "DS_ACCELERATOR": "cpu"}
+    command = [
+        launcher, "--num_gpus", str(ranks), "--master_port", str(_free_port()),
+        "--no_local_rank", "--module", "collage_train", *args,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )
     return Result(proc.returncode, proc.stdout, proc.stderr)

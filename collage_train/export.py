@@ -1,0 +1,81 @@
+"""``python -m collage_train.export PATH [--out DIR]``: a transformers model from a checkpoint.
+
+PATH is a run directory (its newest checkpoint is used) or a ``checkpoints/step-N``
+directory, written by one process or by DeepSpeed ZeRO on any number of ranks. ZeRO
+shards are consolidated on the CPU (no launcher or GPU needed) and the weights are
+written in the run's parameter dtype (bf16 for every strategy but fp32). The output,
+``<run dir>/hf-step-N`` by default, loads with ``AutoModelForCausalLM.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from collage_train import checkpoint
+from collage_train.data import Tokenizer
+from collage_train.precision import get_strategy
+from collage_train.trainer import export_model
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """``path`` itself if it is a checkpoint, else the newest checkpoint of the run in it."""
+    if (path / checkpoint.META).is_file():
+        return path
+    latest = checkpoint.latest_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory holding one")
+    return latest
+
+
+def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The whole model's weights from checkpoint ``path``, in the run's parameter dtype."""
+    meta = checkpoint.read_meta(path)
+    if meta.get("distributed", "single") == "single":
+        return checkpoint.load_checkpoint_file(path, "model")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed narrates the consolidation
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+    dtype = get_strategy(meta["precision"]).param_dtype
+    return {name: tensor.to(dtype) for name, tensor in weights.items()}
+
+
+def load_checkpoint_model(path: Path) -> tuple[PreTrainedModel, Tokenizer]:
+    """The transformers model and tokenizer stored with checkpoint ``path``."""
+    fields = json.loads((path / "model_config.json").read_text())
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    weights = checkpoint_weights(path)
+    model = AutoModelForCausalLM.from_config(config).to(next(iter(weights.values())).dtype)
+    model.load_state_dict(weights)
+    return model, Tokenizer.load(path / "tokenizer.model")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m collage_train.export", description=__doc__)
+    parser.add_argument("path", type=Path, help="run directory or checkpoints/step-N directory")
+    parser.add_argument("--out", type=Path, help="output directory (default: <run>/hf-step-N)")
+    args = parser.parse_args(argv)
+    try:
+        path = resolve_checkpoint(args.path)
+        model, tokenizer = load_checkpoint_model(path)
+    except (FileNotFoundError, KeyError, RuntimeError, ValueError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        print(f"error: cannot export {args.path}: {first}", file=sys.stderr)
+        return 1
+    target = args.out or path.parent.parent / f"hf-{path.name}"
+    export_model(model, tokenizer, target)
+    print(f"exported {path} to {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
