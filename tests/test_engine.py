@@ -1,0 +1,192 @@
+"""Engine pieces that need no launcher: DeepSpeed config rendering, analytic ZeRO memory,
+partition segments for EDQ, and how launched ranks agree on one run directory."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_config import compose_cfg
+
+from collage_train.engine import build_engine, launch
+from collage_train.engine.deepspeed_config import render_deepspeed_config
+from collage_train.engine.zero import _merge_runs
+from collage_train.engine.zero_memory import zero_state_bytes
+from collage_train.errors import ConfigError
+from collage_train.metrics import descent_metrics, descent_partials
+from collage_train.optim import AdamW, CollageAdamW
+from collage_train.precision import get_strategy
+
+
+def render(*overrides: str, precision: str = "collage_plus", **kwargs):
+    cfg = compose_cfg("distributed=zero2", *overrides)
+    settings = {"micro_batch_size": 4, "accum_steps": 3, "world_size": 8, "grad_clip": 1.0}
+    return render_deepspeed_config(cfg.distributed, get_strategy(precision), **settings | kwargs)
+
+
+def test_batch_sizes_and_clipping_come_from_the_trainer_settings():
+    config = render()
+    assert config["train_micro_batch_size_per_gpu"] == 4
+    assert config["gradient_accumulation_steps"] == 3
+    assert config["train_batch_size"] == 4 * 3 * 8
+    assert config["gradient_clipping"] == 1.0
+    assert config["zero_optimization"] == {"stage": 2}
+    assert config["zero_allow_untested_optimizer"] is True
+
+
+@pytest.mark.parametrize(
+    ("precision", "bf16"),
+    [
+        ("fp32", {"enabled": False}),
+        ("mixed_fp32", {"enabled": True}),
+        *[
+            (
+                name,
+                {
+                    "enabled": True,
+                    "bf16_master_weights_and_grads": True,
+                    "bf16_optimizer_states": True,
+                },
+            )
+            for name in ("bf16", "collage_light", "collage_plus")
+        ],
+    ],
+)
+def test_precision_strategies_map_to_deepspeed_bf16_flags(precision, bf16):
+    assert render(precision=precision)["bf16"] == bf16
+
+
+def test_pass_through_keys_merge_into_the_rendered_config():
+    config = render(
+        "+distributed.deepspeed.zero_optimization.overlap_comm=true",
+        "+distributed.deepspeed.communication_data_type=fp32",
+    )
+    assert config["zero_optimization"] == {"stage": 2, "overlap_comm": True}
+    assert config["communication_data_type"] == "fp32"
+
+
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ("+distributed.deepspeed.train_micro_batch_size_per_gpu=2", "train.micro_batch_size"),
+        ("+distributed.deepspeed.gradient_clipping=0.5", "optim.grad_clip"),
+        ("+distributed.deepspeed.zero_optimization.stage=3", "distributed=zero1|zero2|zero3"),
+        ("+distributed.deepspeed.bf16.enabled=false", "precision=NAME"),
+    ],
+)
+def test_pass_through_cannot_contradict_derived_settings(override, names):
+    with pytest.raises(ConfigError, match=names.replace("|", r"\|")):
+        render(override)
+
+
+def test_offload_rules_are_explained():
+    with pytest.raises(ConfigError, match="needs ZeRO stage 3"):
+        render("distributed.offload_param=true")
+    with pytest.raises(ConfigError, match="precision=mixed_fp32"):
+        render("distributed.offload_optimizer=true")
+    offloaded = render("distributed.offload_optimizer=true", precision="mixed_fp32")
+    assert offloaded["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+def test_analytic_zero_state_bytes():
+    plus, mixed = get_strategy("collage_plus"), get_strategy("mixed_fp32")
+    # weights 2, bf16 master partition 2/N, (m, v, dtheta, dv) 8/N
+    assert zero_state_bytes(plus, 1, 2).persistent == 2 + 1 + 4
+    assert zero_state_bytes(plus, 2, 4).gradients == 0.5
+    assert zero_state_bytes(plus, 3, 2).persistent == 1 + 0 + 4  # master is the partition
+    # weights 2, fp32 master 4/N, fp32 moments 8/N
+    assert zero_state_bytes(mixed, 2, 2).persistent == 2 + 2 + 4
+    assert zero_state_bytes(mixed, 3, 2).persistent == 1 + 2 + 4
+    # one rank and stage 1 holds what one process holds
+    for name in ("mixed_fp32", "bf16", "collage_light", "collage_plus"):
+        strategy = get_strategy(name)
+        one = zero_state_bytes(strategy, 1, 1)
+        master = (strategy.master_dtype or strategy.param_dtype).itemsize
+        extra = 0 if strategy.master_dtype else master  # DeepSpeed's copy of the partition
+        assert one.total == strategy.expected_state_bytes_per_param + extra
+
+
+def test_adjacent_segments_of_one_group_merge():
+    runs = [("block_0", 0, 5), ("block_0", 5, 9), ("block_1", 9, 9), ("block_1", 9, 12)]
+    assert _merge_runs(runs) == [("block_0", 0, 9), ("block_1", 9, 12)]
+
+
+@pytest.mark.parametrize("mode", ["none", "light", "plus"])
+def test_segment_rows_sum_to_the_whole_partition(mode):
+    """A flat partition split into layer-group rows sums to the unsplit partials."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(1000, generator=gen).bfloat16()
+    grad = torch.randn(1000, generator=gen).bfloat16()
+    results = []
+    for segments in (None, [("a", 0, 300), ("b", 300, 999), ("c", 999, 1000)]):
+        param = torch.nn.Parameter(start.clone())
+        opt = CollageAdamW([param], lr=1e-3, weight_decay=0.1, mode=mode)
+        if segments:
+            opt.descent_segments = {param: segments}
+        param.grad = grad.clone()
+        opt.track_descent = True
+        opt.step()
+        results.append(opt.last_descent[param])
+    whole, rows = results
+    assert rows.shape == (3, 6)
+    torch.testing.assert_close(rows.sum(dim=0), whole, rtol=1e-5, atol=0)
+    assert opt.descent_metrics() == pytest.approx(descent_metrics(whole, mode != "none"))
+
+
+def test_view_dtype_measures_the_change_the_model_sees():
+    """Handed fp32 masters (DeepSpeed), EDQ is measured on their bf16 rounding."""
+    master = torch.nn.Parameter(torch.linspace(1, 2, 512))
+    opt = AdamW([master], lr=1e-5)
+    opt.descent_view_dtype = torch.bfloat16
+    before = master.detach().clone()
+    master.grad = torch.ones(512)
+    opt.track_descent = True
+    opt.step()
+    update = master.detach() - before  # no weight decay: the whole update landed in fp32
+    expected = descent_partials(before.bfloat16(), master.detach().bfloat16(), update)
+    torch.testing.assert_close(opt.last_descent[master], expected)
+    assert opt.descent_metrics()["lost_update_frac"] > 0.9  # 1e-5 steps vanish in bf16
+
+
+def test_single_engine_refuses_a_multi_rank_launch(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="distributed=zero1, zero2 or zero3"):
+        build_engine(compose_cfg().distributed, device="cpu")
+
+
+def test_unknown_engine_lists_the_choices():
+    cfg = compose_cfg("distributed.name=zero9")
+    with pytest.raises(ConfigError, match="single, zero1, zero2, zero3"):
+        build_engine(cfg.distributed, device="cpu")
+
+
+def test_only_rank_zero_writes_hydra_files(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert launch.hydra_overrides_for_rank(["hydra.run.dir=/x"]) == []
+    monkeypatch.setenv("RANK", "1")
+    assert "hydra.output_subdir=null" in launch.hydra_overrides_for_rank(["hydra.run.dir=/x"])
+
+
+def _agree(rank: int, port: int, results) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    launch.time.strftime = lambda _fmt: f"clock-of-rank-{rank}"  # ranks' clocks disagree
+    launch.hydra_overrides_for_rank(["model=gpt_tiny"])
+    results[rank] = os.environ[launch.RUN_STAMP_VARIABLE]
+    dist.destroy_process_group()
+
+
+def test_launched_ranks_share_rank_zeros_run_stamp():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = mp.get_context("spawn").Manager().dict()
+    mp.start_processes(_agree, args=(port, results), nprocs=2, start_method="spawn")
+    assert dict(results) == {0: "clock-of-rank-0", 1: "clock-of-rank-0"}
