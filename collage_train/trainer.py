@@ -115,6 +115,9 @@ class Trainer:
         )
         self.strategy = get_strategy(cfg.precision.name)
 
+        # Rank 0 tokenizes and caches the corpus first; the others then reuse the cache.
+        if not self.engine.is_main:
+            self.engine.barrier()
         self.data = build_data(
             cfg.data,
             seq_len=cfg.data.seq_len,
@@ -123,6 +126,8 @@ class Trainer:
             rank=self.engine.rank,
             world_size=self.engine.world_size,
         )
+        if self.engine.is_main:
+            self.engine.barrier()
         self.data.val_loader(train.micro_batch_size)  # fail now if validation cannot fill a batch
         tokenizer = self.data.tokenizer
         self._check_memory(
@@ -189,7 +194,8 @@ class Trainer:
                     f"{needed / 2**30:.1f} GiB on {where} for weights, gradients and optimizer "
                     f"state, but {available / 2**30:.1f} GiB is free (a smaller "
                     "train.micro_batch_size cannot fix this); pick a smaller model or spread "
-                    "the model state over more GPUs with distributed=zero2 or zero3"
+                    "the model state over more GPUs with DeepSpeed ZeRO "
+                    "(distributed=zero2 or zero3)"
                 )
 
     # ----------------------------------------------------------------- state
@@ -434,10 +440,11 @@ class Trainer:
                 if self.step % train.eval_every == 0 or self.step == train.max_steps:
                     val = self.evaluate()
                     self._emit({"step": self.step, **val})
-                if stop.signal_name is not None:
+                if not self._all_ranks_agree(stop.signal_name is None):  # any rank signalled
                     self.save_checkpoint()
                     self._emit_notice(
-                        f"{stop.signal_name} received: checkpoint saved at step {self.step}; "
+                        f"{stop.signal_name or 'a stop signal'} received: checkpoint saved at "
+                        f"step {self.step}; "
                         "continue with train.resume=true"
                     )
                     return None

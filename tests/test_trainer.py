@@ -177,3 +177,24 @@ def test_other_runtime_errors_are_not_disguised(make_cfg, tmp_path, monkeypatch)
     monkeypatch.setattr(Trainer, "fit", fail)
     with pytest.raises(RuntimeError, match="genuine bug"):
         cli.run(make_cfg(), tmp_path / "run")
+
+
+def test_skipped_steps_are_counted_and_carry_no_descent(make_cfg, tmp_path):
+    """An engine that skips a step (DeepSpeed's overflow check) is counted, not measured."""
+    from collage_train.engine import StepOutcome
+
+    sink = RecordingSink()
+    trainer = Trainer(make_cfg("precision=collage_plus"), tmp_path, sinks=[sink])
+    real_step, calls = trainer.engine.step, []
+
+    def skip_second():
+        outcome = real_step()
+        calls.append(outcome)
+        return StepOutcome(outcome.grad_norm, applied=len(calls) != 2)
+
+    trainer.engine.step = skip_second
+    summary = trainer.fit()
+    train_records = [r for r in sink.records if "loss" in r]
+    assert [r["skipped_steps"] for r in train_records] == [0, 1, 1, 1]
+    assert ["edq" in r for r in train_records] == [True, False, True, True]
+    assert summary["skipped_steps"] == 1
