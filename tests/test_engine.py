@@ -97,7 +97,7 @@ def test_analytic_zero_state_bytes():
     # weights 2, bf16 master partition 2/N, (m, v, dtheta, dv) 8/N
     assert zero_state_bytes(plus, 1, 2).persistent == 2 + 1 + 4
     assert zero_state_bytes(plus, 2, 4).gradients == 0.5
-    assert zero_state_bytes(plus, 3, 2).persistent == 1 + 0 + 4  # master is the partition
+    assert zero_state_bytes(plus, 3, 2).persistent == 1 + 1 + 4  # DeepSpeed copies it
     # weights 2, fp32 master 4/N, fp32 moments 8/N
     assert zero_state_bytes(mixed, 2, 2).persistent == 2 + 2 + 4
     assert zero_state_bytes(mixed, 3, 2).persistent == 1 + 2 + 4

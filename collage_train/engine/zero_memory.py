@@ -6,11 +6,13 @@ What one rank of N holds, per parameter, for a precision strategy (DeepSpeed 0.1
 |-------------------------------------|---------|---------|-----------------|
 | weights (param dtype)               | full    | full    | 1/N             |
 | gradients at the step (param dtype) | full    | 1/N     | 1/N             |
-| master partition (master dtype)     | 1/N     | 1/N     | 1/N, or shared* |
+| master partition (master dtype)     | 1/N     | 1/N     | 1/N*            |
 | optimizer state (its components)    | 1/N     | 1/N     | 1/N             |
 
-(*) stage 3 updates the weight partition itself when master and param dtypes match;
-stages 1 and 2 always keep a separate copy of the partition.
+(*) Stage 3 is meant to update the weight partition in place when master and param
+dtypes match (bf16 masters), but DeepSpeed 0.19.8 decides this by comparing a
+``torch.device`` with a device-name string, which is never equal, so it always keeps
+a separate copy of the partition (measured by scripts/bench_zero_memory.py).
 
 ``persistent`` (weights + master + optimizer state) is what survives between steps
 and what ``ZeroEngine.state_bytes`` measures; gradients live only during a step.
@@ -52,10 +54,9 @@ def zero_state_bytes(strategy: PrecisionStrategy, stage: int, world_size: int) -
     """Analytic bytes per parameter on one of ``world_size`` ranks at ZeRO ``stage``."""
     param = strategy.param_dtype.itemsize
     master_dtype = strategy.master_dtype or strategy.param_dtype
-    shares_weights = stage == 3 and master_dtype == strategy.param_dtype
     return ZeroStateBytes(
         weights=param if stage < 3 else param / world_size,
         gradients=param if stage == 1 else param / world_size,
-        master=0.0 if shares_weights else master_dtype.itemsize / world_size,
+        master=master_dtype.itemsize / world_size,
         optimizer=optimizer_state_bytes(strategy) / world_size,
     )
