@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from collage_train import checkpoint
 from collage_train.data import build_data
 from collage_train.engine import build_engine
+from collage_train.engine.launch import local_world_size
 from collage_train.errors import ConfigError, OutOfMemory, TrainingDiverged
 from collage_train.metrics import (
     Sink,
@@ -173,16 +174,18 @@ class Trainer:
     def _check_memory(self, num_params: int) -> None:
         """Refuse a model whose state cannot fit, before the kernel's OOM killer would.
 
-        Needs at least the strategy's model-state bytes on the device, and on the host
-        the fp32 build plus its cast copy (activations come on top of both).
+        Needs at least the strategy's model-state bytes (this rank's share under ZeRO) on
+        the device, and on the host the fp32 build plus its cast copy, once for every
+        rank on this node (activations come on top of both).
         """
         param_bytes = self.strategy.param_dtype.itemsize
-        needs = {"host": num_params * (4 + param_bytes)}
+        ranks_here = local_world_size() if self.engine.world_size > 1 else 1
+        needs = {"host": num_params * (4 + param_bytes) * ranks_here}
         device_needs = num_params * self.engine.peak_state_bytes_per_param(self.strategy)
         if self.device.type == "cuda":
             needs[str(self.device)] = device_needs
         else:
-            needs["host"] = max(needs["host"], device_needs)
+            needs["host"] = max(needs["host"], device_needs * ranks_here)
         for where, needed in needs.items():
             device = self.device if where != "host" else torch.device("cpu")
             available = available_memory(device)

@@ -82,3 +82,17 @@ def run_deepspeed(*args: str, ranks: int = 2, timeout: float = 900) -> Result:
         command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )
     return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def run_torchrun(*args: str, cwd: Path, ranks: int = 2, timeout: float = 900) -> Result:
+    """``torchrun --nproc_per_node RANKS -m collage_train ARGS`` on CPU, from ``cwd``."""
+    launcher = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "DS_ACCELERATOR": "cpu"}
+    command = [
+        launcher, "--nproc_per_node", str(ranks), "--master_port", str(_free_port()),
+        "-m", "collage_train", *args,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    return Result(proc.returncode, proc.stdout, proc.stderr)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import Result, run_cli, run_deepspeed, tiny_overrides
+from cli_runner import Result, run_cli, run_deepspeed, run_torchrun, tiny_overrides
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.zero]
@@ -193,3 +193,20 @@ def test_export_command_consolidates_zero3_shards(runs, tmp_path):
     assert exported.keys() == at_end.keys()
     assert all(torch.equal(exported[k], at_end[k]) for k in at_end)
     assert (out / "tokenizer.model").is_file()
+
+
+def test_torchrun_ranks_share_the_default_run_directory(corpus_dir, cache_dir, tmp_path):
+    """No hydra.run.dir: both ranks still write into rank 0's timestamped directory."""
+    args = [
+        arg
+        for arg in tiny_overrides(corpus_dir, cache_dir, tmp_path / "unused")
+        if not arg.startswith("hydra.run.dir=")
+    ]
+    result = run_torchrun(
+        *args, "train.max_steps=2", "precision=bf16", "distributed=zero1", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    assert (run_dir / "summary.json").is_file() and (run_dir / "hf" / "config.json").is_file()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
