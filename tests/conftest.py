@@ -7,6 +7,12 @@ from pathlib import Path
 
 import pytest
 from cli_runner import Result, run_cli, tiny_overrides
+from hydra import compose, initialize_config_dir
+
+from collage_train.cli import config_dir
+from collage_train.config import register_schemas
+
+register_schemas()
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +45,33 @@ def tiny(corpus_dir, cache_dir, tmp_path):
 
     _run.run_dir = run_dir
     return _run
+
+
+@pytest.fixture
+def make_cfg(corpus_dir, cache_dir):
+    """Composes the real config for a tiny in-process run; extra overrides win."""
+
+    def _make(*overrides):
+        base = [
+            "model.hidden_size=32",
+            "model.num_layers=2",
+            "model.num_heads=2",
+            "data=files",
+            f"data.paths=[{corpus_dir}]",
+            "data.vocab_size=512",
+            "data.seq_len=32",
+            "data.tokenizer_train_chars=200000",
+            "data.val_fraction=0.05",
+            f"data.cache_dir={cache_dir}",
+            "train.max_steps=4",
+            "train.eval_every=2",
+            "train.eval_batches=2",
+            "logging.log_every=1",
+            "logging.console=none",
+            "logging.wandb.mode=disabled",
+            "train.export_hf=false",
+        ]
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+            return compose(config_name="config", overrides=base + list(overrides))
+
+    return _make

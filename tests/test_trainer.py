@@ -2,44 +2,15 @@
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from collage_train import cli
-from collage_train.cli import config_dir, train
+from collage_train.cli import train
 from collage_train.config import register_schemas
 from collage_train.errors import ConfigError, OutOfMemory
 from collage_train.metrics import RecordingSink
 from collage_train.trainer import Trainer, gradient_accumulation_steps
 
 register_schemas()
-
-
-@pytest.fixture
-def make_cfg(corpus_dir, cache_dir):
-    def _make(*overrides):
-        base = [
-            "model.hidden_size=32",
-            "model.num_layers=2",
-            "model.num_heads=2",
-            "data=files",
-            f"data.paths=[{corpus_dir}]",
-            "data.vocab_size=512",
-            "data.seq_len=32",
-            "data.tokenizer_train_chars=200000",
-            "data.val_fraction=0.05",
-            f"data.cache_dir={cache_dir}",
-            "train.max_steps=4",
-            "train.eval_every=2",
-            "train.eval_batches=2",
-            "logging.log_every=1",
-            "logging.console=none",
-            "logging.wandb.mode=disabled",
-            "train.export_hf=false",
-        ]
-        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-            return compose(config_name="config", overrides=base + list(overrides))
-
-    return _make
 
 
 def test_accumulation_steps():

@@ -5,5 +5,13 @@ from collage_train.optim.clipping import clip_grad_norm
 from collage_train.optim.collage_adamw import CollageAdamW
 from collage_train.optim.param_groups import decay_param_groups
 from collage_train.optim.schedule import warmup_cosine_lr
+from collage_train.optim.split_adamw import SplitMasterAdamW
 
-__all__ = ["AdamW", "CollageAdamW", "clip_grad_norm", "decay_param_groups", "warmup_cosine_lr"]
+__all__ = [
+    "AdamW",
+    "CollageAdamW",
+    "SplitMasterAdamW",
+    "clip_grad_norm",
+    "decay_param_groups",
+    "warmup_cosine_lr",
+]

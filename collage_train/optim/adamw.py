@@ -53,10 +53,22 @@ class AdamW(TrackingOptimizer):
             state["exp_avg_sq"] = torch.zeros_like(target, memory_format=torch.preserve_format)
         return state
 
+    def _masters(self, params: list[torch.Tensor], states: list[dict[str, Any]]) -> list:
+        """The tensors the update is applied to: fp32 masters, or the parameters."""
+        return [s.get("master", p) for s, p in zip(states, params, strict=True)]
+
+    def _store_masters(
+        self, params: list[torch.Tensor], states: list[dict[str, Any]], masters: list
+    ) -> None:
+        """Round updated masters into the (bf16) parameters the model computes with."""
+        kept = [(p, m) for p, s, m in zip(params, states, masters, strict=True) if "master" in s]
+        if kept:
+            torch._foreach_copy_([p for p, _ in kept], [m for _, m in kept])
+
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         beta1, beta2 = group["betas"]
         states = [self._state_for(p) for p in params]
-        targets = [s.get("master", p) for s, p in zip(states, params, strict=True)]
+        targets = self._masters(params, states)
         grads = [p.grad.to(t.dtype) for p, t in zip(params, targets, strict=True)]
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
@@ -71,7 +83,5 @@ class AdamW(TrackingOptimizer):
 
         before = self._snapshot(params)
         torch._foreach_add_(targets, updates)
-        masters = [(p, s["master"]) for p, s in zip(params, states, strict=True) if "master" in s]
-        if masters:
-            torch._foreach_copy_([p for p, _ in masters], [m for _, m in masters])
+        self._store_masters(params, states, targets)
         self._record_descent(params, before, updates)

@@ -26,6 +26,7 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
 
     _track_descent: bool = False
     descent_view_dtype: torch.dtype | None = None
+    unshaped_state: tuple[str, ...] = ("step",)  # state entries not shaped like the param
 
     @property
     def track_descent(self) -> bool:
@@ -156,7 +157,7 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
             restored = {}
             for key, value in saved.items():
                 if torch.is_tensor(value):
-                    if key != "step" and value.shape != param.shape:
+                    if key not in self.unshaped_state and value.shape != param.shape:
                         raise ValueError(
                             f"optimizer state {key!r} has shape {tuple(value.shape)} but its "
                             f"parameter has shape {tuple(param.shape)}"

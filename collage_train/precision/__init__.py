@@ -10,6 +10,7 @@ from collage_train.precision import (  # noqa: F401  (registration)
     collage_plus,
     fp32,
     mixed_fp32,
+    split_fp32,
 )
 from collage_train.precision.base import PrecisionStrategy, available, get_strategy, register
 

@@ -25,6 +25,8 @@ class PrecisionStrategy:
         checkpoint_holds: what a checkpoint of this strategy contains, for meta.json.
         collage_mode: None for the master-weight AdamW, else the CollageAdamW mode
             ("none", "light" or "plus") that keeps all state in bf16.
+        master_remainder: keep an exact fp32 master as the bf16 weight plus a 16-bit
+            remainder (SplitMasterAdamW) instead of a separate fp32 copy.
     """
 
     name: str
@@ -35,6 +37,7 @@ class PrecisionStrategy:
     expected_state_bytes_per_param: float
     checkpoint_holds: tuple[str, ...]
     collage_mode: str | None = None
+    master_remainder: bool = False
 
     def build_optimizer(
         self, param_groups: list[dict[str, Any]], optim_cfg: Any
@@ -42,7 +45,7 @@ class PrecisionStrategy:
         """The optimizer for parameters already cast to ``param_dtype``."""
         # Imported here: the optimizers use precision.mcf, so a module-level import
         # would make the two packages import each other.
-        from collage_train.optim import AdamW, CollageAdamW
+        from collage_train.optim import AdamW, CollageAdamW, SplitMasterAdamW
 
         hyperparameters = {
             "lr": optim_cfg.lr,
@@ -52,6 +55,8 @@ class PrecisionStrategy:
         }
         if self.collage_mode is not None:
             return CollageAdamW(param_groups, mode=self.collage_mode, **hyperparameters)
+        if self.master_remainder:
+            return SplitMasterAdamW(param_groups, **hyperparameters)
         return AdamW(param_groups, master_dtype=self.master_dtype, **hyperparameters)
 
 
