@@ -72,6 +72,7 @@ class OptimConfig:
     weight_decay: float = 0.1
     warmup_steps: int = 20
     grad_clip: float = 1.0  # 0 disables clipping
+    kernel: str = "auto"  # Collage step: auto | compiled (fused kernel) | eager (reference)
 
 
 @dataclass

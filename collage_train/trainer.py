@@ -48,6 +48,7 @@ from collage_train.models import (
     planned_parameter_count,
 )
 from collage_train.optim import decay_param_groups, warmup_cosine_lr
+from collage_train.optim.kernels import choose_kernel
 from collage_train.precision import get_strategy
 
 _VERSIONED_PACKAGES = ("torch", "transformers", "sentencepiece", "hydra-core", "wandb", "numpy")
@@ -151,8 +152,11 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
         group_of = {p: layer_group(n) for n, p in self.model.named_parameters()}
         self.layer_groups = sorted(set(group_of.values()))
+        self.optimizer_kernel = choose_kernel(cfg.optim.kernel, self.device, self.num_params)
         self.optimizer = self.strategy.build_optimizer(
-            decay_param_groups(self.model, cfg.optim.weight_decay), cfg.optim
+            decay_param_groups(self.model, cfg.optim.weight_decay),
+            cfg.optim,
+            kernel=self.optimizer_kernel,
         )
         # The module to run forward with (DeepSpeed's wrapper under ZeRO).
         self.forward_module = self.engine.prepare(
@@ -473,7 +477,8 @@ class Trainer:
         train = self.cfg.train
         return (
             f"{self.cfg.model.name} ({self.num_params / 1e6:.2f}M params) | "
-            f"precision={self.strategy.name} | {self.device} | global batch "
+            f"precision={self.strategy.name} ({self.optimizer_kernel} step) | {self.device} | "
+            "global batch "
             f"{train.global_batch_size} sequences x {self.cfg.data.seq_len} tokens = "
             f"{self.tokens_per_step:,} tokens (micro-batch {train.micro_batch_size} x "
             f"{self.accum_steps} accumulation x {self.engine.world_size} rank) | "
@@ -511,6 +516,7 @@ class Trainer:
             "state_bytes_measure": self.engine.state_bytes_measure,
             "distributed": self.cfg.distributed.name,
             "world_size": self.engine.world_size,
+            "optimizer_kernel": self.optimizer_kernel,
             "skipped_steps": self.skipped_steps,
             "wall_time_s": wall_time,
             "device": str(self.device),

@@ -105,7 +105,7 @@ def test_collage_plus_under_zero_matches_single_process_with_half_the_state(runs
     assert summary["world_size"] == 2 and summary["distributed"] == f"zero{stage}"
     assert summary["skipped_steps"] == 0
     # Only rank 0 logs: one describe line, one summary, one metrics stream.
-    assert result.stdout.count("precision=collage_plus |") == 1
+    assert result.stdout.count("precision=collage_plus (") == 1
     assert not list(zero_dir.glob("*/metrics.jsonl"))
 
     shards = optimizer_shards(zero_dir, 8)

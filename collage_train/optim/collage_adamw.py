@@ -13,7 +13,10 @@ Collage (Yu et al., ICML 2024) keeps no fp32 copy of anything. Per element:
 c1 = 1 - beta1^t and c2 = 1 - beta2^t come from an integer step count, in float64 on
 the host; the beta2 remainder is computed in float64 whatever the default dtype. Weight
 decay is part of u, so it is compensated too. The model always computes with theta (the
-bf16 parameter). A drop-in for ``torch.optim.AdamW`` on bf16 parameters::
+bf16 parameter). The arithmetic lives in ``collage_math.collage_tensor_step``, one
+tensor at a time with every rounding explicit; ``kernel="compiled"`` runs it as one
+TorchInductor kernel per tensor (one pass over the data, EDQ sums included), bitwise
+identical to ``kernel="eager"``. A drop-in for ``torch.optim.AdamW`` on bf16 parameters::
 
     model = model.to(torch.bfloat16)
     optimizer = CollageAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, mode="plus")
@@ -21,15 +24,22 @@ bf16 parameter). A drop-in for ``torch.optim.AdamW`` on bf16 parameters::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from collage_train.optim.base import TrackingOptimizer
+from collage_train.optim.collage_math import (
+    MIN_COMPILED_NUMEL,
+    collage_tensor_step,
+    compiled_tensor_step,
+)
 from collage_train.precision import mcf
 
 MODES = ("none", "light", "plus")
+KERNELS = ("eager", "compiled")
 
 
 class CollageAdamW(TrackingOptimizer):
@@ -43,12 +53,16 @@ class CollageAdamW(TrackingOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         mode: str = "plus",
+        kernel: str = "eager",
     ) -> None:
-        mode = str(mode)
+        mode, kernel = str(mode), str(kernel)
         if mode not in MODES:
             raise ValueError(f"CollageAdamW mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if kernel not in KERNELS:
+            raise ValueError(f"CollageAdamW kernel must be eager or compiled, got {kernel!r}")
         super().__init__(params, lr, betas, eps, weight_decay)
         self.mode = mode
+        self.kernel = kernel
         for group in self.param_groups:
             for param in group["params"]:
                 if param.dtype != torch.bfloat16:
@@ -70,45 +84,57 @@ class CollageAdamW(TrackingOptimizer):
                 state["dv"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
 
+    def _compiles(self, tensors: list[torch.Tensor | None]) -> bool:
+        """Whether this tensor's step runs as the compiled kernel."""
+        return (
+            self.kernel == "compiled"
+            and tensors[0].numel() >= MIN_COMPILED_NUMEL
+            and all(t is None or t.is_contiguous() for t in tensors)
+        )
+
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         beta1, beta2 = group["betas"]
-        states = [self._state_for(p) for p in params]
-        grads = [p.grad for p in params]
-        thetas = [p.detach() for p in params]
-        exp_avgs = [s["exp_avg"] for s in states]
-        for s in states:
-            s["step"] += 1
-
-        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-        self._update_second_moment(states, grads, beta2)
-        steps = [s["step"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]  # only the high part enters the sqrt
-        updates = self._adamw_updates(group, steps, exp_avgs, exp_avg_sqs, thetas)
-
-        before = self._snapshot(params)
-        if self.mode == "none":
-            torch._foreach_add_(thetas, updates)
-            self._record_descent(params, before, updates)
-            return
-        dthetas = [s["dtheta"] for s in states]
-        new_thetas, new_dthetas = mcf.grow(thetas, dthetas, updates)
-        torch._foreach_copy_(thetas, new_thetas)
-        torch._foreach_copy_(dthetas, new_dthetas)
-        self._record_descent(params, before, updates, dthetas)
-
-    def _update_second_moment(
-        self, states: list[dict[str, Any]], grads: list[torch.Tensor], beta2: float
-    ) -> None:
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        if self.mode != "plus":
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-            return
+        lr, weight_decay = group["lr"], group["weight_decay"]
         beta2_hi, beta2_lo = mcf.split_constant(beta2)
-        dvs = [s["dv"] for s in states]
-        v, dv = mcf.mul(exp_avg_sqs, dvs, beta2_hi, beta2_lo)
-        squares = torch._foreach_mul(grads, grads)
-        torch._foreach_mul_(squares, 1.0 - beta2)
-        v, dv = mcf.grow(v, dv, squares)
-        torch._foreach_copy_(exp_avg_sqs, v)
-        torch._foreach_copy_(dvs, dv)
+        track = self.track_descent
+        for param in params:
+            state = self._state_for(param)
+            state["step"] += 1
+            t = state["step"]  # an integer: the bias corrections are exact in float64
+            if param.numel() == 0:
+                continue
+            segments = self.descent_segments.get(param)
+            before = param.detach().clone() if track and segments is not None else None
+            tensors = [
+                param.detach(),
+                state.get("dtheta"),
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                state.get("dv"),
+                param.grad,
+            ]
+            scalars = (
+                1.0 - beta1,
+                beta2,
+                beta2_hi,
+                beta2_lo,
+                math.sqrt(1.0 - beta2**t),
+                group["eps"],
+                -lr / (1.0 - beta1**t),
+                -lr * weight_decay,
+            )
+            flags = {"track": track, "return_update": segments is not None}
+            if self._compiles(tensors):
+                flat = [t.view(-1) if t is not None else None for t in tensors]
+                result = compiled_tensor_step(self.mode)(*flat, *scalars, **flags)
+                if result is not None and result.dim() == 1 and flags["return_update"]:
+                    result = result.view_as(param)
+            else:
+                result = collage_tensor_step(*tensors, *scalars, mode=self.mode, **flags)
+            if not track:
+                continue
+            if segments is None:
+                self.last_descent[param] = result
+            else:  # a flat partition: sums per layer-group range
+                dthetas = [state["dtheta"]] if "dtheta" in state else None
+                self._record_descent([param], [before], [result], dthetas)

@@ -40,9 +40,12 @@ class PrecisionStrategy:
     master_remainder: bool = False
 
     def build_optimizer(
-        self, param_groups: list[dict[str, Any]], optim_cfg: Any
+        self, param_groups: list[dict[str, Any]], optim_cfg: Any, kernel: str = "eager"
     ) -> torch.optim.Optimizer:
-        """The optimizer for parameters already cast to ``param_dtype``."""
+        """The optimizer for parameters already cast to ``param_dtype``.
+
+        ``kernel`` ("eager" or "compiled") picks the implementation of the Collage step.
+        """
         # Imported here: the optimizers use precision.mcf, so a module-level import
         # would make the two packages import each other.
         from collage_train.optim import AdamW, CollageAdamW, SplitMasterAdamW
@@ -54,7 +57,9 @@ class PrecisionStrategy:
             "weight_decay": optim_cfg.weight_decay,
         }
         if self.collage_mode is not None:
-            return CollageAdamW(param_groups, mode=self.collage_mode, **hyperparameters)
+            return CollageAdamW(
+                param_groups, mode=self.collage_mode, kernel=kernel, **hyperparameters
+            )
         if self.master_remainder:
             return SplitMasterAdamW(param_groups, **hyperparameters)
         return AdamW(param_groups, master_dtype=self.master_dtype, **hyperparameters)

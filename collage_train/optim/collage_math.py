@@ -1,0 +1,130 @@
+"""The elementwise math of one CollageAdamW step on one tensor, every rounding explicit.
+
+Each arithmetic step is written as fp32 arithmetic on widened bf16 values followed by
+an explicit rounding to bf16 (``_fl``): exactly what a bf16 PyTorch kernel does, but
+spelt out, so that TorchInductor (with ``emulate_precision_casts``) compiles it into one
+fused kernel that is bitwise identical to running the same function eagerly. Eager
+bf16 kernels with scalar arguments do not have this property (``lerp`` rounds its
+weight to bf16 first, ``add(alpha=)`` differs), which is why the update is not written
+with them.
+
+``collage_tensor_step`` updates its state tensors in place and, when ``track`` is set,
+returns the six effective-descent partial sums of ``metrics.descent.FIELDS`` (or, with
+``return_update``, the intended update itself, for callers that split the sums).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from collage_train.precision import mcf
+
+_BF16 = torch.bfloat16
+
+
+def _fl(x: torch.Tensor) -> torch.Tensor:
+    return x.to(_BF16)
+
+
+def collage_tensor_step(
+    theta: torch.Tensor,
+    dtheta: torch.Tensor | None,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    dv: torch.Tensor | None,
+    grad: torch.Tensor,
+    one_minus_beta1: float,
+    beta2: float,
+    beta2_hi: float,
+    beta2_lo: float,
+    sqrt_bias2: float,
+    eps: float,
+    step_size: float,
+    decay: float,
+    mode: str,
+    track: bool,
+    return_update: bool = False,
+) -> torch.Tensor | None:
+    """One step of one tensor; ``step_size = -lr / (1 - beta1^t)``, ``decay = -lr * wd``."""
+    g = grad.float()
+    m = _fl(exp_avg.float() + one_minus_beta1 * (g - exp_avg.float()))
+    square = g * g  # exact in fp32
+    if mode == "plus":
+        v, dv_new = mcf.mul(exp_avg_sq, dv, beta2_hi, beta2_lo)
+        v, dv_new = mcf.grow(v, dv_new, _fl(_fl(square).float() * (1.0 - beta2)))
+    else:
+        v = _fl(_fl(exp_avg_sq.float() * beta2).float() + (1.0 - beta2) * square)
+        dv_new = None
+    denom = _fl(torch.sqrt(v.float()))
+    denom = _fl(_fl(denom.float() / sqrt_bias2).float() + eps)
+    update = _fl(_fl(m.float() / denom.float()).float() * step_size)
+    update = _fl(update.float() + decay * theta.float())
+    if mode == "none":
+        new_theta, new_dtheta = _fl(theta.float() + update.float()), None
+    else:
+        new_theta, new_dtheta = mcf.grow(theta, dtheta, update)
+
+    result = None
+    if track and return_update:
+        result = update
+    elif track:
+        realised = new_theta.float() - theta.float()
+        intended = update.float()
+        moved = intended != 0
+        low = new_dtheta.float() if new_dtheta is not None else torch.zeros_like(intended)
+        result = torch.stack(
+            [
+                (realised * intended).sum(),
+                (intended * intended).sum(),
+                moved.sum(dtype=torch.float32),
+                (moved & (realised == 0)).sum(dtype=torch.float32),
+                (low * low).sum(),
+                (low * intended).sum(),
+            ]
+        )
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    if dv_new is not None:
+        dv.copy_(dv_new)
+    if new_dtheta is not None:
+        dtheta.copy_(new_dtheta)
+    theta.copy_(new_theta)
+    return result
+
+
+# One entry point per mode, so that each compiles (and counts recompilations) on its
+# own: within one, only ``track``/``return_update`` vary (three graphs at most).
+def _none_step(*args: object, track: bool, return_update: bool) -> torch.Tensor | None:
+    return collage_tensor_step(*args, mode="none", track=track, return_update=return_update)
+
+
+def _light_step(*args: object, track: bool, return_update: bool) -> torch.Tensor | None:
+    return collage_tensor_step(*args, mode="light", track=track, return_update=return_update)
+
+
+def _plus_step(*args: object, track: bool, return_update: bool) -> torch.Tensor | None:
+    return collage_tensor_step(*args, mode="plus", track=track, return_update=return_update)
+
+
+_ENTRY_POINTS = {"none": _none_step, "light": _light_step, "plus": _plus_step}
+_compiled: dict[str, object] = {}
+
+# Below this many elements a tensor is updated eagerly: compiling buys nothing there,
+# and sizes 0 and 1 would each cost a specialised recompilation.
+MIN_COMPILED_NUMEL = 64
+
+
+def compiled_tensor_step(mode: str):
+    """``collage_tensor_step`` for ``mode`` compiled by TorchInductor into one fused kernel.
+
+    Takes 1-D contiguous tensors (any length: shapes are dynamic) and the same
+    positional scalars, with ``track`` and ``return_update`` as keywords.
+    """
+    if mode not in _compiled:
+        _compiled[mode] = torch.compile(
+            _ENTRY_POINTS[mode],
+            dynamic=True,
+            fullgraph=True,
+            options={"emulate_precision_casts": True},
+        )
+    return _compiled[mode]
