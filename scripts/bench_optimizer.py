@@ -1,0 +1,190 @@
+"""Optimizer step time against the memory-bandwidth floor, strategy by strategy.
+
+An optimizer step is pure memory traffic: its floor is the bytes it must read and write
+per parameter (REFERENCE section 5) over the bandwidth of a large copy, measured in the
+same run. For a parameter set of transformer-like matrices, each row reports the median
+step time, the effective bandwidth (floor bytes / time) and the ratio to the floor,
+side by side with torch.optim.AdamW (fp32 parameters and states; foreach on CPU, fused
+on GPU) and, when installed, peers a user would pick instead (optimi's Kahan-summation
+AdamW, torchao's bf16 AdamW with stochastic rounding; ``pip install -e .[bench]``).
+
+    python scripts/bench_optimizer.py --params 33.6e6 --json optimizer.json
+
+The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from runs import append_results
+
+from collage_train.optim import AdamW, CollageAdamW, SplitMasterAdamW
+
+# Bytes read + written per parameter by one fused pass (gradient read included).
+FLOOR_BYTES = {
+    "torch_adamw_fp32": 28,  # p, g, m, v fp32 read; p, m, v written
+    "mixed_fp32": 28,  # master, m, v fp32 + bf16 g read; master, m, v fp32 + bf16 p written
+    "split_fp32": 26,  # p, remainder, g (2 each) + m, v (4 each) read; all but g written
+    "bf16": 14,
+    "collage_light": 18,
+    "collage_plus": 22,
+    "optimi_kahan": 18,  # p, g, m, v, compensation bf16 read; all but g written
+    "torchao_bf16_sr": 14,
+}
+
+
+def make_params(total: float, tensors: int, dtype: torch.dtype, device: str) -> list:
+    side = int((total / tensors) ** 0.5)
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for _ in range(tensors):
+        param = torch.nn.Parameter(
+            (torch.randn(side, side, generator=gen) * 0.02).to(device, dtype)
+        )
+        param.grad = (torch.randn(side, side, generator=gen) * 1e-3).to(device, dtype)
+        params.append(param)
+    return params
+
+
+def copy_bandwidth(numel: int, device: str, repeats: int = 5) -> float:
+    """Read + write bytes per second of a large fp32 copy."""
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / min(times)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def candidates(device: str) -> dict[str, tuple[torch.dtype, Callable]]:
+    """name -> (parameter dtype, optimizer factory)."""
+    hyper = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+    fused_torch = {"fused": True} if device == "cuda" else {"foreach": True}
+    rows: dict[str, tuple[torch.dtype, Callable]] = {
+        "torch_adamw_fp32": (torch.float32, lambda p: torch.optim.AdamW(p, **hyper, **fused_torch)),
+        "mixed_fp32": (torch.bfloat16, lambda p: AdamW(p, master_dtype=torch.float32, **hyper)),
+        "split_fp32": (torch.bfloat16, lambda p: SplitMasterAdamW(p, **hyper)),
+    }
+    for mode, name in (("none", "bf16"), ("light", "collage_light"), ("plus", "collage_plus")):
+        for kernel in ("eager", "compiled"):
+            rows[f"{name} ({kernel})"] = (
+                torch.bfloat16,
+                lambda p, mode=mode, kernel=kernel: CollageAdamW(
+                    p, mode=mode, kernel=kernel, **hyper
+                ),
+            )
+    try:
+        import optimi
+
+        rows["optimi_kahan"] = (
+            torch.bfloat16,
+            lambda p: optimi.AdamW(p, kahan_sum=True, decouple_lr=False, **hyper),
+        )
+    except ImportError:
+        print("optimi is not installed: its row is skipped (pip install torch-optimi)")
+    try:
+        from torchao.optim import _AdamW
+
+        rows["torchao_bf16_sr"] = (
+            torch.bfloat16,
+            lambda p: _AdamW(p, bf16_stochastic_round=True, **hyper),
+        )
+    except ImportError:
+        print("torchao is not installed: its row is skipped (pip install torchao)")
+    return rows
+
+
+def time_steps(optimizer: torch.optim.Optimizer, steps: int, device: str, track: bool) -> float:
+    """Median seconds per step, after two warm-up steps (state allocation, compilation)."""
+    for _ in range(2):
+        optimizer.step()
+    times = []
+    for _ in range(steps):
+        if track:
+            optimizer.track_descent = True
+        sync(device)
+        start = time.perf_counter()
+        optimizer.step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=float, default=None, help="default 33.6e6 CPU, 1.3e9 GPU")
+    parser.add_argument("--tensors", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--only", nargs="*", help="row names to run (default: all)")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    args = parser.parse_args()
+    total = args.params or (1.3e9 if args.device == "cuda" else 33.6e6)
+
+    bandwidth = copy_bandwidth(int(total), args.device)
+    rows = []
+    plans = [(name, spec, False) for name, spec in candidates(args.device).items()]
+    plans.append(("collage_plus (compiled, EDQ every step)", plans[-1][1], True))
+    plans = [p for p in plans if not args.only or p[0] in args.only]
+    for name, (dtype, factory), track in plans:
+        params = make_params(total, args.tensors, dtype, args.device)
+        numel = sum(p.numel() for p in params)
+        optimizer = factory(params)
+        seconds = time_steps(optimizer, args.steps, args.device, track)
+        floor_bytes = FLOOR_BYTES[name.split(" ")[0]]
+        floor_seconds = floor_bytes * numel / bandwidth
+        rows.append(
+            {
+                "name": name,
+                "ms_per_step": seconds * 1e3,
+                "gb_per_s": floor_bytes * numel / seconds / 1e9,
+                "floor_ratio": seconds / floor_seconds,
+                "floor_bytes_per_param": floor_bytes,
+                "floor_ms": floor_seconds * 1e3,
+            }
+        )
+        print(f"{name}: {seconds * 1e3:.1f} ms ({seconds / floor_seconds:.2f}x floor)", flush=True)
+        del optimizer, params
+
+    lines = [
+        "| optimizer | bytes/param (floor) | ms/step | floor ms | effective GB/s | x floor |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['name']} | {r['floor_bytes_per_param']} | {r['ms_per_step']:.1f} | "
+        f"{r['floor_ms']:.1f} | {r['gb_per_s']:.1f} | {r['floor_ratio']:.2f} |"
+        for r in rows
+    ]
+    table = "\n".join(lines)
+    print(table)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    if not args.no_append:
+        append_results(
+            "Optimizer step against the memory-bandwidth floor",
+            f"{total / 1e6:.1f}M parameters in {args.tensors} tensors on {args.device}; copy "
+            f"bandwidth (read + write) {bandwidth / 1e9:.1f} GB/s measured in the same run; "
+            f"median of {args.steps} steps.",
+            table,
+        )
+
+
+if __name__ == "__main__":
+    main()
