@@ -201,13 +201,19 @@ class WandbSink:
 
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if resume and id_file.exists() else None
+        # Runs group by model and strategy by default: the runs of one strategy (seeds,
+        # resumes) form one group and the strategies overlay as separate lines.
+        precision = config.get("precision", {}).get("name", "run")
+        model = config.get("model", {}).get("name", "model")
+        distributed = config.get("distributed", {}).get("name", "single")
         self.run = wandb.init(
             mode=cfg.mode,
             project=cfg.project,
             entity=cfg.entity,
-            name=cfg.name or run_dir.name,
-            group=cfg.group,
-            tags=list(cfg.tags),
+            name=cfg.name or f"{precision}-{run_dir.name}",
+            group=cfg.group or f"{model}-{precision}",
+            job_type=precision,
+            tags=sorted({*cfg.tags, precision, model, distributed}),
             config=config,
             dir=str(run_dir),
             id=run_id,
@@ -217,6 +223,8 @@ class WandbSink:
             id_file.write_text(self.run.id)
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
+        self.run.define_metric("val/val_loss", step_metric="step", summary="min")
+        self.run.define_metric("train/loss", step_metric="step", summary="last")
 
     def log(self, record: dict[str, Any]) -> None:
         grouped = {
