@@ -76,7 +76,7 @@ class SingleProcessEngine:
         return tensor
 
     def barrier(self) -> None:
-        pass
+        """One process: there is no one to wait for."""
 
     def descent_segments(
         self, group_of: dict[torch.Tensor, str]
@@ -101,7 +101,7 @@ class SingleProcessEngine:
         return strategy.expected_state_bytes_per_param
 
     def close(self) -> None:
-        pass
+        """One process: no process group to leave."""
 
     def save(self, directory: Path, client_state: dict[str, Any]) -> None:
         checkpoint.write_tensors(

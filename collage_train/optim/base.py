@@ -52,6 +52,17 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
         self.last_descent: dict[torch.Tensor, torch.Tensor] = {}
         self.descent_segments: dict[torch.Tensor, list[tuple[str, int, int]]] = {}
 
+    def _require_bf16_params(self, why: str) -> None:
+        """Refuse parameters that are not bf16, saying why this optimizer needs them."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.dtype != torch.bfloat16:
+                    raise TypeError(
+                        f"{type(self).__name__} {why} and needs bf16 parameters, got a "
+                        f"{param.dtype} parameter of shape {tuple(param.shape)}; cast the "
+                        "model with model.to(torch.bfloat16)"
+                    )
+
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         loss = None

@@ -63,14 +63,7 @@ class CollageAdamW(TrackingOptimizer):
         super().__init__(params, lr, betas, eps, weight_decay)
         self.mode = mode
         self.kernel = kernel
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.dtype != torch.bfloat16:
-                    raise TypeError(
-                        f"CollageAdamW keeps bf16 state and needs bf16 parameters, got a "
-                        f"{param.dtype} parameter of shape {tuple(param.shape)}; cast the "
-                        "model with model.to(torch.bfloat16)"
-                    )
+        self._require_bf16_params("keeps bf16 state")
 
     def _state_for(self, param: torch.Tensor) -> dict[str, Any]:
         state = self.state[param]

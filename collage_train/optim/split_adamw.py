@@ -27,13 +27,7 @@ class SplitMasterAdamW(AdamW):
 
     def __init__(self, params: Any, **hyperparameters: Any) -> None:
         super().__init__(params, master_dtype=torch.float32, **hyperparameters)
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.dtype != torch.bfloat16:
-                    raise TypeError(
-                        "SplitMasterAdamW splits an fp32 master around a bf16 weight and needs "
-                        f"bf16 parameters, got {param.dtype} of shape {tuple(param.shape)}"
-                    )
+        self._require_bf16_params("splits an fp32 master around a bf16 weight")
 
     def _state_for(self, param: torch.Tensor) -> dict[str, Any]:
         state = self.state[param]
