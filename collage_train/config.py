@@ -111,6 +111,7 @@ class LoggingConfig:
 
     log_every: int = 10
     console: str = "rich"  # rich | plain | none
+    plots: bool = True  # write the run's plots/ at the end
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 

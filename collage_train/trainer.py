@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from collage_train import checkpoint
-from collage_train.compare import load_run, write_report
 from collage_train.data import build_data
 from collage_train.engine import build_engine
 from collage_train.engine.launch import local_world_size
@@ -526,7 +525,9 @@ class Trainer:
         }
         if self.engine.is_main:
             write_json_atomic(self.run_dir / "summary.json", summary)
-            if (self.run_dir / "metrics.jsonl").is_file():  # the run's own plots
+            if self.cfg.logging.plots and (self.run_dir / "metrics.jsonl").is_file():
+                from collage_train.compare import load_run, write_report  # imports matplotlib
+
                 write_report([load_run(self.run_dir)], self.run_dir / "plots")
         for sink in self.sinks:
             sink.summary(summary)

@@ -47,6 +47,7 @@ def tiny_overrides(corpus: Path, cache: Path, run_dir: Path) -> list[str]:
         "logging.log_every=2",
         "logging.console=plain",
         "logging.wandb.mode=disabled",
+        "logging.plots=false",  # plots are tested in test_compare.py
         f"hydra.run.dir={run_dir}",
     ]
 

@@ -69,6 +69,7 @@ def make_cfg(corpus_dir, cache_dir):
             "logging.log_every=1",
             "logging.console=none",
             "logging.wandb.mode=disabled",
+            "logging.plots=false",
             "train.export_hf=false",
         ]
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):

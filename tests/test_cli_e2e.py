@@ -193,3 +193,4 @@ def test_default_corpus_trains(cache_dir, tmp_path):
     corpus = summary["corpus"]
     assert corpus["source"] == "stdlib" and corpus["python_version"] == sys.version.split()[0]
     assert corpus["vocab_size"] == 8192 and corpus["train_tokens"] > 1_000_000
+    assert (run_dir / "plots" / "loss.png").is_file()  # the default writes the run's plots
