@@ -223,6 +223,8 @@ class Trainer:
 
     def _all_ranks_agree(self, ok: bool) -> bool:
         """True when ``ok`` holds on every rank."""
+        if self.engine.world_size == 1:
+            return ok
         failures = torch.tensor([0.0 if ok else 1.0], device=self.device)
         return self.engine.all_reduce_sum(failures).item() == 0
 

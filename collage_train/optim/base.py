@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import math
 from typing import Any
 
 import torch
@@ -78,31 +77,6 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
     @abc.abstractmethod
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         """Update ``params`` (those of ``group`` that have gradients) in place."""
-
-    @staticmethod
-    def _adamw_updates(
-        group: dict[str, Any],
-        steps: list[int],
-        exp_avgs: list[torch.Tensor],
-        exp_avg_sqs: list[torch.Tensor],
-        thetas: list[torch.Tensor],
-    ) -> list[torch.Tensor]:
-        """u = -lr * m_hat / (sqrt(v_hat) + eps) - lr * wd * theta, in the moments' dtype.
-
-        The bias corrections come from the integer step counts, in float64 on the host.
-        """
-        beta1, beta2 = group["betas"]
-        lr, weight_decay = group["lr"], group["weight_decay"]
-        sqrt_bias2 = [math.sqrt(1.0 - beta2**t) for t in steps]
-        step_sizes = [-lr / (1.0 - beta1**t) for t in steps]
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, sqrt_bias2)
-        torch._foreach_add_(denom, group["eps"])
-        updates = torch._foreach_div(exp_avgs, denom)
-        torch._foreach_mul_(updates, step_sizes)
-        if weight_decay != 0.0:
-            torch._foreach_add_(updates, thetas, alpha=-lr * weight_decay)
-        return list(updates)
 
     def _record_descent(
         self,

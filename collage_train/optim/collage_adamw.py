@@ -120,7 +120,7 @@ class CollageAdamW(TrackingOptimizer):
             if self._compiles(tensors):
                 flat = [t.view(-1) if t is not None else None for t in tensors]
                 result = compiled_tensor_step(self.mode)(*flat, *scalars, **flags)
-                if result is not None and result.dim() == 1 and flags["return_update"]:
+                if track and segments is not None:  # the update, flattened above
                     result = result.view_as(param)
             else:
                 result = collage_tensor_step(*tensors, *scalars, mode=self.mode, **flags)

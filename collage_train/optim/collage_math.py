@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from collage_train.metrics.descent import descent_partials
 from collage_train.precision import mcf
 
 _BF16 = torch.bfloat16
@@ -68,20 +69,7 @@ def collage_tensor_step(
     if track and return_update:
         result = update
     elif track:
-        realised = new_theta.float() - theta.float()
-        intended = update.float()
-        moved = intended != 0
-        low = new_dtheta.float() if new_dtheta is not None else torch.zeros_like(intended)
-        result = torch.stack(
-            [
-                (realised * intended).sum(),
-                (intended * intended).sum(),
-                moved.sum(dtype=torch.float32),
-                (moved & (realised == 0)).sum(dtype=torch.float32),
-                (low * low).sum(),
-                (low * intended).sum(),
-            ]
-        )
+        result = descent_partials(theta, new_theta, update, new_dtheta)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     if dv_new is not None:
