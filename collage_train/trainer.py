@@ -152,7 +152,9 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
         group_of = {p: layer_group(n) for n, p in self.model.named_parameters()}
         self.layer_groups = sorted(set(group_of.values()))
-        self.optimizer_kernel = choose_kernel(cfg.optim.kernel, self.device, self.num_params)
+        self.optimizer_kernel = choose_kernel(
+            cfg.optim.kernel, self.device, self.num_params, self.strategy.collage_mode
+        )
         self.optimizer = self.strategy.build_optimizer(
             decay_param_groups(self.model, cfg.optim.weight_decay),
             cfg.optim,

@@ -73,3 +73,17 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny):
     )
     assert_clean_error(result, "became", "at step", "optim.lr")
     assert good.read_bytes() == before
+
+
+def test_missing_wandb_package_is_one_config_error(monkeypatch, tmp_path):
+    """W&B logging without the wandb package says how to fix it instead of a traceback."""
+    import sys
+    from types import SimpleNamespace
+
+    from collage_train.errors import ConfigError
+    from collage_train.metrics.sinks import WandbSink
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes ``import wandb`` fail
+    cfg = SimpleNamespace(mode="offline", project="p", entity=None, name=None, group=None, tags=[])
+    with pytest.raises(ConfigError, match=r"logging\.wandb\.mode=disabled"):
+        WandbSink(cfg, tmp_path, {}, resume=False)

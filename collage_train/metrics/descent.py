@@ -27,21 +27,27 @@ def descent_partials(
     update: torch.Tensor,
     dtheta: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Partial sums (see FIELDS) for one tensor, accumulated in fp32."""
+    """Partial sums (see FIELDS) for one tensor, accumulated in fp32.
+
+    Written as sums of elementwise products rather than ``torch.dot``, so that a
+    compiled optimizer step fuses them into its single pass over the data (a ``dot``
+    is an external BLAS call that would need the operands written out first).
+    """
     realised = after.float() - before.float()
     intended = update.float()
     moved = intended != 0
+    zero = torch.zeros((), device=after.device)
     values = [
-        torch.dot(realised.flatten(), intended.flatten()),
-        torch.dot(intended.flatten(), intended.flatten()),
+        (realised * intended).sum(),
+        (intended * intended).sum(),
         moved.sum(dtype=torch.float32),
         (moved & (realised == 0)).sum(dtype=torch.float32),
     ]
     if dtheta is None:
-        values += [torch.zeros((), device=after.device), torch.zeros((), device=after.device)]
+        values += [zero, zero]
     else:
-        low = dtheta.float().flatten()
-        values += [torch.dot(low, low), torch.dot(low, intended.flatten())]
+        low = dtheta.float()
+        values += [(low * low).sum(), (low * intended).sum()]
     return torch.stack(values)
 
 

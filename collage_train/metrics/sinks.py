@@ -23,6 +23,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from collage_train.errors import ConfigError
+
 
 class Sink(Protocol):
     """Receives metric records and the final summary."""
@@ -197,7 +199,13 @@ class WandbSink:
     """
 
     def __init__(self, cfg: Any, run_dir: Path, config: dict[str, Any], resume: bool) -> None:
-        import wandb
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError(
+                f"logging.wandb.mode={cfg.mode} needs the wandb package: pip install wandb, "
+                "or set logging.wandb.mode=disabled"
+            ) from None
 
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if resume and id_file.exists() else None

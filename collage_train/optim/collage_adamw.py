@@ -24,7 +24,6 @@ identical to ``kernel="eager"``. A drop-in for ``torch.optim.AdamW`` on bf16 par
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,8 +34,8 @@ from collage_train.optim.collage_math import (
     MIN_COMPILED_NUMEL,
     collage_tensor_step,
     compiled_tensor_step,
+    step_scalars,
 )
-from collage_train.precision import mcf
 
 MODES = ("none", "light", "plus")
 KERNELS = ("eager", "compiled")
@@ -87,8 +86,6 @@ class CollageAdamW(TrackingOptimizer):
 
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         beta1, beta2 = group["betas"]
-        lr, weight_decay = group["lr"], group["weight_decay"]
-        beta2_hi, beta2_lo = mcf.split_constant(beta2)
         track = self.track_descent
         for param in params:
             state = self._state_for(param)
@@ -106,15 +103,8 @@ class CollageAdamW(TrackingOptimizer):
                 state.get("dv"),
                 param.grad,
             ]
-            scalars = (
-                1.0 - beta1,
-                beta2,
-                beta2_hi,
-                beta2_lo,
-                math.sqrt(1.0 - beta2**t),
-                group["eps"],
-                -lr / (1.0 - beta1**t),
-                -lr * weight_decay,
+            scalars = step_scalars(
+                group["lr"], beta1, beta2, group["eps"], group["weight_decay"], t
             )
             flags = {"track": track, "return_update": segments is not None}
             if self._compiles(tensors):

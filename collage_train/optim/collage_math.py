@@ -15,6 +15,8 @@ returns the six effective-descent partial sums of ``metrics.descent.FIELDS`` (or
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from collage_train.metrics.descent import descent_partials
@@ -78,6 +80,27 @@ def collage_tensor_step(
         dtheta.copy_(new_dtheta)
     theta.copy_(new_theta)
     return result
+
+
+def step_scalars(
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int
+) -> tuple[float, ...]:
+    """The positional scalars of ``collage_tensor_step`` for integer step ``step``.
+
+    The bias corrections come from the integer step in float64 (never a bf16 counter)
+    and beta2's bf16 remainder from ``mcf.split_constant`` (float64).
+    """
+    beta2_hi, beta2_lo = mcf.split_constant(beta2)
+    return (
+        1.0 - beta1,
+        beta2,
+        beta2_hi,
+        beta2_lo,
+        math.sqrt(1.0 - beta2**step),
+        eps,
+        -lr / (1.0 - beta1**step),
+        -lr * weight_decay,
+    )
 
 
 # One entry point per mode, so that each compiles (and counts recompilations) on its

@@ -1,24 +1,40 @@
 """Which implementation of the Collage step a run uses: eager reference or compiled kernel.
 
 ``optim.kernel=auto`` compiles the step (one fused TorchInductor kernel per tensor) when
-a compiler backend is there (a C++ compiler on CPU, Triton on GPU) and the model is
-large enough for the one-off compilation (seconds per mode) to pay for itself;
-``compiled`` insists, ``eager`` forces the reference. Both give bitwise-identical
-results.
+a compiler backend is there (a C++ compiler on CPU, Triton on GPU), the model is large
+enough for the one-off compilation (seconds per mode) to pay for itself, and the
+compiled kernel reproduces the eager reference bit for bit on this device with this
+torch (checked once per process by ``compiled_matches_eager``: TorchInductor's bf16
+rounding emulation differs between torch versions and backends). ``compiled`` insists,
+and fails with one line where the check fails; ``eager`` forces the reference.
+Strategies without a Collage step (fp32 masters) always run eagerly.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import logging
 import os
 import shutil
 
 import torch
 
 from collage_train.errors import ConfigError
+from collage_train.optim.collage_math import (
+    collage_tensor_step,
+    compiled_tensor_step,
+    step_scalars,
+)
 
 KERNEL_SETTINGS = ("auto", "compiled", "eager")
 AUTO_COMPILE_MIN_PARAMS = 20_000_000
+# The parity probe: a size that is no multiple of any vector or block width, enough
+# steps for the bias corrections and the compensation terms to matter.
+_PROBE_NUMEL = 4099
+_PROBE_STEPS = 6
+
+log = logging.getLogger(__name__)
 
 
 def compiler_available(device: torch.device) -> bool:
@@ -29,21 +45,69 @@ def compiler_available(device: torch.device) -> bool:
     return any(name and shutil.which(name) for name in compilers)
 
 
-def choose_kernel(setting: str, device: torch.device, num_params: int) -> str:
-    """``eager`` or ``compiled`` for ``optim.kernel=setting``."""
+@functools.cache
+def compiled_matches_eager(mode: str, device_type: str) -> bool:
+    """Whether the compiled step of ``mode`` equals the eager one bitwise on this device.
+
+    Runs both on the same random bf16 state for a few steps, with and without the EDQ
+    sums, and compares parameters, every state component (bitwise) and the sums (to
+    fp32 rounding). The compilation it triggers is the one training would do anyway.
+    """
+    gen = torch.Generator().manual_seed(0)
+
+    def bf16(scale: float) -> torch.Tensor:
+        values = torch.randn(_PROBE_NUMEL, generator=gen) * scale
+        return values.to(device=device_type, dtype=torch.bfloat16)
+
+    theta, grads = bf16(0.05), [bf16(1e-2) for _ in range(_PROBE_STEPS)]
+    # theta, dtheta, exp_avg, exp_avg_sq, dv for the eager and the compiled step
+    runs = [[theta.clone()] + [torch.zeros_like(theta) for _ in range(4)] for _ in range(2)]
+    steps = (functools.partial(collage_tensor_step, mode=mode), compiled_tensor_step(mode))
+    for t in range(1, _PROBE_STEPS + 1):
+        scalars = step_scalars(3e-3 * 0.97**t, 0.9, 0.999, 1e-8, 0.1, t)
+        track = t % 2 == 0
+        sums = []
+        for (p, dtheta, m, v, dv), step in zip(runs, steps, strict=True):
+            dtheta = dtheta if mode != "none" else None
+            dv = dv if mode == "plus" else None
+            grad = grads[t - 1]
+            sums.append(step(p, dtheta, m, v, dv, grad, *scalars, track=track, return_update=False))
+        if track and not torch.allclose(sums[0], sums[1], rtol=1e-5, atol=1e-12):
+            return False
+    return all(
+        torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(*runs, strict=True)
+    )
+
+
+def choose_kernel(setting: str, device: torch.device, num_params: int, mode: str | None) -> str:
+    """``eager`` or ``compiled`` for ``optim.kernel=setting`` and Collage ``mode``.
+
+    ``mode`` is the strategy's Collage mode (``none``/``light``/``plus``), or None for a
+    strategy without a Collage step, which always runs eagerly.
+    """
     if setting not in KERNEL_SETTINGS:
         raise ConfigError(
             f"optim.kernel must be one of {', '.join(KERNEL_SETTINGS)}, got {setting!r}"
         )
-    if setting == "eager":
+    if setting == "eager" or mode is None:
         return "eager"
-    available = compiler_available(device)
-    if setting == "compiled":
-        if not available:
-            needs = "Triton" if device.type == "cuda" else "a C++ compiler (g++ or clang++)"
-            raise ConfigError(
-                f"optim.kernel=compiled needs {needs} for {device.type}; install it or use "
-                "optim.kernel=eager"
-            )
+    if setting == "auto" and num_params < AUTO_COMPILE_MIN_PARAMS:
+        return "eager"
+    if not compiler_available(device):
+        if setting == "auto":
+            return "eager"
+        needs = "Triton" if device.type == "cuda" else "a C++ compiler (g++ or clang++)"
+        raise ConfigError(
+            f"optim.kernel=compiled needs {needs} for {device.type}; install it or use "
+            "optim.kernel=eager"
+        )
+    if compiled_matches_eager(mode, device.type):
         return "compiled"
-    return "compiled" if available and num_params >= AUTO_COMPILE_MIN_PARAMS else "eager"
+    reason = (
+        f"TorchInductor in torch {torch.__version__} does not reproduce the eager Collage "
+        f"step bit for bit on {device.type}"
+    )
+    if setting == "compiled":
+        raise ConfigError(f"optim.kernel=compiled: {reason}; use optim.kernel=eager or auto")
+    log.warning("%s: running the eager reference step instead", reason)
+    return "eager"

@@ -13,6 +13,8 @@ Each function takes either tensors or lists of tensors (the multi-tensor form ru
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 Tensors = torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]
@@ -98,6 +100,7 @@ def mul(x: Tensors, dx: Tensors, b: float, db: float) -> tuple[Tensors, Tensors]
     return fast_two_sum(p, d)
 
 
+@functools.cache
 def split_constant(value: float, dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
     """Split a float64 constant into (hi, lo) = (fl(value), fl(value - hi)) in ``dtype``.
 
