@@ -31,9 +31,9 @@ import torch
 
 from collage_train.optim.base import TrackingOptimizer
 from collage_train.optim.collage_math import (
-    MIN_COMPILED_NUMEL,
     collage_tensor_step,
-    compiled_tensor_step,
+    fused_tensor_step,
+    min_fused_numel,
     step_scalars,
 )
 
@@ -80,7 +80,7 @@ class CollageAdamW(TrackingOptimizer):
         """Whether this tensor's step runs as the compiled kernel."""
         return (
             self.kernel == "compiled"
-            and tensors[0].numel() >= MIN_COMPILED_NUMEL
+            and tensors[0].numel() >= min_fused_numel(tensors[0].device.type)
             and all(t is None or t.is_contiguous() for t in tensors)
         )
 
@@ -109,7 +109,8 @@ class CollageAdamW(TrackingOptimizer):
             flags = {"track": track, "return_update": segments is not None}
             if self._compiles(tensors):
                 flat = [t.view(-1) if t is not None else None for t in tensors]
-                result = compiled_tensor_step(self.mode)(*flat, *scalars, **flags)
+                step = fused_tensor_step(self.mode, param.device.type)
+                result = step(*flat, *scalars, **flags)
                 if track and segments is not None:  # the update, flattened above
                     result = result.view_as(param)
             else:

@@ -40,7 +40,7 @@ def collage_tensor_step(
     beta2: float,
     beta2_hi: float,
     beta2_lo: float,
-    sqrt_bias2: float,
+    inv_sqrt_bias2: float,
     eps: float,
     step_size: float,
     decay: float,
@@ -48,7 +48,13 @@ def collage_tensor_step(
     track: bool,
     return_update: bool = False,
 ) -> torch.Tensor | None:
-    """One step of one tensor; ``step_size = -lr / (1 - beta1^t)``, ``decay = -lr * wd``."""
+    """One step of one tensor; ``step_size = -lr / (1 - beta1^t)``, ``decay = -lr * wd``.
+
+    ``inv_sqrt_bias2`` is the fp32 reciprocal of sqrt(1 - beta2^t) (``step_scalars``):
+    the bias correction of the denominator is a multiplication by it, written out so
+    that every device computes the same thing (CUDA's eager division by a scalar
+    multiplies by the reciprocal, the CPU's divides).
+    """
     g = grad.float()
     m = _fl(exp_avg.float() + one_minus_beta1 * (g - exp_avg.float()))
     square = g * g  # exact in fp32
@@ -59,7 +65,7 @@ def collage_tensor_step(
         v = _fl(_fl(exp_avg_sq.float() * beta2).float() + (1.0 - beta2) * square)
         dv_new = None
     denom = _fl(torch.sqrt(v.float()))
-    denom = _fl(_fl(denom.float() / sqrt_bias2).float() + eps)
+    denom = _fl(_fl(denom.float() * inv_sqrt_bias2).float() + eps)
     update = _fl(_fl(m.float() / denom.float()).float() * step_size)
     update = _fl(update.float() + decay * theta.float())
     if mode == "none":
@@ -88,15 +94,18 @@ def step_scalars(
     """The positional scalars of ``collage_tensor_step`` for integer step ``step``.
 
     The bias corrections come from the integer step in float64 (never a bf16 counter)
-    and beta2's bf16 remainder from ``mcf.split_constant`` (float64).
+    and beta2's bf16 remainder from ``mcf.split_constant`` (float64); the reciprocal of
+    sqrt(1 - beta2^t) is one fp32 division of fp32 values, as a CUDA kernel would do it.
     """
     beta2_hi, beta2_lo = mcf.split_constant(beta2)
+    sqrt_bias2 = torch.tensor(math.sqrt(1.0 - beta2**step), dtype=torch.float32)
+    inv_sqrt_bias2 = float(torch.tensor(1.0, dtype=torch.float32) / sqrt_bias2)
     return (
         1.0 - beta1,
         beta2,
         beta2_hi,
         beta2_lo,
-        math.sqrt(1.0 - beta2**step),
+        inv_sqrt_bias2,
         eps,
         -lr / (1.0 - beta1**step),
         -lr * weight_decay,
@@ -139,3 +148,22 @@ def compiled_tensor_step(mode: str):
             options={"emulate_precision_casts": True},
         )
     return _compiled[mode]
+
+
+def fused_tensor_step(mode: str, device_type: str):
+    """The one-pass step of ``mode`` for tensors on ``device_type``.
+
+    CUDA runs the hand-written Triton kernel (``collage_triton``); other devices the
+    TorchInductor compilation of ``collage_tensor_step``. Same arguments as
+    ``compiled_tensor_step``.
+    """
+    if device_type == "cuda":
+        from collage_train.optim.collage_triton import triton_tensor_step
+
+        return triton_tensor_step(mode)
+    return compiled_tensor_step(mode)
+
+
+def min_fused_numel(device_type: str) -> int:
+    """Tensors smaller than this are stepped eagerly (compiling would not pay)."""
+    return 1 if device_type == "cuda" else MIN_COMPILED_NUMEL

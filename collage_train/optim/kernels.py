@@ -23,7 +23,7 @@ import torch
 from collage_train.errors import ConfigError
 from collage_train.optim.collage_math import (
     collage_tensor_step,
-    compiled_tensor_step,
+    fused_tensor_step,
     step_scalars,
 )
 
@@ -62,7 +62,10 @@ def compiled_matches_eager(mode: str, device_type: str) -> bool:
     theta, grads = bf16(0.05), [bf16(1e-2) for _ in range(_PROBE_STEPS)]
     # theta, dtheta, exp_avg, exp_avg_sq, dv for the eager and the compiled step
     runs = [[theta.clone()] + [torch.zeros_like(theta) for _ in range(4)] for _ in range(2)]
-    steps = (functools.partial(collage_tensor_step, mode=mode), compiled_tensor_step(mode))
+    steps = (
+        functools.partial(collage_tensor_step, mode=mode),
+        fused_tensor_step(mode, device_type),
+    )
     for t in range(1, _PROBE_STEPS + 1):
         scalars = step_scalars(3e-3 * 0.97**t, 0.9, 0.999, 1e-8, 0.1, t)
         track = t % 2 == 0
