@@ -147,11 +147,15 @@ def _collage_step_kernel(
             tl.store(row + 5, tl.sum(low * update, axis=0))
 
 
-def triton_tensor_step(mode: str) -> Callable[..., torch.Tensor | None]:
+def triton_tensor_step(
+    mode: str, block: int = BLOCK, num_warps: int = NUM_WARPS, bit_rounding: bool = _INTERPRETED
+) -> Callable[..., torch.Tensor | None]:
     """A drop-in for ``collage_math.compiled_tensor_step(mode)`` on contiguous CUDA tensors.
 
     Same positional tensors and scalars, ``track``/``return_update`` as keywords; returns
-    the six EDQ partial sums (fp32, on the device) or the intended update.
+    the six EDQ partial sums (fp32, on the device) or the intended update. ``block``,
+    ``num_warps`` and ``bit_rounding`` (round on the bits instead of the conversion
+    instruction) exist for scripts/tune_collage_triton.py; all variants are bitwise equal.
     """
     mode_id = _MODES[mode]
 
@@ -175,7 +179,7 @@ def triton_tensor_step(mode: str) -> Callable[..., torch.Tensor | None]:
         return_update: bool,
     ) -> torch.Tensor | None:
         n = theta.numel()
-        blocks = triton.cdiv(n, BLOCK)
+        blocks = triton.cdiv(n, block)
         write_update = track and return_update
         update = torch.empty_like(theta) if write_update else theta
         partials = torch.empty(
@@ -205,9 +209,9 @@ def triton_tensor_step(mode: str) -> Callable[..., torch.Tensor | None]:
             MODE=mode_id,
             TRACK=track and not return_update,
             WRITE_UPDATE=write_update,
-            BLOCK=BLOCK,
-            R=_INTERPRETED,
-            num_warps=NUM_WARPS,
+            BLOCK=block,
+            R=bit_rounding,
+            num_warps=num_warps,
             enable_fp_fusion=False,
         )
         if write_update:
