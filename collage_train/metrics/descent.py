@@ -51,6 +51,27 @@ def descent_partials(
     return torch.stack(values)
 
 
+def partials_close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> bool:
+    """Whether two partial-sum vectors agree to summation-order rounding.
+
+    The counts must be equal. The sums of squares agree to ``rtol``; the two dot
+    products may cancel towards zero, so their tolerance is ``rtol`` times their
+    Cauchy-Schwarz bound (sqrt of the product of the matching sums of squares), not
+    of their own value. NaNs agree only with NaNs in the same place.
+    """
+    a, b = a.double().cpu(), b.double().cpu()
+    if not torch.equal(a.isnan(), b.isnan()):
+        return False
+    a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)
+    dot, update_sq, nonzero, lost, dtheta_sq, dtheta_dot = range(len(FIELDS))
+    if a[nonzero] != b[nonzero] or a[lost] != b[lost]:
+        return False
+    scale = a.abs().clone()
+    scale[dot] = scale[update_sq]  # |<D, u>| is about ||u||^2 when little is lost
+    scale[dtheta_dot] = (a[dtheta_sq] * a[update_sq]).sqrt()
+    return bool(((a - b).abs() <= rtol * scale + 1e-30).all())
+
+
 def descent_metrics(partials: torch.Tensor, with_dtheta: bool) -> dict[str, float]:
     """EDQ, normalised EDQ, lost-update fraction (and dtheta norms) from summed partials."""
     dot, update_sq, nonzero, lost, dtheta_sq, dtheta_dot = partials.tolist()
