@@ -91,6 +91,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     resume: bool = False
     export_hf: bool = True
+    compile: bool = False  # torch.compile the model's forward (and so its backward)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
 
 
 @dataclass

@@ -148,6 +148,15 @@ class Trainer:
             seed=train.seed,
         )
         self.model = model.to(device=self.device, dtype=self.strategy.param_dtype)
+        if train.activation_checkpointing:
+            # transformers' own switch: each block's input is kept, the rest recomputed
+            # (renamed activation_checkpointing_enable in transformers 5.x).
+            if hasattr(self.model, "activation_checkpointing_enable"):
+                self.model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable({"use_reentrant": False})
+        if train.compile:
+            self.model.compile()  # in place: parameters, state-dict keys and hooks unchanged
         self.num_params = count_parameters(self.model)
         self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
         group_of = {p: layer_group(n) for n, p in self.model.named_parameters()}
@@ -499,6 +508,8 @@ class Trainer:
         start_step: int,
     ) -> dict[str, Any]:
         elapsed = sum(w["time"] for w in timed)
+        tokens_per_s = self.tokens_per_step * len(timed) / elapsed if elapsed else None
+        train = self.cfg.train
         summary = {
             "model": self.cfg.model.name,
             "precision": self.strategy.name,
@@ -511,7 +522,17 @@ class Trainer:
             "final_train_loss": last["loss"] if last else None,
             "final_val_loss": val["val_loss"] if val else None,
             "final_val_ppl": val["val_ppl"] if val else None,
-            "tokens_per_s": self.tokens_per_step * len(timed) / elapsed if elapsed else None,
+            "tokens_per_s": tokens_per_s,
+            "mfu": model_flops_utilisation(
+                tokens_per_s / self.engine.world_size, self.flops_per_token, self.peak_tflops
+            )
+            if tokens_per_s
+            else None,
+            "flops_per_token": self.flops_per_token,
+            "micro_batch_size": train.micro_batch_size,
+            "seq_len": self.cfg.data.seq_len,
+            "compile": train.compile,
+            "activation_checkpointing": train.activation_checkpointing,
             "peak_mem_bytes": peak_memory(self.device)["peak_mem_bytes"],
             "state_bytes_per_param": self.engine.state_bytes() / self.num_params,
             "expected_state_bytes_per_param": self.engine.expected_state_bytes_per_param(

@@ -169,3 +169,50 @@ def test_skipped_steps_are_counted_and_carry_no_descent(make_cfg, tmp_path):
     assert [r["skipped_steps"] for r in train_records] == [0, 1, 1, 1]
     assert ["edq" in r for r in train_records] == [True, False, True, True]
     assert summary["skipped_steps"] == 1
+
+
+def _three_steps(cfg, run_dir):
+    trainer = Trainer(cfg, run_dir, sinks=[])
+    stats = [trainer.train_step() for _ in range(3)]
+    return trainer, [x for s in stats for x in (s["loss"], s["grad_norm"])]
+
+
+def test_activation_checkpointing_recomputes_the_same_gradients(make_cfg, tmp_path):
+    """Checkpointed blocks save less and recompute: same losses, gradients and weights."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    calls = []
+
+    def counting_checkpoint(*args, **kwargs):
+        calls.append(1)
+        return torch_checkpoint(*args, **kwargs)
+
+    plain, plain_stats = _three_steps(make_cfg("precision=fp32"), tmp_path / "plain")
+    cfg = make_cfg("precision=fp32", "train.activation_checkpointing=true")
+    import functools
+
+    trainer = Trainer(cfg, tmp_path / "ckpt", sinks=[])
+    assert getattr(trainer.model, "is_activation_checkpointing", None) or (
+        trainer.model.is_gradient_checkpointing
+    )
+    # transformers routes each block through the checkpoint function it was given
+    trainer.model._set_gradient_checkpointing(
+        enable=True,
+        gradient_checkpointing_func=functools.partial(counting_checkpoint, use_reentrant=False),
+    )
+    stats = [trainer.train_step() for _ in range(3)]
+    stats = [x for s in stats for x in (s["loss"], s["grad_norm"])]
+    assert len(calls) == 3 * trainer.accum_steps * cfg.model.num_layers  # every block
+    assert stats == pytest.approx(plain_stats, rel=1e-6)
+    for a, b in zip(plain.model.parameters(), trainer.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_compiled_model_trains_like_the_eager_one(make_cfg, tmp_path):
+    """train.compile=true: the same losses as eager to fp32 rounding, summary says so."""
+    _, eager_stats = _three_steps(make_cfg("precision=fp32"), tmp_path / "eager")
+    cfg = make_cfg("precision=fp32", "train.compile=true")
+    trainer, stats = _three_steps(cfg, tmp_path / "compiled")
+    assert stats == pytest.approx(eager_stats, rel=1e-4)
+    assert trainer.model._compiled_call_impl is not None  # nn.Module.compile() took effect
