@@ -89,7 +89,8 @@ class Runner:
     def fits(self, precision: str, micro_batch: int, extra: list[str]) -> tuple[bool, dict]:
         """Whether a short run at ``micro_batch`` stays inside the memory budget."""
         try:
-            summary = self.run(precision, micro_batch, self.args.search_steps, extra)
+            # as many steps as the timed runs: the host's peak RSS grows over the first steps
+            summary = self.run(precision, micro_batch, self.args.steps, extra)
         except RuntimeError as error:
             if "out of memory" in str(error):
                 return False, {}
@@ -175,7 +176,6 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20, help="steps of each timed run")
-    parser.add_argument("--search-steps", type=int, default=2, help="steps of each trial")
     parser.add_argument("--max-search", type=int, default=256, help="largest micro-batch tried")
     parser.add_argument("--mem-budget-gb", type=float, default=None, help="CPU: peak RSS cap")
     parser.add_argument("--no-search", action="store_true", help="skip the micro-batch search")

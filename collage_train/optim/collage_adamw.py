@@ -76,8 +76,8 @@ class CollageAdamW(TrackingOptimizer):
                 state["dv"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
 
-    def _compiles(self, tensors: list[torch.Tensor | None]) -> bool:
-        """Whether this tensor's step runs as the compiled kernel."""
+    def _runs_fused(self, tensors: list[torch.Tensor | None]) -> bool:
+        """Whether this tensor's step runs as the fused kernel (Triton on CUDA, inductor on CPU)."""
         return (
             self.kernel == "compiled"
             and tensors[0].numel() >= min_fused_numel(tensors[0].device.type)
@@ -107,7 +107,7 @@ class CollageAdamW(TrackingOptimizer):
                 group["lr"], beta1, beta2, group["eps"], group["weight_decay"], t
             )
             flags = {"track": track, "return_update": segments is not None}
-            if self._compiles(tensors):
+            if self._runs_fused(tensors):
                 flat = [t.view(-1) if t is not None else None for t in tensors]
                 step = fused_tensor_step(self.mode, param.device.type)
                 result = step(*flat, *scalars, **flags)
