@@ -5,8 +5,8 @@ a dispatch mode that sees every tensor an operator returns, in forward and backw
 and counts each new storage once until it is freed (a finalizer on the storage object,
 which PyTorch keeps for as long as the storage lives, views and autograd's saved
 tensors included). ``peak`` is then what ``torch.cuda.max_memory_allocated`` would
-report without the allocator's rounding and caching: the quantity the memory planner
-(``collage_train.plan``) predicts.
+report without the allocator's rounding and caching, i.e. the quantity a memory
+planner predicts and can be checked against on CPU.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ returns the six effective-descent partial sums of ``metrics.descent.FIELDS`` (or
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -88,6 +89,14 @@ def collage_tensor_step(
     return result
 
 
+@functools.lru_cache(maxsize=64)
+def _inv_sqrt_bias2(beta2: float, step: int) -> float:
+    """fp32(1) / fp32(sqrt(1 - beta2^step)), one IEEE fp32 division (cached: every
+    parameter of a step asks for the same value)."""
+    sqrt_bias2 = torch.tensor(math.sqrt(1.0 - beta2**step), dtype=torch.float32)
+    return float(torch.tensor(1.0, dtype=torch.float32) / sqrt_bias2)
+
+
 def step_scalars(
     lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int
 ) -> tuple[float, ...]:
@@ -98,14 +107,12 @@ def step_scalars(
     sqrt(1 - beta2^t) is one fp32 division of fp32 values, as a CUDA kernel would do it.
     """
     beta2_hi, beta2_lo = mcf.split_constant(beta2)
-    sqrt_bias2 = torch.tensor(math.sqrt(1.0 - beta2**step), dtype=torch.float32)
-    inv_sqrt_bias2 = float(torch.tensor(1.0, dtype=torch.float32) / sqrt_bias2)
     return (
         1.0 - beta1,
         beta2,
         beta2_hi,
         beta2_lo,
-        inv_sqrt_bias2,
+        _inv_sqrt_bias2(beta2, step),
         eps,
         -lr / (1.0 - beta1**step),
         -lr * weight_decay,

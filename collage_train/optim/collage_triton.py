@@ -12,8 +12,10 @@ Bitwise parity with the eager CUDA reference rests on three choices: every fp32
 operation is a separate IEEE operation (``enable_fp_fusion=False``, so no mul+add is
 contracted into an FMA, which eager kernels never do across operations); division and
 square root are the correctly rounded ``div_rn``/``sqrt_rn``; and conversions to bf16
-round to nearest even, as PyTorch's do. Triton's CPU interpreter truncates instead, so
-parity is checked on a GPU (tests/test_fused_optimizer.py).
+round to nearest even, as PyTorch's do. Triton's CPU interpreter truncates conversions,
+so under ``TRITON_INTERPRET=1`` the kernel rounds on the bits instead, which lets the
+arithmetic be checked bitwise on CPU (tests/triton_interpreted.py); the conversion
+path itself is checked on a GPU (tests/test_fused_optimizer.py).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ import triton.language as tl
 
 _MODES = {"none": 0, "light": 1, "plus": 2}
 BLOCK = 2048
+NUM_WARPS = 8
 # Triton's CPU interpreter (tests without a GPU) needs the bitwise rounding of ``_rn``.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-NUM_WARPS = 8
 
 
 @triton.jit

@@ -107,9 +107,10 @@ def choose_kernel(setting: str, device: torch.device, num_params: int, mode: str
         )
     if compiled_matches_eager(mode, device.type):
         return "compiled"
+    fused = "the Triton kernel" if device.type == "cuda" else "TorchInductor"
     reason = (
-        f"TorchInductor in torch {torch.__version__} does not reproduce the eager Collage "
-        f"step bit for bit on {device.type}"
+        f"{fused} (torch {torch.__version__}) does not reproduce the eager Collage step "
+        f"bit for bit on {device.type}"
     )
     if setting == "compiled":
         raise ConfigError(f"optim.kernel=compiled: {reason}; use optim.kernel=eager or auto")
