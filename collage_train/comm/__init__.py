@@ -1,0 +1,1 @@
+"""Communication strategies: compressed exchange of pseudo-gradients between replicas."""
