@@ -142,6 +142,15 @@ class DistributedConfig:
 
 
 @dataclass
+class PlanConfig:
+    """The cluster ``python -m collage_train.plan`` plans for; training ignores it."""
+
+    gpus: int = 1  # data-parallel GPUs, all nodes together
+    gpu_mem_gb: float = 80.0  # memory of one GPU, GiB
+    reserve_gb: float = 2.0  # kept free per GPU: CUDA context, NCCL buffers, allocator slack
+
+
+@dataclass
 class JobConfig:
     """The root of the configuration tree."""
 
@@ -153,6 +162,7 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def register_schemas() -> None:
