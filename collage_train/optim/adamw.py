@@ -79,6 +79,19 @@ class AdamW(TrackingOptimizer):
             torch._foreach_add_(updates, thetas, alpha=-lr * weight_decay)
         return list(updates)
 
+    def _full_precision(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 master when one is kept (before the first step: the weight itself)."""
+        master = self.state[param].get("master")
+        if master is None:
+            return super()._full_precision(param)
+        return master.to(torch.float32, copy=True)
+
+    def _load_full_precision(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """master = value, weight = its rounding (the master is created if not yet there)."""
+        if self._keeps_master(param):
+            self._state_for(param)["master"].copy_(value)
+        param.detach().copy_(value)
+
     def _masters(self, params: list[torch.Tensor], states: list[dict[str, Any]]) -> list:
         """The tensors the update is applied to: fp32 masters, or the parameters."""
         return [s.get("master", p) for s, p in zip(states, params, strict=True)]

@@ -1,8 +1,10 @@
-"""What the project's optimizers share: exact state restore and descent tracking."""
+"""What the project's optimizers share: exact state restore, descent tracking, and the
+full-precision value of every weight (read and written by the replica engines)."""
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -50,6 +52,37 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
         super().__init__(params, defaults)
         self.last_descent: dict[torch.Tensor, torch.Tensor] = {}
         self.descent_segments: dict[torch.Tensor, list[tuple[str, int, int]]] = {}
+
+    def ordered_params(self) -> list[torch.Tensor]:
+        """Every parameter, in ``param_groups`` order (the order of the weight lists)."""
+        return [param for group in self.param_groups for param in group["params"]]
+
+    @torch.no_grad()
+    def full_precision_weights(self) -> list[torch.Tensor]:
+        """New fp32 tensors holding the full-precision value of every parameter."""
+        return [self._full_precision(param) for param in self.ordered_params()]
+
+    @torch.no_grad()
+    def load_full_precision_weights(self, values: Sequence[torch.Tensor]) -> None:
+        """Set every parameter's full-precision value (fp32 tensors, ``param_groups`` order)."""
+        params = self.ordered_params()
+        if len(values) != len(params):
+            raise ValueError(f"expected {len(params)} weight tensors, got {len(values)}")
+        for param, value in zip(params, values, strict=True):
+            if value.shape != param.shape:
+                raise ValueError(
+                    f"weight of shape {tuple(value.shape)} given for a parameter of shape "
+                    f"{tuple(param.shape)}"
+                )
+            self._load_full_precision(param, value.to(param.device, torch.float32))
+
+    def _full_precision(self, param: torch.Tensor) -> torch.Tensor:
+        """The parameter is the whole value (fp32 weights, or bf16 with nothing beside it)."""
+        return param.detach().to(torch.float32, copy=True)
+
+    def _load_full_precision(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Round ``value`` into the parameter (round to nearest even for bf16)."""
+        param.detach().copy_(value)
 
     def _require_bf16_params(self, why: str) -> None:
         """Refuse parameters that are not bf16, saying why this optimizer needs them."""

@@ -39,6 +39,21 @@ class SplitMasterAdamW(AdamW):
             state["remainder_ties"] = torch.zeros(0, dtype=torch.int64, device=param.device)
         return state
 
+    def _full_precision(self, param: torch.Tensor) -> torch.Tensor:
+        """The exact fp32 master joined from weight and remainder."""
+        state = self.state[param]
+        if not state:
+            return param.detach().to(torch.float32, copy=True)
+        return remainder.join(param.detach(), state["remainder"], state["remainder_ties"])
+
+    def _load_full_precision(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Split ``value`` exactly into weight (its bf16 rounding) and remainder."""
+        state = self._state_for(param)
+        high, low, ties = remainder.split(value)
+        param.detach().copy_(high)
+        state["remainder"].copy_(low)
+        state["remainder_ties"] = ties
+
     def _masters(self, params: list[torch.Tensor], states: list[dict[str, Any]]) -> list:
         return [
             remainder.join(p.detach(), s["remainder"], s["remainder_ties"])
