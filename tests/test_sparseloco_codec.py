@@ -196,6 +196,31 @@ def test_compression_ratio_and_density_at_the_defaults():
     assert compression_ratio([1_000_000], s) > 50
 
 
+# --- unquantized (bits=32) -------------------------------------------------------------
+
+
+def test_raw_values_travel_unquantized():
+    s = CodecSettings(chunk=64, k=5, bits=32)
+    x = randn(3, 70, seed=9)  # 210 entries: 4 chunks of 64 (the last one padded), 20 kept
+    payload = encode([x], s)
+    assert payload.numel() == payload_nbytes([x.numel()], s) == math.ceil(20 * 6 / 8) + 20 * 4
+    (dense,) = decode(payload, [x.shape], s)
+    kept = dense != 0
+    assert int(kept.sum()) == 20
+    assert torch.equal(dense[kept], x[kept])  # the kept values, bit for bit
+
+
+@pytest.mark.parametrize("shapes", [[(1000,)], [(5,), (0, 3), (256,), (17, 31)]])
+def test_full_density_without_quantization_is_lossless(shapes):
+    s = CodecSettings(chunk=256, k=256, bits=32)
+    tensors = [randn(*shape, seed=i) for i, shape in enumerate(shapes)]
+    decoded = decode(encode(tensors, s), [t.shape for t in tensors], s)
+    for dec, t in zip(decoded, tensors, strict=True):
+        assert torch.equal(dec, t)
+    _, errors = compress_with_feedback([torch.zeros_like(t) for t in tensors], tensors, 0.0, s)
+    assert all(torch.equal(e, torch.zeros_like(e)) for e in errors)
+
+
 # --- error feedback -------------------------------------------------------------------
 
 
@@ -233,6 +258,7 @@ def test_error_feedback_rejects_mismatched_shapes():
         {"chunk": 8, "k": 9},
         {"bits": 0},
         {"bits": 9},
+        {"bits": 16},
         {"chunk": 4096.0},
         {"k": True},
     ],

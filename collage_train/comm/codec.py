@@ -14,6 +14,10 @@ has an empty section. A section is, each part padded to a whole byte:
     codes    n_chunks*k bin numbers, ``bits`` each
     means    2**bits bin means, fp32 little-endian
 
+``bits=32`` switches quantization off: the codes part then holds the kept values
+themselves as fp32 (little-endian) and there are no means. With ``k == chunk`` as well
+the codec is lossless, which is how SparseLoCo reduces exactly to dense DiLoCo in tests.
+
 Integers are packed little-endian bit first (``pack_bits``). Encoding and decoding are
 deterministic: the same input gives the same bytes and the same decoded tensors.
 """
@@ -27,10 +31,12 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+RAW_BITS = 32  # ``bits`` value that sends the kept values unquantized, as fp32
+
 
 @dataclass(frozen=True)
 class CodecSettings:
-    """``k`` of every ``chunk`` entries kept, each quantized to ``bits`` bits."""
+    """``k`` of every ``chunk`` entries kept, each quantized to ``bits`` bits (32: raw fp32)."""
 
     chunk: int = 4096
     k: int = 64
@@ -45,8 +51,15 @@ class CodecSettings:
             raise ValueError(f"CodecSettings.chunk must be >= 1, got {self.chunk}")
         if not 1 <= self.k <= self.chunk:
             raise ValueError(f"CodecSettings.k must be in [1, chunk={self.chunk}], got {self.k}")
-        if not 1 <= self.bits <= 8:
-            raise ValueError(f"CodecSettings.bits must be in [1, 8], got {self.bits}")
+        if not (1 <= self.bits <= 8 or self.bits == RAW_BITS):
+            raise ValueError(
+                f"CodecSettings.bits must be in [1, 8] or {RAW_BITS} (raw fp32), got {self.bits}"
+            )
+
+    @property
+    def quantized(self) -> bool:
+        """False for ``bits=32``: kept values travel as raw fp32."""
+        return self.bits != RAW_BITS
 
     @property
     def index_bits(self) -> int:
@@ -92,14 +105,16 @@ def _section_parts(numel: int, s: CodecSettings) -> tuple[int, int, int]:
     if numel == 0:
         return 0, 0, 0
     kept = math.ceil(numel / s.chunk) * s.k
-    return math.ceil(kept * s.index_bits / 8), math.ceil(kept * s.bits / 8), 4 * 2**s.bits
+    means = 4 * 2**s.bits if s.quantized else 0
+    return math.ceil(kept * s.index_bits / 8), math.ceil(kept * s.bits / 8), means
 
 
 def payload_nbytes(numels: Sequence[int], settings: CodecSettings) -> int:
     """Exact payload length in bytes.
 
     ``sum over tensors of ceil(n*k*index_bits/8) + ceil(n*k*bits/8) + 4 * 2**bits`` with
-    ``n = ceil(numel/chunk)``; a tensor with numel 0 contributes 0.
+    ``n = ceil(numel/chunk)`` (no means term for ``bits=32``); a tensor with numel 0
+    contributes 0.
     """
     return sum(sum(_section_parts(numel, settings)) for numel in numels)
 
@@ -137,7 +152,10 @@ def _encode_one(tensor: torch.Tensor, s: CodecSettings) -> torch.Tensor:
     flat = tensor.detach().reshape(-1).float()
     rows = F.pad(flat, (0, -flat.numel() % s.chunk)).view(-1, s.chunk)
     indices = rows.abs().topk(s.k, dim=1).indices.sort(dim=1).values
-    codes, means = _quantize(rows.gather(1, indices).reshape(-1), s.bits)
+    kept = rows.gather(1, indices).reshape(-1)
+    if not s.quantized:
+        return torch.cat([pack_bits(indices, s.index_bits), kept.view(torch.uint8)])
+    codes, means = _quantize(kept, s.bits)
     parts = (pack_bits(indices, s.index_bits), pack_bits(codes, s.bits), means.view(torch.uint8))
     return torch.cat(parts)
 
@@ -156,10 +174,14 @@ def _decode_one(section: torch.Tensor, numel: int, s: CodecSettings) -> torch.Te
     n_chunks = math.ceil(numel / s.chunk)
     kept = n_chunks * s.k
     indices = unpack_bits(section[:index_bytes], s.index_bits, kept).view(n_chunks, s.k)
-    codes = unpack_bits(section[index_bytes : index_bytes + code_bytes], s.bits, kept)
-    means = section[index_bytes + code_bytes :].clone().view(torch.float32)
+    value_bytes = section[index_bytes : index_bytes + code_bytes]
+    if s.quantized:
+        codes = unpack_bits(value_bytes, s.bits, kept)
+        values = section[index_bytes + code_bytes :].clone().view(torch.float32)[codes]
+    else:
+        values = value_bytes.clone().view(torch.float32)
     rows = torch.zeros(n_chunks, s.chunk, dtype=torch.float32, device=section.device)
-    rows.scatter_(1, indices, means[codes].view(n_chunks, s.k))
+    rows.scatter_(1, indices, values.view(n_chunks, s.k))
     return rows.view(-1)[:numel]
 
 
