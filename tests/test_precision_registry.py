@@ -49,6 +49,26 @@ def test_measured_state_bytes_match_expected(name, expected):
     assert strategy.expected_state_bytes_per_param == expected
 
 
+@pytest.mark.parametrize("name", available())
+def test_optimizer_state_components_are_what_the_optimizer_holds(name):
+    strategy = get_strategy(name)
+    layer = torch.nn.Linear(64, 64).to(strategy.param_dtype)
+    opt = strategy.build_optimizer(decay_param_groups(layer, 0.1), OptCfg)
+    layer(torch.randn(4, 64, dtype=strategy.param_dtype)).sum().backward()
+    opt.step()
+    held = {
+        key: value.element_size()
+        for key, value in opt.state[layer.weight].items()
+        if torch.is_tensor(value) and value.numel() == layer.weight.numel() and key != "master"
+    }
+    assert held == dict(strategy.optimizer_state)
+    master = strategy.master_dtype.itemsize if strategy.master_dtype is not None else 0
+    weights_and_grads = 2 * strategy.param_dtype.itemsize
+    assert weights_and_grads + master + sum(held.values()) == (
+        strategy.expected_state_bytes_per_param
+    )
+
+
 def test_state_bytes_counts_tied_weights_once():
     emb = torch.nn.Embedding(10, 4)
     head = torch.nn.Linear(4, 10, bias=False)

@@ -45,9 +45,7 @@ class ZeroStateBytes:
 
 def optimizer_state_bytes(strategy: PrecisionStrategy) -> float:
     """Bytes per parameter of the optimizer's own state (moments, dtheta, dv)."""
-    param = strategy.param_dtype.itemsize
-    master = strategy.master_dtype.itemsize if strategy.master_dtype is not None else 0
-    return strategy.expected_state_bytes_per_param - 2 * param - master
+    return float(sum(nbytes for _, nbytes in strategy.optimizer_state))
 
 
 def zero_state_bytes(strategy: PrecisionStrategy, stage: int, world_size: int) -> ZeroStateBytes:

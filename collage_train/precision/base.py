@@ -27,6 +27,9 @@ class PrecisionStrategy:
             ("none", "light" or "plus") that keeps all state in bf16.
         master_remainder: keep an exact fp32 master as the bf16 weight plus a 16-bit
             remainder (SplitMasterAdamW) instead of a separate fp32 copy.
+        optimizer_state: the optimizer's own per-parameter state, as (component, bytes
+            per parameter) pairs; with weights, gradients and master weights it sums to
+            ``expected_state_bytes_per_param``.
     """
 
     name: str
@@ -36,6 +39,7 @@ class PrecisionStrategy:
     master_dtype: torch.dtype | None
     expected_state_bytes_per_param: float
     checkpoint_holds: tuple[str, ...]
+    optimizer_state: tuple[tuple[str, int], ...] = ()
     collage_mode: str | None = None
     master_remainder: bool = False
 

@@ -17,6 +17,7 @@ BF16 = register(
         master_dtype=None,
         expected_state_bytes_per_param=8,  # theta 2 + grad 2 + m 2 + v 2
         checkpoint_holds=("bf16 weights", "bf16 exp_avg", "bf16 exp_avg_sq"),
+        optimizer_state=(("exp_avg", 2), ("exp_avg_sq", 2)),
         collage_mode="none",
     )
 )

@@ -18,6 +18,7 @@ COLLAGE_LIGHT = register(
         master_dtype=None,
         expected_state_bytes_per_param=10,  # theta 2 + grad 2 + m 2 + v 2 + dtheta 2
         checkpoint_holds=("bf16 weights", "bf16 dtheta", "bf16 exp_avg", "bf16 exp_avg_sq"),
+        optimizer_state=(("dtheta", 2), ("exp_avg", 2), ("exp_avg_sq", 2)),
         collage_mode="light",
     )
 )

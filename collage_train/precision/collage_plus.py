@@ -24,6 +24,7 @@ COLLAGE_PLUS = register(
             "bf16 exp_avg_sq",
             "bf16 dv",
         ),
+        optimizer_state=(("dtheta", 2), ("exp_avg", 2), ("exp_avg_sq", 2), ("dv", 2)),
         collage_mode="plus",
     )
 )

@@ -13,5 +13,6 @@ FP32 = register(
         master_dtype=None,
         expected_state_bytes_per_param=16,  # theta 4 + grad 4 + m 4 + v 4
         checkpoint_holds=("fp32 weights", "fp32 exp_avg", "fp32 exp_avg_sq"),
+        optimizer_state=(("exp_avg", 4), ("exp_avg_sq", 4)),
     )
 )

@@ -18,5 +18,6 @@ MIXED_FP32 = register(
         master_dtype=torch.float32,
         expected_state_bytes_per_param=16,  # theta 2 + grad 2 + master 4 + m 4 + v 4
         checkpoint_holds=("bf16 weights", "fp32 master", "fp32 exp_avg", "fp32 exp_avg_sq"),
+        optimizer_state=(("exp_avg", 4), ("exp_avg_sq", 4)),
     )
 )

@@ -29,6 +29,7 @@ SPLIT_FP32 = register(
             "fp32 exp_avg",
             "fp32 exp_avg_sq",
         ),
+        optimizer_state=(("remainder", 2), ("exp_avg", 4), ("exp_avg_sq", 4)),
         master_remainder=True,
     )
 )

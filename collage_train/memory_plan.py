@@ -1,0 +1,276 @@
+"""Predicted peak memory of one training step per GPU: model state, activations, transients.
+
+The planner behind ``python -m collage_train.plan``. A step's peak is the model state
+that persists between steps (weights, master weights, optimizer state) plus the larger
+of two moments:
+
+- the start of the backward pass: every saved activation, the gradient of the (tied)
+  output embedding, the larger of the loss's backward temporaries (fp32 gradients of
+  the log-softmax over the vocabulary) and, with activation checkpointing, one
+  recomputed block; under gradient accumulation also the gradients accumulated so far;
+- the optimizer step: all gradients plus the optimizer's own temporaries.
+
+Saved activations per token of one block, in elements of the compute dtype, were read
+off transformers' GPT-2 and OPT blocks with ``LiveTensorBytes`` (tests/test_plan.py
+re-measures them): GPT-2 saves 8 h + 5 f (its tanh-GELU is five elementwise ops on the
+f = ffn width), OPT 8 h + 1 f (ReLU); both also keep the attention's fp32 log-sum-exp
+per head and two LayerNorms' statistics. The head keeps the final LayerNorm's input and
+output and the fp32 log-softmax over the vocabulary. Checkpointing keeps each block's
+input and recomputes one block at a time.
+
+Optimizer temporaries are per implementation (also re-measured by the tests): the
+multi-tensor AdamW builds fp32 temporaries over all of the parameters it updates, the
+eager Collage step fp32 temporaries of its largest tensor, and the fused Collage kernels
+(Triton on GPU) none. Under ZeRO the optimizer sees one flat partition per rank, so its
+"largest tensor" is the partition; DeepSpeed's reduce bucket (5e8 elements by default)
+is added for stages 2 and 3, and stage 3 gathers two blocks' weights (current and
+prefetched). Allocator fragmentation and the CUDA context are left to
+``plan.reserve_gb``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from collage_train.engine.zero_memory import zero_state_bytes
+from collage_train.precision.base import PrecisionStrategy
+
+# Saved activation elements per token of one block: (per hidden unit, per ffn unit).
+LAYER_SAVED_ELEMENTS = {"gpt": (8, 5), "opt": (8, 1)}
+
+# Optimizer temporaries: (bytes per updated parameter, bytes per element of the largest
+# updated tensor), EDQ tracking included, by implementation.
+STEP_TRANSIENT = {
+    "adamw_fp32": (8.0, 9.0),  # fp32 params: denominators and updates, all tensors at once
+    "adamw_master": (12.0, 8.5),  # bf16 params, fp32 masters: + the widened gradients
+    "split_master": (16.0, 8.6),  # + the rebuilt fp32 masters
+    "collage_none": (0.0, 31.0),  # eager Collage: fp32 temporaries, one tensor at a time
+    "collage_light": (0.0, 37.0),
+    "collage_plus": (0.0, 39.0),
+    "fused": (0.0, 0.0),  # one in-place kernel per tensor
+}
+
+DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's reduce_bucket_size default
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a model: its widths and its parameter tensors."""
+
+    family: str
+    hidden: int
+    layers: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq_len: int
+    num_params: int
+    largest_tensor: int
+    block_params: int
+
+    @classmethod
+    def from_config(cls, model_cfg: Any, *, vocab_size: int, seq_len: int) -> ModelShape:
+        """Shape of the model a run would build, counted on the meta device."""
+        from transformers import AutoModelForCausalLM
+
+        from collage_train.models import build_hf_config
+
+        hf_config = build_hf_config(model_cfg, vocab_size=vocab_size, seq_len=seq_len, eot_id=0)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+        numels = [p.numel() for p in model.parameters()]  # tied weights once
+        blocks = model.transformer.h if model_cfg.family == "gpt" else model.model.decoder.layers
+        return cls(
+            family=model_cfg.family,
+            hidden=model_cfg.hidden_size,
+            layers=model_cfg.num_layers,
+            heads=model_cfg.num_heads,
+            ffn=model_cfg.ffn_hidden_size or 4 * model_cfg.hidden_size,
+            vocab=hf_config.vocab_size,
+            seq_len=seq_len,
+            num_params=sum(numels),
+            largest_tensor=max(numels),
+            block_params=sum(p.numel() for p in blocks[0].parameters()),
+        )
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to run: a precision strategy at a ZeRO stage (0: one process, no ZeRO)."""
+
+    strategy: PrecisionStrategy
+    stage: int
+    gpus: int = 1
+    fused_optimizer: bool = True  # the fused Collage kernel (GPU default) or the eager step
+    offload_optimizer: bool = False  # ZeRO: master weights and optimizer state on the host
+    offload_param: bool = False  # ZeRO-3: weights on the host
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per GPU of one step's peak and its parts, at one micro-batch size."""
+
+    weights: float
+    gradients: float
+    master: float
+    optimizer: dict[str, float] = field(default_factory=dict)
+    buffers: float = 0.0  # DeepSpeed buckets, gathered ZeRO-3 weights
+    activations: float = 0.0  # saved for backward, micro-batch of ``micro_batch``
+    backward_peak: float = 0.0  # persistent state + everything live at the start of backward
+    step_peak: float = 0.0  # persistent state + gradients + optimizer temporaries
+    micro_batch: int = 0
+
+    @property
+    def persistent(self) -> float:
+        return self.weights + self.master + sum(self.optimizer.values())
+
+    @property
+    def peak(self) -> float:
+        return max(self.backward_peak, self.step_peak)
+
+
+def activation_dtype_bytes(strategy: PrecisionStrategy) -> int:
+    return (strategy.autocast_dtype or strategy.param_dtype).itemsize
+
+
+def block_bytes_per_token(shape: ModelShape, elem: int) -> float:
+    """Bytes one block saves for backward per token (no checkpointing)."""
+    per_hidden, per_ffn = LAYER_SAVED_ELEMENTS[shape.family]
+    stats = 4 * shape.heads + 2 * 2 * elem  # fp32 log-sum-exp per head, two LayerNorms' stats
+    return (per_hidden * shape.hidden + per_ffn * shape.ffn) * elem + stats
+
+
+def saved_activation_bytes(
+    shape: ModelShape, micro_batch: int, elem: int, checkpointing: bool
+) -> float:
+    """Bytes saved for backward by one micro-batch's forward pass."""
+    tokens = micro_batch * shape.seq_len
+    block = shape.hidden * elem if checkpointing else block_bytes_per_token(shape, elem)
+    head = 2 * shape.hidden * elem + 4 * shape.vocab + 24  # final LayerNorm, log-softmax, ids
+    return tokens * (shape.layers * block + head)
+
+
+def step_transient_kind(setting: Setting) -> str:
+    """Which optimizer implementation runs, for ``STEP_TRANSIENT``."""
+    strategy = setting.strategy
+    if strategy.collage_mode is not None:
+        return "fused" if setting.fused_optimizer else f"collage_{strategy.collage_mode}"
+    if strategy.master_remainder:
+        return "split_master"
+    if strategy.master_dtype is not None and setting.stage == 0:
+        return "adamw_master"
+    return "adamw_fp32"  # fp32, or mixed_fp32 under ZeRO (DeepSpeed hands it fp32 masters)
+
+
+def model_state(shape: ModelShape, setting: Setting) -> MemoryEstimate:
+    """Per-GPU bytes of weights, gradients, master weights and each optimizer component."""
+    n, strategy = shape.num_params, setting.strategy
+    param = strategy.param_dtype.itemsize
+    if setting.stage == 0:
+        master_dtype = strategy.master_dtype
+        weights, grads = n * param, n * param
+        master = n * master_dtype.itemsize if master_dtype is not None else 0.0
+        shard = 1
+    else:
+        per_param = zero_state_bytes(strategy, setting.stage, setting.gpus)
+        weights, grads = n * per_param.weights, n * per_param.gradients
+        master = n * per_param.master
+        shard = setting.gpus
+    optimizer = {name: n * nbytes / shard for name, nbytes in strategy.optimizer_state}
+    if setting.offload_optimizer:
+        master, optimizer = 0.0, {name: 0.0 for name in optimizer}
+    if setting.offload_param:
+        weights = 0.0
+    buffers = 0.0
+    if setting.stage >= 2:
+        buffers += min(DEEPSPEED_REDUCE_BUCKET, n) * param
+    if setting.stage == 3:
+        buffers += 2 * shape.block_params * param
+    return MemoryEstimate(weights, grads, master, optimizer, buffers)
+
+
+def estimate(
+    shape: ModelShape,
+    setting: Setting,
+    *,
+    micro_batch: int,
+    accum_steps: int,
+    checkpointing: bool,
+) -> MemoryEstimate:
+    """The step's peak bytes per GPU for ``setting`` at ``micro_batch`` sequences."""
+    plan = model_state(shape, setting)
+    strategy = setting.strategy
+    elem = activation_dtype_bytes(strategy)
+    param = strategy.param_dtype.itemsize
+    tokens = micro_batch * shape.seq_len
+    plan.micro_batch = micro_batch
+    plan.activations = saved_activation_bytes(shape, micro_batch, elem, checkpointing)
+
+    loss_backward = 8 * tokens * shape.vocab  # fp32 grads of the log-softmax and the logits
+    head_gradient = shape.vocab * shape.hidden * param
+    recompute = tokens * block_bytes_per_token(shape, elem) if checkpointing else 0.0
+    earlier_gradients = plan.gradients if accum_steps > 1 else 0.0
+    # The loss's temporaries are freed before the first checkpointed block is recomputed.
+    live_at_backward = plan.activations + head_gradient + max(loss_backward, recompute)
+    plan.backward_peak = plan.persistent + plan.buffers + earlier_gradients + live_at_backward
+
+    updated = shape.num_params / (setting.gpus if setting.stage else 1)
+    largest = updated if setting.stage else shape.largest_tensor  # ZeRO: one flat partition
+    per_param, per_largest = STEP_TRANSIENT[step_transient_kind(setting)]
+    transient = per_param * updated + per_largest * largest
+    plan.step_peak = plan.persistent + plan.buffers + plan.gradients + transient
+    return plan
+
+
+def accumulation_steps(global_batch: int, micro_batch: int, gpus: int) -> int:
+    """Micro-batches per optimizer step on each GPU (at least one)."""
+    return max(1, math.ceil(global_batch / (micro_batch * gpus)))
+
+
+def largest_micro_batch(
+    shape: ModelShape,
+    setting: Setting,
+    *,
+    budget: float,
+    global_batch: int,
+    checkpointing: bool,
+    limit: int = 1 << 16,
+) -> int:
+    """The largest micro-batch whose step peak fits ``budget`` bytes (0: none fits).
+
+    The peak grows with the micro-batch except where gradient accumulation stops (the
+    accumulated gradients no longer overlap the backward pass), so each regime is
+    searched on its own: with accumulation below ``global_batch / gpus``, without above.
+    """
+    whole = math.ceil(global_batch / setting.gpus)  # from here on: one micro-batch per step
+
+    def fits(micro: int, accum_steps: int) -> bool:
+        plan = estimate(
+            shape, setting, micro_batch=micro, accum_steps=accum_steps, checkpointing=checkpointing
+        )
+        return plan.peak <= budget
+
+    best = _last_true(lambda micro: fits(micro, 2), 1, min(whole - 1, limit))
+    if whole <= limit and fits(whole, 1):
+        best = max(best, _last_true(lambda micro: fits(micro, 1), whole, limit))
+    return best
+
+
+def _last_true(predicate: Any, low: int, high: int) -> int:
+    """The largest x in [low, high] with predicate(x), for a predicate true then false (0: none)."""
+    if high < low or not predicate(low):
+        return 0
+    step = 1
+    while low + step <= high and predicate(low + step):  # gallop, then bisect
+        low, step = low + step, step * 2
+    high = min(low + step, high + 1)  # predicate(high) is false or high is past the range
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if predicate(middle) else (low, middle)
+    return low

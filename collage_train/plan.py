@@ -1,0 +1,290 @@
+"""``python -m collage_train.plan [overrides]``: will a run fit, and at what micro-batch?
+
+Takes the same overrides as training, e.g.
+
+    python -m collage_train.plan +experiment=gpt_6.7b precision=collage_plus \\
+        distributed=zero2 plan.gpus=8 plan.gpu_mem_gb=80
+
+and prints, per GPU, the bytes of weights, gradients, master weights, each optimizer
+state component, DeepSpeed buffers and activations at the configured micro-batch and
+sequence length (with and without activation checkpointing), the step's peak, the
+largest micro-batch that fits and whether the run fits at all: first for the chosen
+precision strategy and ZeRO stage, then for every strategy and stage side by side.
+Nothing is built or allocated; the estimates come from ``collage_train.memory_plan``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from collage_train.errors import CollageError, ConfigError
+from collage_train.memory_plan import (
+    GIB,
+    MemoryEstimate,
+    ModelShape,
+    Setting,
+    accumulation_steps,
+    estimate,
+    largest_micro_batch,
+)
+from collage_train.precision import available, get_strategy
+
+
+@dataclass
+class PlanRow:
+    """One strategy at one ZeRO stage: estimates without and with checkpointing."""
+
+    strategy: str
+    stage: int
+    plain: MemoryEstimate
+    checkpointed: MemoryEstimate
+    max_micro_batch: int
+    max_micro_batch_checkpointed: int
+    fits: bool  # at the configured micro-batch and checkpointing setting
+    chosen: bool
+
+    @property
+    def fits_at_all(self) -> bool:
+        return max(self.max_micro_batch, self.max_micro_batch_checkpointed) > 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "stage": self.stage,
+            "weights": self.plain.weights,
+            "gradients": self.plain.gradients,
+            "master": self.plain.master,
+            "optimizer": dict(self.plain.optimizer),
+            "buffers": self.plain.buffers,
+            "activations": self.plain.activations,
+            "activations_checkpointed": self.checkpointed.activations,
+            "peak": self.plain.peak,
+            "peak_checkpointed": self.checkpointed.peak,
+            "max_micro_batch": self.max_micro_batch,
+            "max_micro_batch_checkpointed": self.max_micro_batch_checkpointed,
+            "fits": self.fits,
+            "fits_at_all": self.fits_at_all,
+        }
+
+
+@dataclass
+class Plan:
+    """The planned run: model shape, budget and every row."""
+
+    model_name: str
+    shape: ModelShape
+    gpus: int
+    budget: float
+    gpu_mem_gb: float
+    reserve_gb: float
+    micro_batch: int
+    global_batch: int
+    checkpointing: bool
+    fused_optimizer: bool
+    rows: list[PlanRow]
+
+    @property
+    def chosen(self) -> PlanRow:
+        return next(row for row in self.rows if row.chosen)
+
+
+def chosen_stage(dist_cfg: Any) -> int:
+    """0 for ``distributed=single``, else the ZeRO stage."""
+    if dist_cfg.name == "single":
+        return 0
+    if dist_cfg.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"distributed.zero_stage must be 1, 2 or 3, got {dist_cfg.zero_stage!r}")
+    return int(dist_cfg.zero_stage)
+
+
+def make_plan(cfg: Any) -> Plan:
+    """Every strategy and stage for the run ``cfg`` describes, on ``cfg.plan``'s cluster."""
+    plan_cfg, train = cfg.plan, cfg.train
+    if plan_cfg.gpus < 1:
+        raise ConfigError(f"plan.gpus must be at least 1, got {plan_cfg.gpus}")
+    budget = (plan_cfg.gpu_mem_gb - plan_cfg.reserve_gb) * GIB
+    if budget <= 0:
+        raise ConfigError(
+            f"plan.gpu_mem_gb={plan_cfg.gpu_mem_gb} leaves nothing after "
+            f"plan.reserve_gb={plan_cfg.reserve_gb}"
+        )
+    if train.micro_batch_size < 1 or train.global_batch_size < 1:
+        raise ConfigError("train.micro_batch_size and train.global_batch_size must be positive")
+    stage = chosen_stage(cfg.distributed)
+    if stage == 0 and plan_cfg.gpus > 1:
+        raise ConfigError(
+            f"distributed=single runs on one GPU but plan.gpus={plan_cfg.gpus}; "
+            "choose distributed=zero1, zero2 or zero3 (or plan.gpus=1)"
+        )
+    chosen = get_strategy(cfg.precision.name).name
+    vocab = cfg.model.vocab_size or cfg.data.vocab_size
+    shape = ModelShape.from_config(cfg.model, vocab_size=vocab, seq_len=cfg.data.seq_len)
+    fused = cfg.optim.kernel != "eager"
+    stages = ([0] if plan_cfg.gpus == 1 else []) + [1, 2, 3]
+    rows = []
+    for name in available():
+        for row_stage in stages:
+            is_chosen = name == chosen and row_stage == stage
+            setting = Setting(
+                get_strategy(name),
+                row_stage,
+                gpus=plan_cfg.gpus,
+                fused_optimizer=fused,
+                offload_optimizer=is_chosen and bool(cfg.distributed.offload_optimizer),
+                offload_param=is_chosen and bool(cfg.distributed.offload_param),
+            )
+            rows.append(_row(setting, shape, train, budget=budget, chosen=is_chosen, name=name))
+    return Plan(
+        model_name=cfg.model.name,
+        shape=shape,
+        gpus=plan_cfg.gpus,
+        budget=budget,
+        gpu_mem_gb=plan_cfg.gpu_mem_gb,
+        reserve_gb=plan_cfg.reserve_gb,
+        micro_batch=train.micro_batch_size,
+        global_batch=train.global_batch_size,
+        checkpointing=bool(train.activation_checkpointing),
+        fused_optimizer=fused,
+        rows=rows,
+    )
+
+
+def _row(
+    setting: Setting, shape: ModelShape, train: Any, *, budget: float, chosen: bool, name: str
+) -> PlanRow:
+    micro, global_batch = train.micro_batch_size, train.global_batch_size
+    accum = accumulation_steps(global_batch, micro, setting.gpus)
+    plain, checkpointed = (
+        estimate(shape, setting, micro_batch=micro, accum_steps=accum, checkpointing=ckpt)
+        for ckpt in (False, True)
+    )
+    largest = (
+        largest_micro_batch(
+            shape, setting, budget=budget, global_batch=global_batch, checkpointing=ckpt
+        )
+        for ckpt in (False, True)
+    )
+    configured = checkpointed if train.activation_checkpointing else plain
+    return PlanRow(
+        strategy=name,
+        stage=setting.stage,
+        plain=plain,
+        checkpointed=checkpointed,
+        max_micro_batch=next(largest),
+        max_micro_batch_checkpointed=next(largest),
+        fits=configured.peak <= budget,
+        chosen=chosen,
+    )
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f}"
+
+
+def _stage_name(stage: int) -> str:
+    return "single" if stage == 0 else f"zero{stage}"
+
+
+def render(plan: Plan) -> str:
+    """The chosen setting in detail, then every strategy and stage as a table (GiB per GPU)."""
+    shape, row = plan.shape, plan.chosen
+    ckpt_word = "on" if plan.checkpointing else "off"
+    lines = [
+        f"{plan.model_name}: {shape.num_params / 1e9:.2f}B parameters "
+        f"({shape.layers} layers, hidden {shape.hidden}, vocabulary {shape.vocab}), "
+        f"sequence {shape.seq_len}, micro-batch {plan.micro_batch}, "
+        f"global batch {plan.global_batch}, activation checkpointing {ckpt_word}",
+        f"{plan.gpus} GPU(s) x {plan.gpu_mem_gb:g} GiB, {plan.reserve_gb:g} GiB reserved: "
+        f"{_gib(plan.budget)} GiB usable per GPU; optimizer step "
+        f"{'fused' if plan.fused_optimizer else 'eager'}",
+        "",
+        f"{row.strategy} with {_stage_name(row.stage)}, GiB per GPU:",
+    ]
+    optimizer = ", ".join(f"{k} {_gib(v)}" for k, v in row.plain.optimizer.items())
+    detail = [
+        ("weights", _gib(row.plain.weights)),
+        ("gradients", _gib(row.plain.gradients)),
+        ("master weights", _gib(row.plain.master)),
+        ("optimizer state", f"{_gib(sum(row.plain.optimizer.values()))} ({optimizer})"),
+        ("DeepSpeed buffers", _gib(row.plain.buffers)),
+        (
+            "activations",
+            f"{_gib(row.plain.activations)} (checkpointed: {_gib(row.checkpointed.activations)})",
+        ),
+        ("step peak", f"{_gib(row.plain.peak)} (checkpointed: {_gib(row.checkpointed.peak)})"),
+        (
+            "largest micro-batch",
+            f"{row.max_micro_batch} (checkpointed: {row.max_micro_batch_checkpointed})",
+        ),
+        (f"fits at micro-batch {plan.micro_batch}", "yes" if row.fits else "no"),
+    ]
+    lines += [f"  {key:<26}{value}" for key, value in detail]
+    if not row.fits_at_all:
+        lines.append("  does not fit at micro-batch 1 even with checkpointing")
+    header = (
+        "strategy", "stage", "weights", "grads", "master", "optim", "buffers",
+        "act", "act ckpt", "peak", "peak ckpt", "max mb", "max mb ckpt", "fits",
+    )  # fmt: skip
+    table = [header]
+    for r in plan.rows:
+        table.append(
+            (
+                r.strategy + (" *" if r.chosen else ""),
+                _stage_name(r.stage),
+                _gib(r.plain.weights),
+                _gib(r.plain.gradients),
+                _gib(r.plain.master),
+                _gib(sum(r.plain.optimizer.values())),
+                _gib(r.plain.buffers),
+                _gib(r.plain.activations),
+                _gib(r.checkpointed.activations),
+                _gib(r.plain.peak),
+                _gib(r.checkpointed.peak),
+                str(r.max_micro_batch),
+                str(r.max_micro_batch_checkpointed),
+                "yes" if r.fits else ("ckpt/smaller mb" if r.fits_at_all else "no"),
+            )
+        )
+    widths = [max(len(cells[i]) for cells in table) for i in range(len(header))]
+    lines += ["", f"Every strategy and stage (GiB per GPU at micro-batch {plan.micro_batch}; "]
+    lines[-1] += "* = chosen; fits: at the configured micro-batch and checkpointing):"
+    for cells in table:
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i < 2 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            )
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compose the config from ``argv`` overrides, plan, print; 0, or 2 on bad input."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from collage_train.cli import config_dir
+    from collage_train.config import register_schemas
+
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    if any(arg in ("-h", "--help") for arg in overrides):
+        print(__doc__)
+        return 0
+    register_schemas()
+    try:
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        print(render(make_plan(cfg)))
+    except (HydraException, OmegaConfBaseException, CollageError) as err:
+        text = str(err).split("Config search path")[0]  # Hydra appends its search path
+        message = " ".join(text.split()) or type(err).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

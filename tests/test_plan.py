@@ -1,0 +1,262 @@
+"""Memory planner: predicted peaks against live-tensor peaks of real training steps on CPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from collage_train.memory_plan import (
+    STEP_TRANSIENT,
+    ModelShape,
+    Setting,
+    accumulation_steps,
+    block_bytes_per_token,
+    estimate,
+    largest_micro_batch,
+    model_state,
+    step_transient_kind,
+)
+from collage_train.metrics.live_memory import LiveTensorBytes
+from collage_train.models import build_model
+from collage_train.optim import decay_param_groups
+from collage_train.precision import available, get_strategy
+from collage_train.trainer import Trainer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def measured_step_peak(trainer: Trainer) -> int:
+    """Live-tensor peak of the second training step (the first creates optimizer state)."""
+    trainer.train_step()
+    with LiveTensorBytes() as live:
+        live.track(trainer.model.parameters())
+        for state in trainer.optimizer.state.values():
+            live.track(v for v in state.values() if isinstance(v, torch.Tensor))
+        trainer.train_step()
+    return live.peak
+
+
+def planned_step_peak(trainer: Trainer, cfg) -> float:
+    shape = ModelShape.from_config(
+        cfg.model, vocab_size=trainer.data.tokenizer.vocab_size, seq_len=cfg.data.seq_len
+    )
+    assert shape.num_params == trainer.num_params
+    train = cfg.train
+    plan = estimate(
+        shape,
+        Setting(get_strategy(cfg.precision.name), stage=0, fused_optimizer=False),
+        micro_batch=train.micro_batch_size,
+        accum_steps=accumulation_steps(train.global_batch_size, train.micro_batch_size, 1),
+        checkpointing=train.activation_checkpointing,
+    )
+    return plan.peak
+
+
+# Shapes where the peak falls in the backward pass, in the optimizer step, with and
+# without checkpointing and gradient accumulation, for both model families.
+CASES = [
+    ("gpt", "collage_plus", 128, 4, 4, 128, 8, 8, False),
+    ("gpt", "bf16", 128, 4, 4, 128, 8, 8, True),
+    ("gpt", "mixed_fp32", 256, 4, 4, 64, 2, 4, False),
+    ("gpt", "split_fp32", 96, 3, 4, 64, 4, 8, True),
+    ("opt", "collage_light", 192, 3, 6, 96, 4, 4, True),
+    ("opt", "fp32", 128, 4, 4, 128, 4, 8, False),
+]
+
+
+@pytest.mark.parametrize(
+    "family,precision,hidden,layers,heads,seq,micro,global_batch,ckpt",
+    CASES,
+    ids=[f"{c[0]}-{c[1]}-{'ckpt' if c[-1] else 'plain'}" for c in CASES],
+)
+def test_planned_peak_within_ten_percent_of_measured(
+    make_cfg, tmp_path, family, precision, hidden, layers, heads, seq, micro, global_batch, ckpt
+):
+    cfg = make_cfg(
+        f"model={'gpt_tiny' if family == 'gpt' else 'opt_125m'}",
+        f"precision={precision}",
+        f"model.hidden_size={hidden}",
+        f"model.num_layers={layers}",
+        f"model.num_heads={heads}",
+        f"data.seq_len={seq}",
+        f"train.micro_batch_size={micro}",
+        f"train.global_batch_size={global_batch}",
+        f"train.activation_checkpointing={str(ckpt).lower()}",
+        "optim.kernel=eager",  # a dispatch mode cannot look inside compiled kernels
+    )
+    trainer = Trainer(cfg, tmp_path, sinks=[])
+    measured = measured_step_peak(trainer)
+    planned = planned_step_peak(trainer, cfg)
+    assert abs(planned / measured - 1) < 0.10, (planned, measured)
+
+
+@pytest.mark.parametrize("family", ["gpt", "opt"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_block_activations_are_what_transformers_saves(family, dtype):
+    """Saved bytes of one more block equal the planner's per-token formula."""
+    hidden, heads, ffn, batch, seq = 96, 6, 160, 2, 24
+
+    def saved(layers: int) -> int:
+        model_cfg = SimpleNamespace(
+            family=family, name="probe", hidden_size=hidden, num_layers=layers,
+            num_heads=heads, ffn_hidden_size=ffn, init_std=0.02, dropout=0.0,
+            vocab_size=None, attn_implementation="sdpa", extra={},
+        )  # fmt: skip
+        model = build_model(model_cfg, vocab_size=300, seq_len=seq, eot_id=0, seed=0).to(dtype)
+        ids = torch.randint(0, 300, (batch, seq))
+        with LiveTensorBytes() as live:
+            live.track(model.parameters())
+            before = live.current
+            loss = model(input_ids=ids, labels=ids).loss  # keeps the saved tensors alive
+            held = live.current - before
+            del loss
+            return held
+
+    shape = SimpleNamespace(family=family, hidden=hidden, heads=heads, ffn=ffn)
+    per_block = (saved(2) - saved(1)) / (batch * seq)
+    assert per_block == pytest.approx(block_bytes_per_token(shape, dtype.itemsize), rel=0.01)
+
+
+@pytest.mark.parametrize("name", available())
+def test_optimizer_step_temporaries_match_the_table(name):
+    strategy = get_strategy(name)
+    sizes = [(512, 256), (256,), (256, 768), (768,), (768, 256)]
+    params = [torch.nn.Parameter(torch.randn(s).to(strategy.param_dtype)) for s in sizes]
+    module = torch.nn.ParameterList(params)
+    optim_cfg = SimpleNamespace(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    optimizer = strategy.build_optimizer(decay_param_groups(module, 0.1), optim_cfg)
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer.step()  # creates the state
+    with LiveTensorBytes() as live:
+        live.track(params)
+        live.track(p.grad for p in params)
+        for state in optimizer.state.values():
+            live.track(v for v in state.values() if isinstance(v, torch.Tensor))
+        before = live.current
+        optimizer.track_descent = True
+        optimizer.step()
+    numel = sum(p.numel() for p in params)
+    largest = max(p.numel() for p in params)
+    per_param, per_largest = STEP_TRANSIENT[
+        step_transient_kind(Setting(strategy, 0, fused_optimizer=False))
+    ]
+    assert live.peak - before == pytest.approx(per_param * numel + per_largest * largest, rel=0.1)
+
+
+def _shape(**overrides) -> ModelShape:
+    values = dict(
+        family="gpt", hidden=1024, layers=24, heads=16, ffn=4096, vocab=50304, seq_len=2048,
+        num_params=355_000_000, largest_tensor=51_511_296, block_params=12_596_224,
+    )  # fmt: skip
+    values.update(overrides)
+    return ModelShape(**values)
+
+
+def test_zero_stages_shard_what_deepspeed_shards():
+    shape, plus = _shape(), get_strategy("collage_plus")
+    single = model_state(shape, Setting(plus, 0))
+    n = shape.num_params
+    assert (single.weights, single.gradients, single.master) == (2 * n, 2 * n, 0)
+    assert single.optimizer == {"dtheta": 2 * n, "exp_avg": 2 * n, "exp_avg_sq": 2 * n, "dv": 2 * n}
+    zero1, zero2, zero3 = (model_state(shape, Setting(plus, s, gpus=8)) for s in (1, 2, 3))
+    assert zero1.weights == zero2.weights == 2 * n and zero3.weights == 2 * n / 8
+    assert zero1.gradients == 2 * n and zero2.gradients == zero3.gradients == 2 * n / 8
+    assert sum(zero2.optimizer.values()) == 8 * n / 8
+    assert zero1.buffers == 0 < zero2.buffers < zero3.buffers
+    mixed = model_state(
+        shape, Setting(get_strategy("mixed_fp32"), 2, gpus=8, offload_optimizer=True)
+    )
+    assert mixed.master == 0 and sum(mixed.optimizer.values()) == 0
+
+
+def test_checkpointing_trades_activations_for_recompute():
+    shape, setting = _shape(), Setting(get_strategy("bf16"), 0)
+    plain = estimate(shape, setting, micro_batch=4, accum_steps=1, checkpointing=False)
+    ckpt = estimate(shape, setting, micro_batch=4, accum_steps=1, checkpointing=True)
+    assert ckpt.activations == 4 * 2048 * (24 * 1024 * 2 + 2 * 1024 * 2 + 4 * 50304 + 24)
+    assert ckpt.activations < plain.activations / 5 and ckpt.peak < plain.peak
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+@pytest.mark.parametrize("gpus,stage", [(1, 0), (8, 2)])
+def test_largest_micro_batch_is_the_boundary_of_what_fits(ckpt, gpus, stage):
+    shape, setting = _shape(), Setting(get_strategy("collage_plus"), stage, gpus=gpus)
+    budget, global_batch = 78 * 2**30, 512
+
+    def peak(micro: int) -> float:
+        accum = accumulation_steps(global_batch, micro, gpus)
+        return estimate(
+            shape, setting, micro_batch=micro, accum_steps=accum, checkpointing=ckpt
+        ).peak
+
+    best = largest_micro_batch(
+        shape, setting, budget=budget, global_batch=global_batch, checkpointing=ckpt
+    )
+    assert best >= 1 and peak(best) <= budget
+    assert all(peak(m) > budget for m in range(best + 1, best + 64))
+    assert largest_micro_batch(shape, setting, budget=1e9, global_batch=8, checkpointing=ckpt) == 0
+
+
+def test_largest_micro_batch_sees_past_the_end_of_accumulation():
+    """Without accumulation the gradients no longer overlap backward: a larger batch fits."""
+    shape = _shape(num_params=1_300_000_000, vocab=8192)  # gradients outweigh a sequence
+    setting = Setting(get_strategy("bf16"), 0)
+
+    def peak(micro: int, global_batch: int) -> float:
+        accum = accumulation_steps(global_batch, micro, 1)
+        return estimate(
+            shape, setting, micro_batch=micro, accum_steps=accum, checkpointing=True
+        ).peak
+
+    budget = peak(16, 16) + 1  # 16 fits as the whole batch, 15 with accumulation need not
+    assert peak(15, 16) > budget
+    assert (
+        largest_micro_batch(shape, setting, budget=budget, global_batch=16, checkpointing=True)
+        == 16
+    )
+
+
+def _plan_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "collage_train.plan", *args],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+    )  # fmt: skip
+
+
+def test_plan_cli_prints_the_chosen_setting_and_every_alternative():
+    result = _plan_cli(
+        "+experiment=gpt_6.7b", "precision=collage_plus", "distributed=zero2",
+        "plan.gpus=8", "plan.gpu_mem_gb=80",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "collage_plus with zero2" in out and "8 GPU(s) x 80 GiB" in out
+    for word in ("weights", "gradients", "master weights", "dtheta", "dv", "activations"):
+        assert word in out
+    table = out.split("Every strategy and stage")[1].splitlines()[2:]
+    assert len(table) == len(available()) * 3  # zero1..3 for each strategy on 8 GPUs
+    assert {line.split()[0] for line in table} == set(available())
+    chosen = [line.split() for line in table if "*" in line]
+    assert len(chosen) == 1 and chosen[0][:3] == ["collage_plus", "*", "zero2"]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["precision=nope"], "Could not find 'precision/nope'"),
+        (["plan.gpus=8"], "distributed=single runs on one GPU"),
+        (["plan.gpu_mem_gb=1", "plan.reserve_gb=2"], "leaves nothing"),
+        (["plan.gpuz=2"], "gpuz"),
+    ],
+)
+def test_plan_cli_bad_input_is_one_error_line(args, message):
+    result = _plan_cli(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
