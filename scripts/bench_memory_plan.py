@@ -1,0 +1,160 @@
+"""How close is the memory planner? Planned against measured step peaks, per strategy.
+
+For one model preset, each precision strategy (with and without activation
+checkpointing) trains two steps in this process; the second step's peak is measured
+and set beside ``collage_train.memory_plan``'s prediction for the same setting:
+
+- on a GPU: ``torch.cuda.max_memory_allocated`` over the step (everything allocated,
+  the optimizer's fused kernel as the trainer chooses it);
+- on CPU: the live-tensor peak (``LiveTensorBytes``) with the eager optimizer step,
+  since a dispatch mode cannot see inside compiled kernels.
+
+    python scripts/bench_memory_plan.py --model gpt_125m --seq-len 256 --micro-batch 4
+    python scripts/bench_memory_plan.py --model gpt_1.3b --seq-len 2048 --micro-batch 4
+
+The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip);
+``--json PATH`` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from runs import append_results
+
+from collage_train.cli import config_dir
+from collage_train.config import register_schemas
+from collage_train.memory_plan import ModelShape, Setting, accumulation_steps, estimate
+from collage_train.metrics.live_memory import LiveTensorBytes
+from collage_train.precision import get_strategy
+from collage_train.trainer import Trainer
+
+STRATEGIES = ("mixed_fp32", "split_fp32", "bf16", "collage_light", "collage_plus")
+
+
+def compose_run(args: argparse.Namespace, precision: str, checkpointing: bool) -> object:
+    overrides = [
+        f"model={args.model}",
+        f"precision={precision}",
+        f"data.seq_len={args.seq_len}",
+        f"train.micro_batch_size={args.micro_batch}",
+        f"train.global_batch_size={args.global_batch or args.micro_batch}",
+        f"train.activation_checkpointing={str(checkpointing).lower()}",
+        "train.max_steps=2",
+        "logging.console=none",
+        "logging.wandb.mode=disabled",
+        "logging.plots=false",
+        "train.export_hf=false",
+        *args.override,
+    ]
+    if not torch.cuda.is_available():
+        overrides.append("optim.kernel=eager")
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def measured_peak(trainer: Trainer) -> int:
+    """Peak bytes of the second step (the first creates the optimizer state)."""
+    trainer.train_step()
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        trainer.train_step()
+        return torch.cuda.max_memory_allocated()
+    with LiveTensorBytes() as live:
+        live.track(trainer.model.parameters())
+        for state in trainer.optimizer.state.values():
+            live.track(v for v in state.values() if isinstance(v, torch.Tensor))
+        trainer.train_step()
+    return live.peak
+
+
+def bench_row(args: argparse.Namespace, precision: str, checkpointing: bool) -> dict:
+    cfg = compose_run(args, precision, checkpointing)
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(cfg, Path(run_dir), sinks=[])
+        measured = measured_peak(trainer)
+        shape = ModelShape.from_config(
+            cfg.model, vocab_size=trainer.data.tokenizer.vocab_size, seq_len=cfg.data.seq_len
+        )
+        setting = Setting(
+            get_strategy(precision), 0, fused_optimizer=trainer.optimizer_kernel != "eager"
+        )
+        train = cfg.train
+        planned = estimate(
+            shape,
+            setting,
+            micro_batch=train.micro_batch_size,
+            accum_steps=accumulation_steps(train.global_batch_size, train.micro_batch_size, 1),
+            checkpointing=checkpointing,
+        )
+        kernel = trainer.optimizer_kernel
+        del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {
+        "strategy": precision,
+        "activation_checkpointing": checkpointing,
+        "optimizer_kernel": kernel,
+        "planned_bytes": planned.peak,
+        "measured_bytes": measured,
+        "ratio": planned.peak / measured,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| strategy | checkpointing | optimizer step | planned MiB | measured MiB "
+        "| planned / measured |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['strategy']} | {'on' if r['activation_checkpointing'] else 'off'} "
+            f"| {r['optimizer_kernel']} | {r['planned_bytes'] / 2**20:.1f} "
+            f"| {r['measured_bytes'] / 2**20:.1f} | {r['ratio']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt_125m")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--global-batch", type=int, default=None, help="default: one micro-batch")
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    parser.add_argument("--override", nargs="*", default=[], help="extra Hydra overrides")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    args = parser.parse_args()
+    register_schemas()
+
+    rows = []
+    for precision in args.strategies:
+        for checkpointing in (False, True):
+            rows.append(bench_row(args, precision, checkpointing))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    text = table(rows)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    if not args.no_append:
+        worst = max(abs(r["ratio"] - 1) for r in rows)
+        append_results(
+            f"Memory planner against measured step peaks, {args.model}",
+            f"Sequence {args.seq_len}, micro-batch {args.micro_batch}; second training step; "
+            f"largest deviation {worst:.1%}.",
+            text,
+        )
+
+
+if __name__ == "__main__":
+    main()
