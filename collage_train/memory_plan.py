@@ -16,7 +16,9 @@ re-measures them): GPT-2 saves 8 h + 5 f (its tanh-GELU is five elementwise ops 
 f = ffn width), OPT 8 h + 1 f (ReLU); both also keep the attention's fp32 log-sum-exp
 per head and two LayerNorms' statistics. The head keeps the final LayerNorm's input and
 output and the fp32 log-softmax over the vocabulary. Checkpointing keeps each block's
-input and recomputes one block at a time.
+input and recomputes one block at a time. These are the eager model's activations; with
+``train.compile=true`` inductor fuses elementwise chains and saves less, so the plan is
+an upper bound there.
 
 Optimizer temporaries are per implementation (also re-measured by the tests): the
 multi-tensor AdamW builds fp32 temporaries over all of the parameters it updates, the
