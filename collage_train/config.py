@@ -142,6 +142,28 @@ class DistributedConfig:
 
 
 @dataclass
+class CommConfig:
+    """How replicas synchronise: ``ddp``, ``diloco`` or ``sparseloco`` (configs/comm/).
+
+    ``ddp`` reduces gradients every step inside the engine. ``diloco`` and ``sparseloco``
+    keep one whole model per process (distributed=single), train each alone for
+    ``sync_every`` steps and then merge them in one outer step on the pseudo-gradient:
+    dense for DiLoCo, top-k per chunk, quantized and error-fed for SparseLoCo.
+    """
+
+    name: str = "ddp"
+    sync_every: int = 10  # H: inner steps between outer steps
+    outer_lr: float = 1.0  # outer SGD learning rate
+    outer_momentum: float = 0.0  # outer SGD momentum (0: none)
+    nesterov: bool = False  # Nesterov form of the outer momentum
+    error_feedback: float = 0.95  # beta of SparseLoCo's error feedback
+    chunk: int = 4096  # SparseLoCo: elements per top-k chunk
+    topk: int = 64  # SparseLoCo: entries kept per chunk
+    bits: int = 2  # SparseLoCo: bits per kept value (1..8), or 32 for raw fp32 values
+    checksum_every: int = 10  # outer steps between replica checksums; 0: never
+
+
+@dataclass
 class PlanConfig:
     """The cluster ``python -m collage_train.plan`` plans for; training ignores it."""
 
@@ -162,6 +184,7 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
 

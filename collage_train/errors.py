@@ -15,3 +15,7 @@ class TrainingDiverged(CollageError):
 
 class OutOfMemory(CollageError):
     """The device (or host) ran out of memory."""
+
+
+class ReplicasDiverged(CollageError):
+    """Replicas that must hold bit-identical shared weights no longer do."""

@@ -1,7 +1,8 @@
 """``python -m collage_train.export PATH [--out DIR]``: a transformers model from a checkpoint.
 
 PATH is a run directory (its newest checkpoint is used) or a ``checkpoints/step-N``
-directory, written by one process or by DeepSpeed ZeRO on any number of ranks. ZeRO
+directory, written by one process, by DeepSpeed ZeRO on any number of ranks, or by
+DiLoCo/SparseLoCo replicas (rank 0's replica; the shared model at an outer step). ZeRO
 shards are consolidated on the CPU (no launcher or GPU needed) and the weights are
 written in the run's parameter dtype (bf16 for every strategy but fp32). The output,
 ``<run dir>/hf-step-N`` by default, loads with ``AutoModelForCausalLM.from_pretrained``.
@@ -38,6 +39,8 @@ def resolve_checkpoint(path: Path) -> Path:
 def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
     """The whole model's weights from checkpoint ``path``, in the run's parameter dtype."""
     meta = checkpoint.read_meta(path)
+    if (path / "replica-0").is_dir():  # comm=diloco|sparseloco: rank 0's replica
+        return checkpoint.load_checkpoint_file(path / "replica-0", "model")
     if meta.get("distributed", "single") == "single":
         return checkpoint.load_checkpoint_file(path, "model")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

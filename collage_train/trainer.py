@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from collage_train import checkpoint
+from collage_train.comm.settings import check_schedule, comm_name, uses_replicas
 from collage_train.data import build_data
 from collage_train.engine import build_engine
 from collage_train.engine.launch import local_world_size
@@ -110,7 +111,8 @@ class Trainer:
             raise ConfigError(
                 f"train.stop_at_step={train.stop_at_step} must lie in 1..{train.max_steps}"
             )
-        self.engine = build_engine(cfg.distributed, device=train.device)
+        check_schedule(cfg.comm, train, cfg.distributed.name)
+        self.engine = build_engine(cfg.distributed, cfg.comm, device=train.device)
         self.device = self.engine.device
         self.accum_steps = gradient_accumulation_steps(
             train.global_batch_size, train.micro_batch_size, self.engine.world_size
@@ -260,6 +262,7 @@ class Trainer:
                 "holds": list(self.strategy.checkpoint_holds),
                 "model": self.cfg.model.name,
                 "distributed": self.cfg.distributed.name,
+                "comm": comm_name(self.cfg.comm),
                 "world_size": self.engine.world_size,
                 "config": OmegaConf.to_container(self.cfg, resolve=True),
             }
@@ -292,7 +295,19 @@ class Trainer:
                 f"distributed={self.cfg.distributed.name}; resume with the same engine, or "
                 "export its weights with python -m collage_train.export and start a new run"
             )
+        written_comm = meta.get("comm", "ddp")
+        if written_comm != comm_name(self.cfg.comm):
+            raise ConfigError(
+                f"{path} was written with comm={written_comm}, this run uses "
+                f"comm={comm_name(self.cfg.comm)}; resume with the same communication"
+            )
         saved_world = int(meta.get("world_size", 1))
+        if saved_world != self.engine.world_size and uses_replicas(self.cfg.comm):
+            raise ConfigError(
+                f"{path} was written by {saved_world} replicas and this run has "
+                f"{self.engine.world_size}; each replica's inner state is its own: resume "
+                f"with {saved_world} processes (torchrun --nproc_per_node {saved_world})"
+            )
         if saved_world != self.engine.world_size:
             raise ConfigError(
                 f"{path} was written by {saved_world} data-parallel ranks and this run has "
@@ -433,6 +448,7 @@ class Trainer:
             ),
             **peak_memory(self.device),
             **descent,
+            **self.engine.comm_metrics(),
         }
 
     def _emit(self, record: dict[str, Any]) -> None:
@@ -495,9 +511,16 @@ class Trainer:
             f"{train.global_batch_size} sequences x {self.cfg.data.seq_len} tokens = "
             f"{self.tokens_per_step:,} tokens (micro-batch {train.micro_batch_size} x "
             f"{self.accum_steps} accumulation x {self.engine.world_size} rank) | "
-            f"distributed={self.cfg.distributed.name} | "
+            f"distributed={self.cfg.distributed.name} | {self._describe_comm()} | "
             f"{train.max_steps} steps"
         )
+
+    def _describe_comm(self) -> str:
+        comm = self.cfg.comm
+        if not uses_replicas(comm):
+            return f"comm={comm_name(comm)}"
+        replicas = self.engine.world_size
+        return f"comm={comm.name} ({replicas} replicas, outer step every {comm.sync_every})"
 
     def _summary(
         self,
@@ -540,6 +563,8 @@ class Trainer:
             ),
             "state_bytes_measure": self.engine.state_bytes_measure,
             "distributed": self.cfg.distributed.name,
+            "comm": comm_name(self.cfg.comm),
+            **self.engine.comm_metrics(),
             "world_size": self.engine.world_size,
             "optimizer_kernel": self.optimizer_kernel,
             "skipped_steps": self.skipped_steps,

@@ -129,7 +129,9 @@ def test_one_replica_syncing_every_step_equals_the_inner_optimizer(name, method)
 
     ``x - (x - x_1)`` is ``x_1`` exactly whenever ``x - x_1`` is exact in fp32, which holds
     for an inner step smaller than the weight (Sterbenz); only a weight that falls
-    below 2^-24 of its value in one outer step could come back rounded.
+    below 2^-24 of its value in one outer step could come back rounded. For Collage the
+    pair (theta, dtheta) must also fit an fp32, as it does for these weights (see
+    test_replicas.py for a run where a few dtheta do not).
     """
     settings = OuterSettings(method, lr=1.0, error_feedback=0.0, codec=LOSSLESS)
     plain_params, plain = build(name)

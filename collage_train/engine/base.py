@@ -30,7 +30,7 @@ class StepOutcome:
 
 
 class Engine(Protocol):
-    """The interface of ``SingleProcessEngine`` and ``ZeroEngine``."""
+    """The interface of ``SingleProcessEngine``, ``ZeroEngine`` and ``ReplicaEngine``."""
 
     name: str
     device: torch.device
@@ -93,6 +93,9 @@ class Engine(Protocol):
 
     def full_weights(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
         """A context in which the module holds all of its weights (for export)."""
+
+    def comm_metrics(self) -> dict[str, Any]:
+        """Communication counters for the logs ({} when the engine reports none)."""
 
 
 @contextlib.contextmanager

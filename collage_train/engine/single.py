@@ -120,3 +120,7 @@ class SingleProcessEngine:
 
     def full_weights(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
         return unchanged(self.model)
+
+    def comm_metrics(self) -> dict[str, Any]:
+        """One process exchanges nothing."""
+        return {}

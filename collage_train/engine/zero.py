@@ -237,6 +237,10 @@ class ZeroEngine:
             raise ConfigError(f"{directory} is not a readable DeepSpeed checkpoint of this run")
         return client_state["trainer"]
 
+    def comm_metrics(self) -> dict[str, Any]:
+        """DeepSpeed's collectives are not counted here."""
+        return {}
+
     def full_weights(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
         """Gather ZeRO-3's partitioned weights on every rank for the duration of the block."""
         if self.stage < 3:
