@@ -195,3 +195,48 @@ def test_the_deepspeed_launcher_runs_replicas(corpus_dir, cache_dir, tmp_path):
     assert summary["world_size"] == 2 and summary["comm_outer_steps"] == 2
     models = [replica_file(run_dir, 8, rank, "model") for rank in (0, 1)]
     assert_bitwise(list(models[0].values()), list(models[1].values()))
+
+
+def test_a_stopped_and_resumed_run_equals_the_uninterrupted_one(
+    two_replicas, corpus_dir, cache_dir, tmp_path
+):
+    """Stopped mid outer step (step 18 of 40, H = 4), resumed on two ranks: every rank's
+    model, inner optimizer, error feedback and shared weights, and the logged losses,
+    equal those of the uninterrupted run bit for bit."""
+    run_dir = tmp_path / "run"
+    args = [*overrides(corpus_dir, cache_dir), f"hydra.run.dir={run_dir}"]
+    stopped = torchrun(*args, "train.stop_at_step=18")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "stopped at step 18 of 40" in stopped.stdout
+    resumed = torchrun(*args, "train.resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "step-18 at step 18" in resumed.stdout
+    last = OUTER_STEPS * H
+    for rank in (0, 1):
+        for name in ("model", "optimizer", "outer"):
+            mine, theirs = (replica_file(d, last, rank, name) for d in (run_dir, two_replicas))
+            if name == "model":
+                assert_bitwise(list(mine.values()), list(theirs.values()))
+            elif name == "optimizer":
+                assert_bitwise(state_tensors(mine["state"]), state_tensors(theirs["state"]))
+            else:
+                for key in ("shared", "errors"):
+                    assert_bitwise(mine[key], theirs[key])
+                assert mine["counters"]["outer_steps"] == theirs["counters"]["outer_steps"]
+    losses = [[r["loss"] for r in records(d) if "loss" in r] for d in (run_dir, two_replicas)]
+    assert losses[0] == losses[1] and len(losses[0]) == last
+
+
+def test_resuming_replicas_with_another_world_size_is_refused(
+    two_replicas, corpus_dir, cache_dir, tmp_path
+):
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_replicas, run_dir)
+    args = [*overrides(corpus_dir, cache_dir), "train.resume=true", f"hydra.run.dir={run_dir}"]
+    result = torchrun(*args, ranks=1)
+    assert result.returncode == 1
+    assert result.error_lines == [
+        f"error: {checkpoint.latest_checkpoint(run_dir)} was written by 2 replicas and this run "
+        "has 1; each replica's inner state is its own: resume with 2 processes "
+        "(torchrun --nproc_per_node 2)"
+    ]
