@@ -1,0 +1,154 @@
+"""AdamW whose moments (and optionally master weights) are stored as scaled fp16.
+
+Each state tensor is fp16 data plus a power-of-two fp32 scale: the value is
+``data * scale``. A step loads each tensor into fp32, does the AdamW math there,
+and stores it back under a fresh scale, ``rms_scale`` of the new value, so the data
+sits near unit RMS and neither overflows nor underflows fp16 whatever the size of
+the gradients. ``rescale_count`` counts the times a stored scale changed.
+
+``master="fp32"`` updates fp32 parameters in place (or an fp32 master copy of
+lower-precision parameters); ``master="fp16"`` keeps the master as scaled fp16 too
+and writes its value into the parameters. ``scaled=False`` pins every scale at 1:
+plain fp16 state, the baseline that under- and overflows.
+
+Step counts are integers, bias corrections host float64, weight decay decoupled,
+as in ``collage_train.optim.AdamW``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from collage_train.optim.base import TrackingOptimizer
+from collage_train.scalify.scale import rms_scale
+
+STATE_DTYPE = torch.float16
+MASTERS = ("fp32", "fp16")
+_FP16_MAX = float(torch.finfo(STATE_DTYPE).max)
+
+
+def load_scaled(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 value ``data * scale`` of a scaled tensor."""
+    return data.to(torch.float32) * scale
+
+
+def store_scaled(value: torch.Tensor, scaled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale)`` for an fp32 value: scale = ``rms_scale(value)`` (1 if not scaled).
+
+    Data is clamped to the fp16 range, so a value more than ~2**15 times its RMS
+    saturates instead of becoming inf.
+    """
+    scale = rms_scale(value) if scaled else torch.ones((), device=value.device)
+    data = (value / scale).clamp(-_FP16_MAX, _FP16_MAX).to(STATE_DTYPE)
+    return data, scale
+
+
+class ScaledAdamW(TrackingOptimizer):
+    """AdamW with scaled-fp16 ``exp_avg`` / ``exp_avg_sq`` (and master if ``master="fp16"``)."""
+
+    unshaped_state = ("step", "exp_avg_scale", "exp_avg_sq_scale", "master_scale")
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        master: str = "fp32",
+        scaled: bool = True,
+    ) -> None:
+        if master not in MASTERS:
+            raise ValueError(f"master must be one of {MASTERS}, got {master!r}")
+        super().__init__(params, lr, betas, eps, weight_decay)
+        self.master = master
+        self.scaled = scaled
+        self.rescale_count = 0
+
+    def _keeps_master(self, param: torch.Tensor) -> bool:
+        return self.master == "fp16" or param.dtype != torch.float32
+
+    def _state_for(self, param: torch.Tensor) -> dict[str, Any]:
+        state = self.state[param]
+        if not state:
+            state["step"] = 0
+            for name in ("exp_avg", "exp_avg_sq"):
+                zeros = torch.zeros_like(param, dtype=torch.float32)
+                state[name], state[f"{name}_scale"] = store_scaled(zeros, self.scaled)
+            if self._keeps_master(param):
+                self._set_master(state, param.detach().to(torch.float32))
+        return state
+
+    def _set_master(self, state: dict[str, Any], value: torch.Tensor) -> None:
+        if self.master == "fp16":
+            state["master"], state["master_scale"] = store_scaled(value, self.scaled)
+        else:
+            state["master"] = value.clone()
+
+    def _master_value(self, state: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
+        """The fp32 weight the update applies to (a copy, or the fp32 parameter itself)."""
+        if "master_scale" in state:
+            return load_scaled(state["master"], state["master_scale"])
+        return state.get("master", param.detach())
+
+    def _store(self, state: dict[str, Any], name: str, value: torch.Tensor) -> None:
+        """Store ``value`` into the scaled entry ``name``, counting a change of scale."""
+        data, scale = store_scaled(value, self.scaled)
+        if not torch.equal(scale, state[f"{name}_scale"]):
+            self.rescale_count += 1
+        state[name], state[f"{name}_scale"] = data, scale
+
+    def _full_precision(self, param: torch.Tensor) -> torch.Tensor:
+        state = self.state[param]
+        if "master" not in state:
+            return super()._full_precision(param)
+        return self._master_value(state, param).to(torch.float32, copy=True)
+
+    def _load_full_precision(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        if self._keeps_master(param):
+            state = self._state_for(param)
+            self._set_master(state, value)
+            value = self._master_value(state, param)
+        param.detach().copy_(value)
+
+    def _step_one(self, group: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
+        """One AdamW update of ``param`` in fp32; returns the update applied."""
+        beta1, beta2 = group["betas"]
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        state = self._state_for(param)
+        state["step"] += 1
+        step = state["step"]
+        grad = param.grad.to(torch.float32)
+        exp_avg = load_scaled(state["exp_avg"], state["exp_avg_scale"])
+        exp_avg_sq = load_scaled(state["exp_avg_sq"], state["exp_avg_sq_scale"])
+        exp_avg.lerp_(grad, 1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+
+        denom = exp_avg_sq.sqrt().div_(math.sqrt(1.0 - beta2**step)).add_(group["eps"])
+        update = exp_avg.div(denom).mul_(-lr / (1.0 - beta1**step))
+        weight = self._master_value(state, param)
+        if weight_decay != 0.0:
+            update.add_(weight, alpha=-lr * weight_decay)
+        self._store(state, "exp_avg", exp_avg)
+        self._store(state, "exp_avg_sq", exp_avg_sq)
+
+        if "master" not in state:
+            param.detach().add_(update)
+            return update
+        new_weight = weight + update
+        if "master_scale" in state:
+            self._store(state, "master", new_weight)
+            new_weight = load_scaled(state["master"], state["master_scale"])
+        else:
+            state["master"] = new_weight
+        param.detach().copy_(new_weight)
+        return update
+
+    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        before = self._snapshot(params)
+        updates = [self._step_one(group, param) for param in params]
+        self._record_descent(params, before, updates)

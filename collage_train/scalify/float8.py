@@ -1,0 +1,120 @@
+"""Float8 casts and scaled matmuls: E4M3 for the forward pass, E5M2 for gradients.
+
+``to_float8`` divides by a power-of-two scale and clamps to the format's finite
+range before casting, so every path sees the same operands (overflow behaviour of
+the cast differs across stacks; torch 2.13 on CPU saturates E4M3 at +-448, even for
+inf, but sends E5M2 past its range to inf).
+``scaled_mm`` runs ``torch._scaled_mm`` on CUDA GPUs of compute capability >= 8.9
+and ``scaled_mm_emulated`` elsewhere.
+
+``scaled_mm_emulated`` follows ATen's CPU reference (``_scaled_mm_out_cpu_emulated``):
+each operand is widened to fp32 and multiplied by its scale, then one fp32 matmul of
+the contiguous operands, then the cast. It is bitwise equal to ``torch._scaled_mm``
+on CPU wherever that reference runs. On x86 CPUs with AMX-int8, same-dtype operands
+go to oneDNN instead, which sums in another order: equal where measured for K <= 256
+with M, N >= 2; not for K >= 512 nor for matrix-vector shapes (torch 2.13). With
+power-of-two scales, scaling the operands or the fp32 result gives the same bits
+unless something overflows or underflows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT8_FORWARD = torch.float8_e4m3fn
+FLOAT8_BACKWARD = torch.float8_e5m2
+FLOAT8_DTYPES = (FLOAT8_FORWARD, FLOAT8_BACKWARD)
+
+
+def float8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of a float8 format (448 for E4M3, 57344 for E5M2)."""
+    if dtype not in FLOAT8_DTYPES:
+        raise ValueError(f"not a float8 format: {dtype}")
+    return float(torch.finfo(dtype).max)
+
+
+def to_float8(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = FLOAT8_FORWARD
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(clamp(x / scale, -max, max).to(dtype), scale)``: float8 data and its fp32 scale.
+
+    Computed in fp32; dividing by a power of two is exact, so the only rounding is
+    the cast itself (nan stays nan).
+    """
+    limit = float8_max(dtype)
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    data = (x.to(torch.float32) / scale).clamp(-limit, limit).to(dtype)
+    return data, scale
+
+
+def scaled_mm_emulated(
+    a8: torch.Tensor,
+    b8: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``((a8 * scale_a) @ (b8 * scale_b)).to(out_dtype)`` with fp32 operands and sums.
+
+    Float8 products are exact in fp32; the sums round in fp32, in the order of the
+    CPU fp32 matmul of contiguous operands, as ATen's reference does.
+    """
+    a = a8.to(torch.float32).contiguous() * scale_a.to(torch.float32)
+    b = b8.to(torch.float32).contiguous() * scale_b.to(torch.float32)
+    return (a @ b).to(out_dtype)
+
+
+def hardware_scaled_mm_available(a8: torch.Tensor, b8: torch.Tensor) -> bool:
+    """True when ``torch._scaled_mm`` runs these operands on a float8 GPU.
+
+    Needs CUDA compute capability >= 8.9 (Ada, Hopper and later), both dimensions of
+    each operand multiples of 16, and not both operands E5M2 (cuBLASLt has no
+    E5M2 x E5M2 kernel).
+    """
+    if not (a8.is_cuda and b8.is_cuda):
+        return False
+    if torch.cuda.get_device_capability(a8.device) < (8, 9):
+        return False
+    if a8.dtype == FLOAT8_BACKWARD and b8.dtype == FLOAT8_BACKWARD:
+        return False
+    return all(size % 16 == 0 for size in (*a8.shape, *b8.shape))
+
+
+def scaled_mm(
+    a8: torch.Tensor,
+    b8: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``(a8 * scale_a) @ (b8 * scale_b)`` in ``out_dtype``, on float8 hardware when present.
+
+    ``a8`` is (M, K), ``b8`` is (K, N). The GPU kernel wants ``b8`` column-major; it
+    is made so here. Elsewhere (CPU, older GPUs, unsupported shapes or E5M2 x E5M2)
+    the exact emulation runs.
+    """
+    if not hardware_scaled_mm_available(a8, b8):
+        return scaled_mm_emulated(a8, b8, scale_a, scale_b, out_dtype)
+    column_major_b = b8.t().contiguous().t()
+    return torch._scaled_mm(
+        a8.contiguous(),
+        column_major_b,
+        scale_a=scale_a.to(torch.float32),
+        scale_b=scale_b.to(torch.float32),
+        out_dtype=out_dtype,
+    )
+
+
+def float8_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    dtype_a: torch.dtype = FLOAT8_FORWARD,
+    dtype_b: torch.dtype = FLOAT8_FORWARD,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Cast ``a`` and ``b`` to float8 with their scales, then ``scaled_mm``."""
+    a8, scale_a = to_float8(a, scale_a, dtype_a)
+    b8, scale_b = to_float8(b, scale_b, dtype_b)
+    return scaled_mm(a8, b8, scale_a, scale_b, out_dtype)

@@ -1,0 +1,87 @@
+"""Power-of-two scales and the Scalify propagation rules.
+
+A scaled tensor is ``data * scale`` with ``scale`` an exact power of two, rounded
+down, so multiplying or dividing by it is exact (barring overflow or underflow).
+Scales are 0-d float32 tensors (the form ``torch._scaled_mm`` takes); the rules
+below compute in float64 and round the result down to a power of two, so every
+scale they return is exact:
+
+- matmul over an inner dimension K: ``s_a * s_b * pow2_floor(sqrt(K))``
+- add: ``pow2_floor(sqrt(s_a**2 + s_b**2))`` (the larger scale when both are powers of two)
+- mul: ``s_a * s_b``
+- sum over N elements: ``s * pow2_floor(sqrt(N))``
+- reshape / transpose / slice / cast keep the scale; unsupported ops unscale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pow2_floor(x: torch.Tensor) -> torch.Tensor:
+    """The largest power of two ``<= |x|``, elementwise, in ``x``'s dtype.
+
+    Exact: built from ``torch.frexp`` (``|x| = m * 2**e`` with ``m`` in ``[0.5, 1)``,
+    so the answer is ``2**(e - 1)``), subnormal inputs included. Special values:
+    ``0 -> 0``, ``+-inf -> inf``, ``nan -> nan``; callers that need a usable scale
+    (``rms_scale``) decide what to do with those.
+    """
+    magnitude = x.abs()
+    _, exponent = torch.frexp(magnitude)
+    result = torch.ldexp(torch.ones_like(magnitude), exponent - 1)
+    special = (magnitude == 0) | ~torch.isfinite(magnitude)
+    return torch.where(special, magnitude, result)
+
+
+def is_power_of_two(x: torch.Tensor) -> bool:
+    """True when every element is a positive, finite, exact power of two."""
+    mantissa, _ = torch.frexp(x)
+    return bool(((mantissa == 0.5) & torch.isfinite(x)).all())
+
+
+def _as_scale(value: torch.Tensor) -> torch.Tensor:
+    """A float64 result rounded down to a power of two, as a float32 scale."""
+    return pow2_floor(value.to(torch.float64)).to(torch.float32)
+
+
+def rms_scale(t: torch.Tensor) -> torch.Tensor:
+    """``pow2_floor`` of the root mean square of ``t``, a 0-d float32 scale.
+
+    The RMS is computed in float64 (no overflow of the squares, no rounding up to
+    the next power of two before the floor). A tensor with RMS 0 (all zeros, or
+    empty) gets scale 1, so its data stays zero under a finite scale; a tensor
+    holding inf or nan gets a non-finite scale, so the fault stays visible.
+    """
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.float32, device=t.device)
+    rms = t.detach().to(torch.float64).square().mean().sqrt()
+    scale = _as_scale(rms)
+    return torch.where(rms == 0, torch.ones_like(scale), scale)
+
+
+def _pow2_floor_sqrt(n: int) -> float:
+    """``pow2_floor(sqrt(n))`` for a positive integer, exactly: ``2**floor(log2(n) / 2)``."""
+    if n < 1:
+        raise ValueError(f"a dimension size must be >= 1, got {n}")
+    return float(2 ** ((n.bit_length() - 1) // 2))
+
+
+def sum_scale(scale: torch.Tensor, n: int) -> torch.Tensor:
+    """Scale of a sum over ``n`` elements: ``scale * pow2_floor(sqrt(n))``."""
+    return _as_scale(scale.to(torch.float64) * _pow2_floor_sqrt(n))
+
+
+def matmul_scale(scale_a: torch.Tensor, scale_b: torch.Tensor, k: int) -> torch.Tensor:
+    """Scale of ``a @ b`` over inner dimension ``k``: ``s_a * s_b * pow2_floor(sqrt(k))``."""
+    return _as_scale(scale_a.to(torch.float64) * scale_b.to(torch.float64) * _pow2_floor_sqrt(k))
+
+
+def add_scale(scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    """Scale of ``a + b``: ``pow2_floor(sqrt(s_a**2 + s_b**2))``."""
+    a, b = scale_a.to(torch.float64), scale_b.to(torch.float64)
+    return _as_scale((a.square() + b.square()).sqrt())
+
+
+def mul_scale(scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    """Scale of the elementwise product ``a * b``: ``s_a * s_b``."""
+    return _as_scale(scale_a.to(torch.float64) * scale_b.to(torch.float64))

@@ -1,0 +1,201 @@
+"""ScaledAdamW: scaled-fp16 state tracks a float64 AdamW where plain fp16 state cannot."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from collage_train.scalify.adamw import ScaledAdamW, load_scaled, store_scaled
+from collage_train.scalify.scale import is_power_of_two
+
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.1
+STEPS = 50
+GRAD_MAGNITUDES = (1e-6, 1.0, 1e4)  # one parameter each
+
+
+class Float64AdamW:
+    """The reference: AdamW with decoupled weight decay, all in float64."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = [p.detach().to(torch.float64).clone() for p in params]
+        self.exp_avg = [torch.zeros_like(p) for p in self.params]
+        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
+        self.step_count = 0
+
+    def step(self, grads: list[torch.Tensor]) -> None:
+        self.step_count += 1
+        t = self.step_count
+        beta1, beta2 = BETAS
+        for p, m, v, g in zip(self.params, self.exp_avg, self.exp_avg_sq, grads, strict=True):
+            g = g.to(torch.float64)
+            m.mul_(beta1).add_(g, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v / (1 - beta2**t)).sqrt() + EPS
+            p.add_(-LR * (m / (1 - beta1**t)) / denom - LR * WD * p)
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(17, 9), (33,), (4, 4, 5)]
+    return [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in shapes]
+
+
+def _grads(step: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return [
+        (torch.randn(p.shape, generator=generator) + 0.3) * magnitude
+        for p, magnitude in zip(params, GRAD_MAGNITUDES, strict=True)
+    ]
+
+
+def _run(optimizer: torch.optim.Optimizer, params, steps: int = STEPS, first: int = 0) -> None:
+    for step in range(first, first + steps):
+        for p, g in zip(params, _grads(step, params), strict=True):
+            p.grad = g.to(p.dtype)
+        optimizer.step()
+
+
+def _errors(params, reference: Float64AdamW) -> list[float]:
+    """Per parameter, max |p - p_ref| in units of the total movement budget lr * steps."""
+    return [
+        ((p.detach().double() - ref).abs().max() / (LR * STEPS)).item()
+        for p, ref in zip(params, reference.params, strict=True)
+    ]
+
+
+def _reference_after(steps: int = STEPS) -> tuple[list[torch.nn.Parameter], Float64AdamW]:
+    params = _params()
+    reference = Float64AdamW(params)
+    for step in range(steps):
+        reference.step(_grads(step, params))
+    return params, reference
+
+
+def test_store_scaled_round_trips_tiny_and_huge_values():
+    for magnitude in (1e-12, 1.0, 1e12):
+        value = torch.randn(100) * magnitude
+        data, scale = store_scaled(value)
+        assert data.dtype == torch.float16 and is_power_of_two(scale)
+        back = load_scaled(data, scale)
+        assert torch.allclose(back, value, rtol=2.0**-11, atol=0)
+    plain, one = store_scaled(torch.tensor([1e-9, 1e9]), scaled=False)
+    assert one.item() == 1.0 and plain.tolist() == [0.0, 65504.0]
+
+
+def test_scaled_fp16_state_tracks_a_float64_adamw():
+    params, reference = _reference_after()
+    optimizer = ScaledAdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    _run(optimizer, params)
+    # each step moves a weight by about lr; fp16 state costs ~2**-11 of that per step
+    assert max(_errors(params, reference)) < 2e-3
+    assert optimizer.rescale_count > 0
+
+
+def test_plain_fp16_state_fails_where_scaled_state_passes():
+    """Unscaled fp16: v underflows for 1e-6 gradients and overflows for 1e4 gradients."""
+    params, reference = _reference_after()
+    optimizer = ScaledAdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, scaled=False)
+    _run(optimizer, params)
+    tiny, unit, huge = _errors(params, reference)
+    assert unit < 2e-3  # the unit-sized gradients are fine either way
+    assert tiny > 0.1 and huge > 0.1
+    assert optimizer.rescale_count == 0
+    # v ~ 1e8 saturates at the fp16 maximum; v ~ 1e-15 flushes to zero
+    saturated = load_scaled(*_moment(optimizer, params[2], "exp_avg_sq"))
+    assert (saturated == torch.finfo(torch.float16).max).float().mean() > 0.5
+    assert (_moment(optimizer, params[0], "exp_avg_sq")[0] == 0).all()
+
+
+def _moment(optimizer, param, name):
+    state = optimizer.state[param]
+    return state[name], state[f"{name}_scale"]
+
+
+def test_fp16_master_tracks_to_fp16_precision():
+    params, reference = _reference_after()
+    optimizer = ScaledAdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, master="fp16")
+    _run(optimizer, params)
+    for p, ref in zip(params, reference.params, strict=True):
+        state = optimizer.state[p]
+        assert state["master"].dtype == torch.float16
+        assert torch.equal(p.detach(), load_scaled(state["master"], state["master_scale"]))
+        # each step rounds the weight to 11 bits relative to its RMS scale
+        bound = STEPS * 2.0**-11 * 2 * state["master_scale"].item()
+        assert (p.detach().double() - ref).abs().max().item() < bound
+
+
+@pytest.mark.parametrize("master", ["fp32", "fp16"])
+def test_every_stored_scale_is_a_power_of_two(master):
+    params = _params()
+    optimizer = ScaledAdamW(params, lr=LR, master=master)
+    _run(optimizer, params, steps=5)
+    for p in params:
+        state = optimizer.state[p]
+        scales = [v for k, v in state.items() if k.endswith("_scale")]
+        assert len(scales) == (3 if master == "fp16" else 2)
+        assert all(is_power_of_two(s) for s in scales)
+        assert state["exp_avg"].dtype == torch.float16
+        assert state["exp_avg_sq"].dtype == torch.float16
+        assert 0.5 < state["exp_avg_sq"].float().square().mean().sqrt().item() < 2.5
+
+
+def test_bf16_params_get_an_fp32_master():
+    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()]
+    optimizer = ScaledAdamW(params, lr=LR)
+    _run(optimizer, params, steps=3)
+    for p in params:
+        master = optimizer.state[p]["master"]
+        assert master.dtype == torch.float32
+        assert torch.equal(p.detach(), master.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("master", ["fp32", "fp16"])
+def test_state_dict_round_trip_continues_bitwise(master):
+    params = _params()
+    optimizer = ScaledAdamW(params, lr=LR, weight_decay=WD, master=master)
+    _run(optimizer, params, steps=10)
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    restored = ScaledAdamW(copies, lr=LR, weight_decay=WD, master=master)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    for p, q in zip(params, copies, strict=True):
+        for key, value in optimizer.state[p].items():
+            other = restored.state[q][key]
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), key
+            if torch.is_tensor(value):
+                assert value.dtype == other.dtype
+
+    _run(optimizer, params, steps=10, first=10)
+    _run(restored, copies, steps=10, first=10)
+    for p, q in zip(params, copies, strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("master", ["fp32", "fp16"])
+def test_full_precision_weights_round_trip(master):
+    params = _params()
+    optimizer = ScaledAdamW(params, lr=LR, master=master)
+    _run(optimizer, params, steps=3)
+    weights = optimizer.full_precision_weights()
+    optimizer.load_full_precision_weights([w * 2 for w in weights])
+    doubled = optimizer.full_precision_weights()
+    for w, d, p in zip(weights, doubled, params, strict=True):
+        assert torch.equal(d, w * 2)
+        assert torch.equal(p.detach(), d)
+
+
+def test_descent_tracking_and_bad_arguments():
+    params = _params()
+    optimizer = ScaledAdamW(params, lr=LR)
+    optimizer.track_descent = True
+    _run(optimizer, params, steps=2)
+    metrics = optimizer.descent_metrics()
+    assert metrics and all(math.isfinite(v) for v in metrics.values())
+    with pytest.raises(ValueError, match="master"):
+        ScaledAdamW(params, master="bf16")
