@@ -1,0 +1,111 @@
+"""ScaledLinear swapped into tiny GPT-2 / OPT models: exact in fp32, close in bf16/float8."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers.pytorch_utils import Conv1D
+
+from collage_train.models import build_model
+from collage_train.scalify.float8 import FLOAT8_BACKWARD, FLOAT8_FORWARD, scaled_mm, to_float8
+from collage_train.scalify.modules import (
+    ScaledLinear,
+    ScaledMatmul,
+    scalify_linears,
+)
+from collage_train.scalify.scale import rms_scale
+
+
+def _model(family: str = "gpt") -> torch.nn.Module:
+    cfg = SimpleNamespace(
+        family=family,
+        name="t",
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        ffn_hidden_size=None,
+        init_std=0.02,
+        dropout=0.0,
+        vocab_size=None,
+        attn_implementation="eager",
+        extra={},
+    )
+    return build_model(cfg, vocab_size=96, seq_len=16, eot_id=2, seed=0)
+
+
+def _loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 96, (3, 16), generator=generator)
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return out.loss.detach(), out.logits.detach(), grads
+
+
+@pytest.mark.parametrize("family", ["gpt", "opt"])
+def test_fp32_format_equals_the_original_model(family):
+    original = _model(family)
+    scaled = copy.deepcopy(original)
+    replaced = scalify_linears(scaled, "fp32")
+    kinds = {type(m) for m in original.modules()}
+    assert replaced and (Conv1D in kinds) == (family == "gpt")
+    assert not any(isinstance(m, torch.nn.Linear | Conv1D) for m in scaled.modules())
+    assert list(scaled.state_dict()) == list(original.state_dict())
+
+    loss, logits, grads = _loss_and_grads(original)
+    scaled_loss, scaled_logits, scaled_grads = _loss_and_grads(scaled)
+    assert torch.allclose(scaled_logits, logits, rtol=1e-6, atol=1e-6)
+    assert abs(scaled_loss.item() - loss.item()) < 1e-6
+    assert scaled_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert torch.allclose(scaled_grads[name], grad, rtol=1e-5, atol=1e-6), name
+
+
+def test_replacement_shares_parameters_and_keeps_the_tied_head():
+    model = _model("gpt")
+    before = [id(p) for p in model.parameters()]
+    names = scalify_linears(model, "float8", skip=("lm_head",))
+    assert "lm_head" not in names and "transformer.h.0.attn.c_attn" in names
+    assert [id(p) for p in model.parameters()] == before
+    assert isinstance(model.lm_head, torch.nn.Linear)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert "fmt=float8" in repr(model.transformer.h[0].mlp.c_fc)
+    with pytest.raises(ValueError, match="format"):
+        ScaledLinear(model.lm_head.weight, None, weight_is_in_out=False, fmt="int4")
+
+
+@pytest.mark.parametrize(("fmt", "tolerance"), [("bf16", 0.02), ("fp16", 0.005), ("float8", 0.1)])
+def test_low_precision_formats_stay_close_to_fp32(fmt, tolerance):
+    original = _model("gpt")
+    scaled = copy.deepcopy(original)
+    scalify_linears(scaled, fmt)
+    loss, logits, grads = _loss_and_grads(original)
+    scaled_loss, scaled_logits, scaled_grads = _loss_and_grads(scaled)
+    assert abs(scaled_loss.item() - loss.item()) < tolerance * loss.item()
+    assert ((scaled_logits - logits).norm() / logits.norm()).item() < tolerance
+    flat = torch.cat([g.flatten() for g in grads.values()])
+    scaled_flat = torch.cat([scaled_grads[n].flatten() for n in grads])
+    assert ((scaled_flat - flat).norm() / flat.norm()).item() < 3 * tolerance
+    assert not torch.equal(scaled_flat, flat)
+
+
+def test_float8_forward_is_e4m3_and_backward_is_e5m2():
+    torch.manual_seed(3)
+    x = (torch.randn(32, 48) * 1e-3).requires_grad_()
+    w = (torch.randn(48, 16) * 40.0).requires_grad_()
+    out = ScaledMatmul.apply(x, w, "float8")
+    grad_out = torch.randn(32, 16) * 1e5
+    out.backward(grad_out)
+
+    x8, sx = to_float8(x.detach(), rms_scale(x), FLOAT8_FORWARD)
+    w8, sw = to_float8(w.detach(), rms_scale(w), FLOAT8_FORWARD)
+    g8, sg = to_float8(grad_out, rms_scale(grad_out), FLOAT8_BACKWARD)
+    assert torch.equal(out, scaled_mm(x8, w8, sx, sw, torch.float32))
+    assert torch.equal(x.grad, scaled_mm(g8, w8.t(), sg, sw, torch.float32))
+    assert torch.equal(w.grad, scaled_mm(x8.t(), g8, sx, sg, torch.float32))
+    exact = grad_out @ w.detach().t()
+    assert ((x.grad - exact).norm() / exact.norm()).item() < 0.15
