@@ -161,4 +161,5 @@ def test_gpu_path_matches_the_emulation(dtypes):
     got = scaled_mm(a8_gpu, b8_gpu, sa.cuda(), sb.cuda(), torch.float32).cpu()
     if torch.cuda.get_device_capability() >= (8, 9) and dtypes != (E5M2, E5M2):
         assert hardware_scaled_mm_available(a8_gpu, b8_gpu)
-    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+    # a wrong layout or scale would be off by far more than the order of the sums
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())

@@ -109,3 +109,17 @@ def test_float8_forward_is_e4m3_and_backward_is_e5m2():
     assert torch.equal(w.grad, scaled_mm(x8.t(), g8, sx, sg, torch.float32))
     exact = grad_out @ w.detach().t()
     assert ((x.grad - exact).norm() / exact.norm()).item() < 0.15
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_float8_matmul_on_gpu_matches_the_cpu_emulation():
+    torch.manual_seed(4)
+    x, w, grad_out = torch.randn(64, 96), torch.randn(96, 32) * 0.02, torch.randn(64, 32)
+    results = []
+    for device in ("cpu", "cuda"):
+        xd, wd = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+        out = ScaledMatmul.apply(xd, wd, "float8")
+        out.backward(grad_out.to(device))
+        results.append([t.detach().cpu() for t in (out, xd.grad, wd.grad)])
+    for cpu, gpu in zip(*results, strict=True):
+        assert torch.allclose(gpu, cpu, rtol=1e-4, atol=1e-5 * cpu.abs().max().item())
