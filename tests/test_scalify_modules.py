@@ -123,3 +123,31 @@ def test_float8_matmul_on_gpu_matches_the_cpu_emulation():
         results.append([t.detach().cpu() for t in (out, xd.grad, wd.grad)])
     for cpu, gpu in zip(*results, strict=True):
         assert torch.allclose(gpu, cpu, rtol=1e-4, atol=1e-5 * cpu.abs().max().item())
+
+
+def test_float8_model_with_scaled_fp16_optimizer_trains_like_fp32():
+    """Tiny GPT-2, one batch, 12 steps: float8 matmuls + ScaledAdamW (fp16 master)."""
+    from collage_train.optim import AdamW
+    from collage_train.scalify.adamw import ScaledAdamW
+
+    ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1))
+
+    def losses(model, optimizer) -> list[float]:
+        values = []
+        for _ in range(12):
+            optimizer.zero_grad()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            values.append(loss.item())
+        return values
+
+    reference = _model("gpt")
+    fp32 = losses(reference, AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1))
+    model = _model("gpt")
+    scalify_linears(model, "float8")
+    optimizer = ScaledAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, master="fp16")
+    scalified = losses(model, optimizer)
+    assert scalified[-1] < 0.8 * scalified[0]
+    assert abs(scalified[-1] - fp32[-1]) < 0.02 * fp32[-1]
+    assert optimizer.rescale_count > 0
