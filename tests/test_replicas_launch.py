@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import REPO, Result, _free_port, run_deepspeed
+from cli_runner import REPO, Result, _free_port, run_cli, run_deepspeed
 from hydra import compose, initialize_config_dir
 from replica_sim import simulate_replicas
+from safetensors.torch import load_file
 
 from collage_train import checkpoint
 from collage_train.cli import config_dir
@@ -171,6 +172,15 @@ def test_payload_is_small_and_the_loss_falls(two_replicas):
     assert last < first - 0.5, (first, last)
     val = [r["val_loss"] for r in records(two_replicas) if "val_loss" in r]
     assert len(val) == 2 and val[1] < val[0]
+
+
+def test_export_takes_rank_zeros_replica(two_replicas, tmp_path):
+    out = tmp_path / "hf"
+    result = run_cli(str(two_replicas), "--out", str(out), module="collage_train.export")
+    assert result.returncode == 0, result.stderr[-2000:]
+    exported = load_file(out / "model.safetensors")
+    saved = replica_file(two_replicas, OUTER_STEPS * H, 0, "model")
+    assert all(torch.equal(exported[name], saved[name]) for name in exported)
 
 
 def test_a_diverging_replica_stops_the_run_with_one_error_line(corpus_dir, cache_dir, tmp_path):
