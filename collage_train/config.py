@@ -59,6 +59,11 @@ class PrecisionConfig:
     """Which registered precision strategy to use (see collage_train.precision)."""
 
     name: str = "mixed_fp32"
+    # Scalify only (precision=scalify, configs/precision/scalify.yaml); null elsewhere.
+    matmul: str | None = None  # bf16 | fp16 | fp8 (E4M3 forward, E5M2 gradients) | fp32
+    master: str | None = None  # master weights: fp32 | fp16 (scaled fp16)
+    optimizer_state: str | None = None  # AdamW moments: fp32 | fp16 (scaled fp16)
+    rescale: list[str] | None = None  # dynamic-rescale points: matmul, layernorm_grad, grads
 
 
 @dataclass

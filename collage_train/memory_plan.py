@@ -54,6 +54,9 @@ STEP_TRANSIENT = {
     "collage_light": (0.0, 37.0),
     "collage_plus": (0.0, 39.0),
     "fused": (0.0, 0.0),  # one in-place kernel per tensor
+    # Scalify's ScaledAdamW, scaled-fp16 master: fp32 loads and stores of the largest
+    # tensor (fp32 master 39, fp32 master and state 27), plus each update kept for descent.
+    "scaled_adamw": (4.0, 47.0),
 }
 
 DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's reduce_bucket_size default
@@ -165,6 +168,8 @@ def step_transient_kind(setting: Setting) -> str:
         return "fused" if setting.fused_optimizer else f"collage_{strategy.collage_mode}"
     if strategy.master_remainder:
         return "split_master"
+    if getattr(strategy, "step_transient_kind", None):  # e.g. Scalify's ScaledAdamW
+        return strategy.step_transient_kind
     if strategy.master_dtype is not None and setting.stage == 0:
         return "adamw_master"
     return "adamw_fp32"  # fp32, or mixed_fp32 under ZeRO (DeepSpeed hands it fp32 masters)

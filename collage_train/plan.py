@@ -29,7 +29,7 @@ from collage_train.memory_plan import (
     estimate,
     largest_micro_batch,
 )
-from collage_train.precision import available, get_strategy
+from collage_train.precision import available, get_strategy, strategy_for
 
 
 @dataclass
@@ -118,7 +118,8 @@ def make_plan(cfg: Any) -> Plan:
             f"distributed=single runs on one GPU but plan.gpus={plan_cfg.gpus}; "
             "choose distributed=zero1, zero2 or zero3 (or plan.gpus=1)"
         )
-    chosen = get_strategy(cfg.precision.name).name
+    configured = strategy_for(cfg.precision)  # the chosen strategy with its options
+    chosen = configured.name
     vocab = cfg.model.vocab_size or cfg.data.vocab_size
     shape = ModelShape.from_config(cfg.model, vocab_size=vocab, seq_len=cfg.data.seq_len)
     fused = cfg.optim.kernel != "eager"
@@ -128,7 +129,7 @@ def make_plan(cfg: Any) -> Plan:
         for row_stage in stages:
             is_chosen = name == chosen and row_stage == stage
             setting = Setting(
-                get_strategy(name),
+                configured if name == chosen else get_strategy(name),
                 row_stage,
                 gpus=plan_cfg.gpus,
                 fused_optimizer=fused,

@@ -50,7 +50,7 @@ from collage_train.models import (
 )
 from collage_train.optim import decay_param_groups, warmup_cosine_lr
 from collage_train.optim.kernels import choose_kernel
-from collage_train.precision import get_strategy
+from collage_train.precision import strategy_for
 
 _VERSIONED_PACKAGES = ("torch", "transformers", "sentencepiece", "hydra-core", "wandb", "numpy")
 
@@ -117,7 +117,7 @@ class Trainer:
         self.accum_steps = gradient_accumulation_steps(
             train.global_batch_size, train.micro_batch_size, self.engine.world_size
         )
-        self.strategy = get_strategy(cfg.precision.name)
+        self.strategy = strategy_for(cfg.precision)
 
         # Rank 0 tokenizes and caches the corpus first; the others then reuse the cache.
         if not self.engine.is_main:
@@ -150,6 +150,7 @@ class Trainer:
             seed=train.seed,
         )
         self.model = model.to(device=self.device, dtype=self.strategy.param_dtype)
+        self.model = self.strategy.prepare_model(self.model)  # e.g. Scalify's module swap
         if train.activation_checkpointing:
             # transformers' own switch: each block's input is kept, the rest recomputed
             # (renamed activation_checkpointing_enable in transformers 5.x).
@@ -449,7 +450,13 @@ class Trainer:
             **peak_memory(self.device),
             **descent,
             **self.engine.comm_metrics(),
+            **self._scale_metrics(),
         }
+
+    def _scale_metrics(self) -> dict[str, float]:
+        """The optimizer's scale statistics (Scalify's ``scale_metrics``), else none."""
+        scale_metrics = getattr(self.optimizer, "scale_metrics", None)
+        return scale_metrics() if scale_metrics is not None else {}
 
     def _emit(self, record: dict[str, Any]) -> None:
         for sink in self.sinks:
@@ -565,6 +572,7 @@ class Trainer:
             "distributed": self.cfg.distributed.name,
             "comm": comm_name(self.cfg.comm),
             **self.engine.comm_metrics(),
+            **self._scale_metrics(),
             "world_size": self.engine.world_size,
             "optimizer_kernel": self.optimizer_kernel,
             "skipped_steps": self.skipped_steps,

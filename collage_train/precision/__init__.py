@@ -10,8 +10,15 @@ from collage_train.precision import (  # noqa: F401  (registration)
     collage_plus,
     fp32,
     mixed_fp32,
+    scalify,
     split_fp32,
 )
-from collage_train.precision.base import PrecisionStrategy, available, get_strategy, register
+from collage_train.precision.base import (
+    PrecisionStrategy,
+    available,
+    get_strategy,
+    register,
+    strategy_for,
+)
 
-__all__ = ["PrecisionStrategy", "available", "get_strategy", "register"]
+__all__ = ["PrecisionStrategy", "available", "get_strategy", "register", "strategy_for"]

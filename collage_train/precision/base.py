@@ -43,6 +43,24 @@ class PrecisionStrategy:
     collage_mode: str | None = None
     master_remainder: bool = False
 
+    def configured(self, precision_cfg: Any) -> PrecisionStrategy:
+        """This strategy with the options of ``precision_cfg`` (the ``precision`` sub-config).
+
+        Only Scalify takes options; every other strategy refuses a non-null one.
+        """
+        for key in SCALIFY_OPTIONS:
+            value = getattr(precision_cfg, key, None)
+            if value is not None:
+                raise ConfigError(
+                    f"precision.{key}={value} is a Scalify option; precision={self.name} "
+                    "takes none (use precision=scalify, or drop it)"
+                )
+        return self
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Adapt the model after it is cast to ``param_dtype`` (module replacement); no-op."""
+        return model
+
     def build_optimizer(
         self, param_groups: list[dict[str, Any]], optim_cfg: Any, kernel: str = "eager"
     ) -> torch.optim.Optimizer:
@@ -69,6 +87,8 @@ class PrecisionStrategy:
         return AdamW(param_groups, master_dtype=self.master_dtype, **hyperparameters)
 
 
+SCALIFY_OPTIONS = ("matmul", "master", "optimizer_state", "rescale")
+
 _REGISTRY: dict[str, PrecisionStrategy] = {}
 
 
@@ -88,6 +108,11 @@ def get_strategy(name: str) -> PrecisionStrategy:
         raise ConfigError(
             f"unknown precision strategy {name!r}; choose one of {', '.join(available())}"
         ) from None
+
+
+def strategy_for(precision_cfg: Any) -> PrecisionStrategy:
+    """The strategy ``precision_cfg.name`` names, configured with its options."""
+    return get_strategy(precision_cfg.name).configured(precision_cfg)
 
 
 def available() -> list[str]:

@@ -9,7 +9,11 @@ the gradients. ``rescale_count`` counts the times a stored scale changed.
 ``master="fp32"`` updates fp32 parameters in place (or an fp32 master copy of
 lower-precision parameters); ``master="fp16"`` keeps the master as scaled fp16 too
 and writes its value into the parameters. ``scaled=False`` pins every scale at 1:
-plain fp16 state, the baseline that under- and overflows.
+plain fp16 state, the baseline that under- and overflows. ``state="fp32"`` keeps the
+moments as plain fp32 (scale pinned at 1), the paper's fp32-optimizer-state setting.
+
+``scale_metrics()`` reports the rescales so far and the share of state tensors whose
+stored data has an RMS outside ``[1/16, 16]`` (the range Scalify keeps data in).
 
 Step counts are integers, bias corrections host float64, weight decay decoupled,
 as in ``collage_train.optim.AdamW``.
@@ -28,6 +32,8 @@ from collage_train.scalify.scale import rms_scale
 
 STATE_DTYPE = torch.float16
 MASTERS = ("fp32", "fp16")
+STATES = ("fp32", "fp16")
+RMS_RANGE = (1.0 / 16.0, 16.0)
 _FP16_MAX = float(torch.finfo(STATE_DTYPE).max)
 
 
@@ -36,14 +42,18 @@ def load_scaled(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return data.to(torch.float32) * scale
 
 
-def store_scaled(value: torch.Tensor, scaled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def store_scaled(
+    value: torch.Tensor, scaled: bool = True, dtype: torch.dtype = STATE_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data, scale)`` for an fp32 value: scale = ``rms_scale(value)`` (1 if not scaled).
 
-    Data is clamped to the fp16 range, so a value more than ~2**15 times its RMS
-    saturates instead of becoming inf.
+    fp16 data is clamped to the fp16 range, so a value more than ~2**15 times its RMS
+    saturates instead of becoming inf. ``dtype=torch.float32`` stores the value as is.
     """
+    if dtype == torch.float32:
+        return value.clone(), torch.ones((), device=value.device)
     scale = rms_scale(value) if scaled else torch.ones((), device=value.device)
-    data = (value / scale).clamp(-_FP16_MAX, _FP16_MAX).to(STATE_DTYPE)
+    data = (value / scale).clamp(-_FP16_MAX, _FP16_MAX).to(dtype)
     return data, scale
 
 
@@ -61,13 +71,51 @@ class ScaledAdamW(TrackingOptimizer):
         weight_decay: float = 0.0,
         master: str = "fp32",
         scaled: bool = True,
+        state: str = "fp16",
     ) -> None:
         if master not in MASTERS:
             raise ValueError(f"master must be one of {MASTERS}, got {master!r}")
+        if state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, got {state!r}")
         super().__init__(params, lr, betas, eps, weight_decay)
         self.master = master
         self.scaled = scaled
+        self.state_dtype = torch.float16 if state == "fp16" else torch.float32
         self.rescale_count = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict plus the rescale count, so a resumed run keeps counting."""
+        return {**super().state_dict(), "rescale_count": self.rescale_count}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        self.rescale_count = int(state_dict.pop("rescale_count", 0))
+        super().load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def scale_metrics(self) -> dict[str, float]:
+        """``scalify_rescales`` (scale changes so far) and ``scalify_rms_outside_frac``.
+
+        The fraction is over the stored data of every state tensor (moments, and the
+        master when it is scaled fp16) whose RMS is not zero (all-zero tensors, e.g. the
+        moments of a parameter that never got a gradient, hold no data to place).
+        """
+        low, high = RMS_RANGE
+        outside = total = 0
+        for state in self.state.values():
+            for name in ("exp_avg", "exp_avg_sq", "master"):
+                if f"{name}_scale" not in state:
+                    continue
+                data = state[name]
+                rms = data.to(torch.float64).square().mean().sqrt().item() if data.numel() else 0
+                if rms == 0:
+                    continue
+                total += 1
+                outside += not low <= rms <= high
+        return {
+            "scalify_rescales": float(self.rescale_count),
+            "scalify_rms_outside_frac": outside / total if total else 0.0,
+        }
 
     def _keeps_master(self, param: torch.Tensor) -> bool:
         return self.master == "fp16" or param.dtype != torch.float32
@@ -78,7 +126,9 @@ class ScaledAdamW(TrackingOptimizer):
             state["step"] = 0
             for name in ("exp_avg", "exp_avg_sq"):
                 zeros = torch.zeros_like(param, dtype=torch.float32)
-                state[name], state[f"{name}_scale"] = store_scaled(zeros, self.scaled)
+                state[name], state[f"{name}_scale"] = store_scaled(
+                    zeros, self.scaled, self.state_dtype
+                )
             if self._keeps_master(param):
                 self._set_master(state, param.detach().to(torch.float32))
         return state
@@ -97,7 +147,8 @@ class ScaledAdamW(TrackingOptimizer):
 
     def _store(self, state: dict[str, Any], name: str, value: torch.Tensor) -> None:
         """Store ``value`` into the scaled entry ``name``, counting a change of scale."""
-        data, scale = store_scaled(value, self.scaled)
+        dtype = STATE_DTYPE if name == "master" else self.state_dtype
+        data, scale = store_scaled(value, self.scaled, dtype)
         if not torch.equal(scale, state[f"{name}_scale"]):
             self.rescale_count += 1
         state[name], state[f"{name}_scale"] = data, scale

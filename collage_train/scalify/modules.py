@@ -30,12 +30,15 @@ _CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def quantize(
-    t: torch.Tensor, fmt: str, backward: bool = False
+    t: torch.Tensor, fmt: str, backward: bool = False, rescale: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(data, scale)`` of ``t`` in matmul format ``fmt`` (E5M2 for gradients in float8)."""
+    """``(data, scale)`` of ``t`` in matmul format ``fmt`` (E5M2 for gradients in float8).
+
+    ``rescale=False`` casts under scale 1 (what an unscaled low-precision cast does).
+    """
     if fmt == "fp32":
         return t.to(torch.float32), torch.ones((), device=t.device)
-    scale = rms_scale(t)
+    scale = rms_scale(t) if rescale else torch.ones((), device=t.device)
     if fmt == "float8":
         return to_float8(t, scale, FLOAT8_BACKWARD if backward else FLOAT8_FORWARD)
     return (t.to(torch.float32) / scale).to(_CAST_DTYPES[fmt]), scale
@@ -56,22 +59,25 @@ class ScaledMatmul(torch.autograd.Function):
     """``x @ w`` for 2-D ``x`` (M, K) and ``w`` (K, N), quantized as ``fmt`` says."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
-        x_data, x_scale = quantize(x, fmt)
-        w_data, w_scale = quantize(w, fmt)
+    def forward(
+        ctx: Any, x: torch.Tensor, w: torch.Tensor, fmt: str, rescale: bool = True
+    ) -> torch.Tensor:
+        x_data, x_scale = quantize(x, fmt, rescale=rescale)
+        w_data, w_scale = quantize(w, fmt, rescale=rescale)
         ctx.save_for_backward(x_data, x_scale, w_data, w_scale)
         ctx.fmt = fmt
+        ctx.rescale = rescale
         ctx.dtypes = (x.dtype, w.dtype)
         return matmul(x_data, x_scale, w_data, w_scale, fmt).to(x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
         fmt = ctx.fmt
-        g_data, g_scale = quantize(grad_out, fmt, backward=True)
+        g_data, g_scale = quantize(grad_out, fmt, backward=True, rescale=ctx.rescale)
         grad_x = matmul(g_data, g_scale, w_data.t(), w_scale, fmt)
         grad_w = matmul(x_data.t(), x_scale, g_data, g_scale, fmt)
-        return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None
+        return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None
 
 
 class ScaledLinear(torch.nn.Module):
@@ -87,6 +93,7 @@ class ScaledLinear(torch.nn.Module):
         bias: torch.nn.Parameter | None,
         weight_is_in_out: bool,
         fmt: str = "float8",
+        rescale: bool = True,
     ) -> None:
         super().__init__()
         if fmt not in MATMUL_FORMATS:
@@ -95,19 +102,20 @@ class ScaledLinear(torch.nn.Module):
         self.bias = bias
         self.weight_is_in_out = weight_is_in_out
         self.fmt = fmt
+        self.rescale = rescale
 
     @classmethod
-    def replacing(cls, module: torch.nn.Module, fmt: str) -> ScaledLinear:
+    def replacing(cls, module: torch.nn.Module, fmt: str, rescale: bool = True) -> ScaledLinear:
         """A ScaledLinear sharing ``module``'s weight and bias (nn.Linear or Conv1D)."""
         if isinstance(module, Conv1D):
-            return cls(module.weight, module.bias, weight_is_in_out=True, fmt=fmt)
+            return cls(module.weight, module.bias, True, fmt=fmt, rescale=rescale)
         if isinstance(module, torch.nn.Linear):
-            return cls(module.weight, module.bias, weight_is_in_out=False, fmt=fmt)
+            return cls(module.weight, module.bias, False, fmt=fmt, rescale=rescale)
         raise TypeError(f"cannot replace a {type(module).__name__} with a ScaledLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight if self.weight_is_in_out else self.weight.t()
-        out = ScaledMatmul.apply(x.reshape(-1, x.shape[-1]), w, self.fmt)
+        out = ScaledMatmul.apply(x.reshape(-1, x.shape[-1]), w, self.fmt, self.rescale)
         out = out.reshape(*x.shape[:-1], w.shape[1])
         return out if self.bias is None else out + self.bias
 
@@ -117,12 +125,12 @@ class ScaledLinear(torch.nn.Module):
 
 
 def scalify_linears(
-    model: torch.nn.Module, fmt: str = "float8", skip: tuple[str, ...] = ()
+    model: torch.nn.Module, fmt: str = "float8", skip: tuple[str, ...] = (), rescale: bool = True
 ) -> list[str]:
     """Replace every ``nn.Linear`` and ``Conv1D`` in ``model`` by a ScaledLinear, in place.
 
     Modules whose qualified name is in ``skip`` (e.g. ``"lm_head"``) stay as they are.
-    Returns the names replaced.
+    ``rescale=False`` casts the matmul operands under scale 1. Returns the names replaced.
     """
     targets = [
         (name, module)
@@ -132,5 +140,103 @@ def scalify_linears(
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, ScaledLinear.replacing(module, fmt))
+        setattr(parent, child, ScaledLinear.replacing(module, fmt, rescale))
     return [name for name, _ in targets]
+
+
+def requantize(t: torch.Tensor, fmt: str, backward: bool, rescale: bool) -> torch.Tensor:
+    """``t`` rounded to format ``fmt`` (under a fresh RMS scale if ``rescale``), in its dtype."""
+    if fmt == "fp32":
+        return t
+    data, scale = quantize(t, fmt, backward=backward, rescale=rescale)
+    return (data.to(torch.float32) * scale).to(t.dtype)
+
+
+class GradientRescale(torch.autograd.Function):
+    """Identity forward; backward rounds the incoming gradient to ``fmt``'s gradient format.
+
+    With ``rescale`` the gradient is divided by a fresh power-of-two RMS scale first (a
+    Scalify dynamic-rescale point); without, it is cast as is, under- or overflowing.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fmt: str, rescale: bool) -> torch.Tensor:
+        ctx.fmt, ctx.rescale = fmt, rescale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return requantize(grad, ctx.fmt, backward=True, rescale=ctx.rescale), None, None
+
+
+class ScaledLayerNorm(torch.nn.Module):
+    """A LayerNorm whose backward is a dynamic-rescale point, holding the original Parameters.
+
+    Forward is the original ``F.layer_norm`` (its output is unit-scaled by construction).
+    Backward: the gradient LayerNorm hands back to the residual stream is stored in the
+    gradient format (E5M2 for float8, else fp16 / bf16) under a fresh power-of-two RMS
+    scale (Scalify's LayerNorm-backward rescale; scale 1 with ``rescale=False``).
+    """
+
+    def __init__(self, norm: torch.nn.LayerNorm, fmt: str, rescale: bool = True) -> None:
+        super().__init__()
+        if fmt not in MATMUL_FORMATS:
+            raise ValueError(f"matmul format must be one of {MATMUL_FORMATS}, got {fmt!r}")
+        self.weight, self.bias = norm.weight, norm.bias
+        self.normalized_shape = norm.normalized_shape
+        self.eps = norm.eps
+        self.fmt, self.rescale = fmt, rescale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = GradientRescale.apply(x, self.fmt, self.rescale)
+        return torch.nn.functional.layer_norm(
+            x, self.normalized_shape, self.weight, self.bias, self.eps
+        )
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.normalized_shape)}, eps={self.eps}, fmt={self.fmt}"
+
+
+def scalify_layer_norms(model: torch.nn.Module, fmt: str, rescale: bool = True) -> list[str]:
+    """Replace every ``nn.LayerNorm`` in ``model`` by a ScaledLayerNorm, in place."""
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.LayerNorm)
+    ]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, ScaledLayerNorm(module, fmt, rescale))
+    return [name for name, _ in targets]
+
+
+GRADIENT_STORAGE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "float8": "fp16"}
+
+
+def rescale_parameter_gradients(
+    model: torch.nn.Module, fmt: str, rescale: bool = True
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """Round each parameter's gradient to its storage format as backward produces it.
+
+    The storage format is ``GRADIENT_STORAGE[fmt]``: scaled fp16 for float8 and fp16
+    matmuls, bf16 for bf16 (weight gradients in float8 E5M2 would lose too much for the
+    optimizer). With ``rescale`` each gradient gets a fresh power-of-two RMS scale (the
+    Scalify gradient rescale point); without, it is cast as is and small gradients
+    flush to zero. Hooks run per backward pass, so accumulated micro-batches each round.
+    """
+    storage = GRADIENT_STORAGE[fmt]
+    if storage == "fp32":
+        return []
+    seen: set[int] = set()
+    handles = []
+    for param in model.parameters():
+        if id(param) in seen or not param.requires_grad:
+            continue
+        seen.add(id(param))
+        handles.append(
+            param.register_hook(
+                lambda g, storage=storage: requantize(g, storage, backward=False, rescale=rescale)
+            )
+        )
+    return handles

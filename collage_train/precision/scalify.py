@@ -1,0 +1,155 @@
+"""scalify: power-of-two scaled low-precision matmuls, master weights and AdamW state.
+
+Scalify (Balanca et al., 2024; REFERENCE.md section 10) keeps every tensor as data x a
+power-of-two scale so that data stays near unit RMS and fits fp16 or float8. Here it is
+applied to the unchanged transformers GPT-2 / OPT models by module replacement
+(``prepare_model``), and to AdamW by ``ScaledAdamW``:
+
+- ``precision.matmul``: format of every matmul (attention and MLP projections, and the
+  LM head, which GPT-2 and OPT tie to the embedding): ``fp8`` (E4M3 activations and
+  weights forward, E5M2 gradients backward), ``fp16``, ``bf16``, or ``fp32`` (no
+  quantization, the plumbing check). Embeddings are lookups and stay as they are.
+- ``precision.master``: ``fp16`` keeps the master weights in the optimizer as scaled
+  fp16; ``fp32`` updates the fp32 parameters themselves.
+- ``precision.optimizer_state``: AdamW's moments as scaled ``fp16`` or plain ``fp32``.
+- ``precision.rescale``: where a fresh power-of-two RMS scale is taken (the dynamic
+  rescale points); a point left out casts under scale 1, as an unscaled format would:
+  ``matmul`` (each matmul operand), ``layernorm_grad`` (the gradient LayerNorm's
+  backward hands to the residual stream, stored in the gradient format) and ``grads``
+  (each weight gradient, stored as scaled fp16 for fp8/fp16 matmuls, bf16 for bf16).
+
+Default: fp8 matmuls and gradients, fp16 master, fp16 optimizer state, every rescale
+point: the paper's full low-precision configuration (training loss 2.93 against fp32's
+2.87 on its 168M GPT-2; fp16 matmuls with fp32 master and state match fp32 at 2.87).
+
+The model's parameters are fp32 and hold exactly the value the forward pass uses: with
+``master=fp16`` that is the scaled-fp16 master (fp16 data x a power of two is exact in
+fp32), so the fp32 copy is a working copy, counted in the memory (4 weight + 4 gradient
++ 2 master + 2 + 2 moments = 14 bytes per parameter by default). The emulation gives the
+numerics of the paper's formats, not its memory saving.
+
+Ops that are not matmuls or LayerNorm (attention softmax and scores, GELU, residual
+adds, the loss) compute unscaled in fp32: between modules tensors are plain fp32, so
+the propagation rules of ``collage_train.scalify.scale`` have nothing to carry there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from collage_train.errors import ConfigError
+from collage_train.precision.base import PrecisionStrategy, register
+
+MATMULS = ("fp8", "fp16", "bf16", "fp32")
+MASTERS = ("fp16", "fp32")
+STATES = ("fp16", "fp32")
+RESCALE_POINTS = ("matmul", "layernorm_grad", "grads")
+DEFAULTS = {"matmul": "fp8", "master": "fp16", "optimizer_state": "fp16"}
+_MODULE_FORMAT = {"fp8": "float8", "fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
+_BYTES = {"fp16": 2, "fp32": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalifyStrategy(PrecisionStrategy):
+    """A PrecisionStrategy with Scalify's options; ``configured`` validates and derives."""
+
+    matmul: str = DEFAULTS["matmul"]
+    master: str = DEFAULTS["master"]
+    state: str = DEFAULTS["optimizer_state"]
+    rescale: tuple[str, ...] = RESCALE_POINTS
+    step_transient_kind: str = "scaled_adamw"  # memory_plan.STEP_TRANSIENT row
+
+    def configured(self, precision_cfg: Any) -> ScalifyStrategy:
+        def choice(key: str, choices: tuple[str, ...]) -> str:
+            value = getattr(precision_cfg, key, None)
+            value = DEFAULTS[key] if value is None else str(value)
+            if value not in choices:
+                raise ConfigError(
+                    f"precision.{key}={value} is not a Scalify choice; choose one of "
+                    f"{', '.join(choices)}"
+                )
+            return value
+
+        rescale = getattr(precision_cfg, "rescale", None)
+        rescale = RESCALE_POINTS if rescale is None else tuple(str(p) for p in rescale)
+        unknown = [point for point in rescale if point not in RESCALE_POINTS]
+        if unknown:
+            raise ConfigError(
+                f"precision.rescale has unknown point {unknown[0]!r}; choose among "
+                f"{', '.join(RESCALE_POINTS)}"
+            )
+        return scalify_strategy(
+            choice("matmul", MATMULS),
+            choice("master", MASTERS),
+            choice("optimizer_state", STATES),
+            tuple(p for p in RESCALE_POINTS if p in rescale),
+        )
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Swap Linear/Conv1D and LayerNorm for their scaled forms; hook gradient rescaling."""
+        from collage_train.scalify.modules import (  # needs transformers
+            rescale_parameter_gradients,
+            scalify_layer_norms,
+            scalify_linears,
+        )
+
+        fmt = _MODULE_FORMAT[self.matmul]
+        scalify_linears(model, fmt, rescale="matmul" in self.rescale)
+        scalify_layer_norms(model, fmt, rescale="layernorm_grad" in self.rescale)
+        rescale_parameter_gradients(model, fmt, rescale="grads" in self.rescale)
+        return model
+
+    def build_optimizer(
+        self, param_groups: list[dict[str, Any]], optim_cfg: Any, kernel: str = "eager"
+    ) -> torch.optim.Optimizer:
+        from collage_train.scalify.adamw import ScaledAdamW
+
+        return ScaledAdamW(
+            param_groups,
+            lr=optim_cfg.lr,
+            betas=tuple(optim_cfg.betas),
+            eps=optim_cfg.eps,
+            weight_decay=optim_cfg.weight_decay,
+            master=self.master,
+            state=self.state,
+        )
+
+
+def scalify_strategy(
+    matmul: str = DEFAULTS["matmul"],
+    master: str = DEFAULTS["master"],
+    state: str = DEFAULTS["optimizer_state"],
+    rescale: tuple[str, ...] = RESCALE_POINTS,
+) -> ScalifyStrategy:
+    """The strategy for one choice of options, with its byte counts and checkpoint contents."""
+    moment = _BYTES[state]
+    master_bytes = 2 if master == "fp16" else 0  # fp32: the fp32 parameter is the master
+    moments = "scaled fp16" if state == "fp16" else "fp32"
+    holds = ["fp32 weights"]
+    if master == "fp16":
+        holds.append("scaled fp16 master (+ scale)")
+    holds += [f"{moments} exp_avg", f"{moments} exp_avg_sq"]
+    return ScalifyStrategy(
+        name="scalify",
+        summary=(
+            f"Scalify: {matmul} matmuls, {master} master, {state} AdamW state, "
+            f"rescale at {', '.join(rescale) or 'nothing'}"
+        ),
+        param_dtype=torch.float32,
+        autocast_dtype=None,
+        master_dtype=torch.float16 if master == "fp16" else None,
+        # weights 4 + gradients 4 + master + two moments (0-d scales not counted)
+        expected_state_bytes_per_param=8 + master_bytes + 2 * moment,
+        checkpoint_holds=tuple(holds),
+        optimizer_state=(("exp_avg", moment), ("exp_avg_sq", moment)),
+        matmul=matmul,
+        master=master,
+        state=state,
+        rescale=rescale,
+    )
+
+
+SCALIFY = register(scalify_strategy())

@@ -1,0 +1,297 @@
+"""precision=scalify through the real config and trainer: options, metrics, resume."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from collage_train.checkpoint import load_checkpoint_file
+from collage_train.cli import train
+from collage_train.errors import ConfigError
+from collage_train.metrics import RecordingSink, model_state_bytes
+from collage_train.models import build_model
+from collage_train.optim import decay_param_groups
+from collage_train.precision import get_strategy, strategy_for
+from collage_train.scalify import is_power_of_two
+from collage_train.scalify.modules import (
+    ScaledLayerNorm,
+    rescale_parameter_gradients,
+    scalify_layer_norms,
+    scalify_linears,
+)
+
+# --------------------------------------------------------------------- options
+
+
+def test_defaults_are_the_papers_full_low_precision_configuration(make_cfg):
+    strategy = strategy_for(make_cfg("precision=scalify").precision)
+    assert (strategy.matmul, strategy.master, strategy.state) == ("fp8", "fp16", "fp16")
+    assert strategy.rescale == ("matmul", "layernorm_grad", "grads")
+    assert strategy.param_dtype == torch.float32
+    assert strategy.expected_state_bytes_per_param == 14
+    assert strategy == get_strategy("scalify")  # the registered instance is the default
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("precision.matmul=fp4", r"precision.matmul=fp4 is not a Scalify choice; .*fp8, fp16"),
+        ("precision.master=bf16", r"precision.master=bf16 .*fp16, fp32"),
+        ("precision.optimizer_state=int8", r"precision.optimizer_state=int8 .*fp16, fp32"),
+        ("precision.rescale=[matmul,softmax]", r"unknown point 'softmax'"),
+    ],
+)
+def test_unknown_scalify_values_are_refused_in_one_line(make_cfg, override, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        strategy_for(make_cfg("precision=scalify", override).precision)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["fp32", "mixed_fp32", "collage_plus"])
+def test_other_strategies_refuse_scalify_options(make_cfg, name):
+    with pytest.raises(ConfigError, match=rf"precision.matmul=fp8 is a Scalify option.*{name}"):
+        strategy_for(make_cfg(f"precision={name}", "precision.matmul=fp8").precision)
+    assert strategy_for(make_cfg(f"precision={name}").precision) is get_strategy(name)
+
+
+class OptCfg:
+    lr, betas, eps, weight_decay = 1e-3, (0.9, 0.95), 1e-8, 0.1
+
+
+@pytest.mark.parametrize(
+    ("master", "state", "expected"),
+    [("fp16", "fp16", 14), ("fp32", "fp16", 12), ("fp16", "fp32", 18), ("fp32", "fp32", 16)],
+)
+def test_state_bytes_and_components_match_the_optimizer(make_cfg, master, state, expected):
+    cfg = make_cfg(
+        "precision=scalify", f"precision.master={master}", f"precision.optimizer_state={state}"
+    )
+    strategy = strategy_for(cfg.precision)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    strategy.prepare_model(model)
+    opt = strategy.build_optimizer(decay_param_groups(model, 0.1), OptCfg)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    weight = model[0].weight
+    held = {
+        key: value.element_size()
+        for key, value in opt.state[weight].items()
+        if torch.is_tensor(value) and value.numel() == weight.numel() and key != "master"
+    }
+    assert held == dict(strategy.optimizer_state)
+    assert ("master" in opt.state[weight]) == (master == "fp16")
+    assert strategy.expected_state_bytes_per_param == expected
+    params = sum(p.numel() for p in model.parameters())
+    scales = sum(1 for s in opt.state.values() for k in s if k.endswith("_scale"))
+    # Measured bytes: the analytic count plus the 0-d fp32 scales.
+    assert model_state_bytes(model, opt) == expected * params + 4 * scales
+
+
+# ------------------------------------------------------------------ modules
+
+
+def _model(family: str) -> torch.nn.Module:
+    cfg = SimpleNamespace(
+        family=family,
+        name="t",
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        ffn_hidden_size=None,
+        init_std=0.02,
+        dropout=0.0,
+        vocab_size=None,
+        attn_implementation="eager",
+        extra={},
+    )
+    return build_model(cfg, vocab_size=96, seq_len=16, eot_id=2, seed=0)
+
+
+def _loss_and_grads(model: torch.nn.Module) -> tuple[float, torch.Tensor, dict]:
+    ids = torch.randint(0, 96, (3, 16), generator=torch.Generator().manual_seed(1))
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return (
+        out.loss.item(),
+        out.logits.detach(),
+        {n: p.grad.clone() for n, p in model.named_parameters()},
+    )
+
+
+@pytest.mark.parametrize("family", ["gpt", "opt"])
+def test_fp32_scalified_model_equals_the_original(family):
+    """Linear/Conv1D, LayerNorm and gradient hooks swapped in with fp32 data: no change."""
+    original = _model(family)
+    scaled = copy.deepcopy(original)
+    scalify_linears(scaled, "fp32")
+    norms = scalify_layer_norms(scaled, "fp32")
+    rescale_parameter_gradients(scaled, "fp32")
+    assert norms and all(isinstance(scaled.get_submodule(n), ScaledLayerNorm) for n in norms)
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in scaled.modules())
+    assert list(scaled.state_dict()) == list(original.state_dict())
+    loss, logits, grads = _loss_and_grads(original)
+    scaled_loss, scaled_logits, scaled_grads = _loss_and_grads(scaled)
+    assert abs(scaled_loss - loss) < 1e-6
+    assert torch.allclose(scaled_logits, logits, rtol=1e-6, atol=1e-6)
+    for name, grad in grads.items():
+        assert torch.allclose(scaled_grads[name], grad, rtol=1e-5, atol=1e-6), name
+
+
+def test_layernorm_backward_rescale_keeps_small_gradients():
+    """E5M2 gradients of size 1e-6 flush to zero unscaled; the rescale point keeps them."""
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(64)
+    x = torch.randn(8, 64)
+    grad_out = torch.randn(8, 64) * 1e-6
+    results = {}
+    for rescale in (True, False):
+        xr = x.clone().requires_grad_()
+        ScaledLayerNorm(norm, "float8", rescale=rescale)(xr).backward(grad_out)
+        results[rescale] = xr.grad
+    xe = x.clone().requires_grad_()
+    norm(xe).backward(grad_out)
+    error = (results[True] - xe.grad).norm() / xe.grad.norm()
+    assert error < 0.15
+    assert results[False].abs().max() == 0
+
+
+def test_gradient_rescale_point_keeps_small_weight_gradients():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16)
+    for rescale, nonzero in ((True, True), (False, False)):
+        layer.zero_grad()
+        handles = rescale_parameter_gradients(layer, "fp16", rescale=rescale)
+        (layer(x).sum() * 1e-9).backward()
+        assert bool(layer.weight.grad.abs().max() > 0) == nonzero
+        for handle in handles:
+            handle.remove()
+
+
+# ------------------------------------------------------------- trainer runs
+
+TINY = (
+    "model.hidden_size=16",
+    "model.num_heads=2",
+    "data.seq_len=16",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=4",
+    "train.eval_every=1000",
+    "train.checkpoint_every=1000",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=20",
+)
+
+
+def _run(make_cfg, tmp_path, name, *overrides):
+    sink = RecordingSink()
+    summary = train(make_cfg(*TINY, *overrides), tmp_path / name, extra_sinks=[sink])
+    return summary, [r for r in sink.records if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def fp32_losses(make_cfg_module, tmp_path_factory):
+    _, records = _run(
+        make_cfg_module, tmp_path_factory.mktemp("fp32"), "fp32", "precision=fp32", *STEPS
+    )
+    return [r["loss"] for r in records]
+
+
+STEPS = ("train.max_steps=200", "logging.log_every=10")
+
+
+@pytest.fixture(scope="module")
+def make_cfg_module(corpus_dir, cache_dir):
+    from hydra import compose, initialize_config_dir
+
+    from collage_train.cli import config_dir
+
+    def _make(*overrides):
+        base = [
+            "model.hidden_size=32",
+            "model.num_layers=2",
+            "model.num_heads=2",
+            "data=files",
+            f"data.paths=[{corpus_dir}]",
+            "data.vocab_size=512",
+            "data.seq_len=32",
+            "data.tokenizer_train_chars=200000",
+            "data.val_fraction=0.05",
+            f"data.cache_dir={cache_dir}",
+            "train.eval_batches=2",
+            "logging.console=none",
+            "logging.wandb.mode=disabled",
+            "logging.plots=false",
+            "train.export_hf=false",
+        ]
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+            return compose(config_name="config", overrides=base + list(overrides))
+
+    return _make
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("matmul", ["fp8", "fp16"])
+def test_scalify_trains_like_fp32_for_200_steps(make_cfg_module, tmp_path, fp32_losses, matmul):
+    """gpt_tiny shrunk to hidden 16, seq 16, batch 4: 200 steps, fp16 master and state."""
+    summary, records = _run(
+        make_cfg_module, tmp_path, matmul, "precision=scalify", f"precision.matmul={matmul}", *STEPS
+    )
+    losses = [r["loss"] for r in records]
+    assert len(losses) == len(fp32_losses) == 20
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.5  # it learns
+    for step, (ours, ref) in enumerate(zip(losses, fp32_losses, strict=True)):
+        assert abs(ours - ref) < 0.05, (step, ours, ref)
+    for record in records:
+        assert record["scalify_rms_outside_frac"] == 0.0
+        assert record["scalify_rescales"] > 0
+    assert summary["scalify_rms_outside_frac"] == 0.0
+    assert summary["scalify_rescales"] == records[-1]["scalify_rescales"]
+    assert summary["state_bytes_per_param"] == pytest.approx(14, abs=0.1)
+
+
+def test_scalify_run_keeps_power_of_two_scales_and_unit_data(make_cfg, tmp_path):
+    """A short fp8 run in-process: every stored scale is a power of two, data near unit RMS."""
+    from collage_train.trainer import Trainer
+
+    trainer = Trainer(make_cfg(*TINY, "precision=scalify"), tmp_path / "run", sinks=[])
+    losses = [trainer.train_step()["loss"] for _ in range(6)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    for state in trainer.optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq", "master"):
+            assert state[key].dtype == torch.float16
+            assert is_power_of_two(state[f"{key}_scale"])
+            rms = state[key].double().square().mean().sqrt().item()
+            assert rms == 0 or 1 / 16 <= rms <= 16
+    record = trainer._train_record(
+        [{"time": 1.0, "loss": 1.0, "lr": 0.0, "grad_norm": 0.0, "data_time": 0.0, "descent": None}]
+    )
+    assert record["scalify_rms_outside_frac"] == 0.0 and record["scalify_rescales"] > 0
+
+
+def _final_state(run_dir, step):
+    ckpt = run_dir / "checkpoints" / f"step-{step}"
+    return load_checkpoint_file(ckpt, "model"), load_checkpoint_file(ckpt, "optimizer")
+
+
+def test_stopped_and_resumed_scalify_run_equals_the_uninterrupted_one(make_cfg, tmp_path):
+    common = (*TINY, "precision=scalify", "train.max_steps=8", "logging.log_every=2")
+    straight, straight_records = _run(make_cfg, tmp_path, "straight", *common)
+    assert _run(make_cfg, tmp_path, "chunked", *common, "train.stop_at_step=4")[0] is None
+    resumed, resumed_records = _run(make_cfg, tmp_path, "chunked", *common, "train.resume=true")
+    model_a, opt_a = _final_state(tmp_path / "straight", 8)
+    model_b, opt_b = _final_state(tmp_path / "chunked", 8)
+    for name in model_a:
+        assert torch.equal(model_a[name], model_b[name]), name
+    assert opt_a["rescale_count"] == opt_b["rescale_count"] > 0
+    for index, state in opt_a["state"].items():
+        for key, value in state.items():
+            other = opt_b["state"][index][key]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other
+    assert resumed_records[-1]["loss"] == straight_records[-1]["loss"]
+    assert resumed["scalify_rescales"] == straight["scalify_rescales"]
