@@ -255,11 +255,17 @@ def test_scalify_trains_like_fp32_for_200_steps(make_cfg_module, tmp_path, fp32_
     assert summary["state_bytes_per_param"] == pytest.approx(14, abs=0.1)
 
 
-def test_scalify_run_keeps_power_of_two_scales_and_unit_data(make_cfg, tmp_path):
+@pytest.mark.parametrize("model", ["gpt_tiny", "opt_125m"])
+def test_scalify_run_keeps_power_of_two_scales_and_unit_data(make_cfg, tmp_path, model):
     """A short fp8 run in-process: every stored scale is a power of two, data near unit RMS."""
+    from collage_train.scalify.modules import ScaledLinear
     from collage_train.trainer import Trainer
 
-    trainer = Trainer(make_cfg(*TINY, "precision=scalify"), tmp_path / "run", sinks=[])
+    cfg = make_cfg(f"model={model}", *TINY, "model.num_layers=2", "precision=scalify")
+    trainer = Trainer(cfg, tmp_path / "run", sinks=[])
+    kinds = {type(m) for m in trainer.model.modules()}
+    assert {ScaledLinear, ScaledLayerNorm} <= kinds and torch.nn.LayerNorm not in kinds
+    assert not any(isinstance(m, torch.nn.Linear) for m in trainer.model.modules())
     losses = [trainer.train_step()["loss"] for _ in range(6)]
     assert all(torch.isfinite(torch.tensor(losses)))
     for state in trainer.optimizer.state.values():
