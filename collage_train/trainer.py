@@ -112,12 +112,17 @@ class Trainer:
                 f"train.stop_at_step={train.stop_at_step} must lie in 1..{train.max_steps}"
             )
         check_schedule(cfg.comm, train, cfg.distributed.name)
+        self.strategy = strategy_for(cfg.precision)
+        if not self.strategy.runs_under_zero and cfg.distributed.name != "single":
+            raise ConfigError(
+                f"precision={self.strategy.name} does not run under DeepSpeed ZeRO yet; "
+                "use distributed=single (with comm=ddp, diloco or sparseloco)"
+            )
         self.engine = build_engine(cfg.distributed, cfg.comm, device=train.device)
         self.device = self.engine.device
         self.accum_steps = gradient_accumulation_steps(
             train.global_batch_size, train.micro_batch_size, self.engine.world_size
         )
-        self.strategy = strategy_for(cfg.precision)
 
         # Rank 0 tokenizes and caches the corpus first; the others then reuse the cache.
         if not self.engine.is_main:

@@ -57,6 +57,13 @@ def test_other_strategies_refuse_scalify_options(make_cfg, name):
     assert strategy_for(make_cfg(f"precision={name}").precision) is get_strategy(name)
 
 
+def test_scalify_under_zero_is_refused_before_any_process_group(make_cfg, tmp_path):
+    from collage_train.trainer import Trainer
+
+    with pytest.raises(ConfigError, match="precision=scalify does not run under DeepSpeed ZeRO"):
+        Trainer(make_cfg("precision=scalify", "distributed=zero2"), tmp_path, sinks=[])
+
+
 class OptCfg:
     lr, betas, eps, weight_decay = 1e-3, (0.9, 0.95), 1e-8, 0.1
 

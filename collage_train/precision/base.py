@@ -40,6 +40,7 @@ class PrecisionStrategy:
     expected_state_bytes_per_param: float
     checkpoint_holds: tuple[str, ...]
     optimizer_state: tuple[tuple[str, int], ...] = ()
+    runs_under_zero: bool = True  # False: refused with distributed=zero1|zero2|zero3
     collage_mode: str | None = None
     master_remainder: bool = False
 

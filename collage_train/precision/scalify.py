@@ -145,6 +145,7 @@ def scalify_strategy(
         expected_state_bytes_per_param=8 + master_bytes + 2 * moment,
         checkpoint_holds=tuple(holds),
         optimizer_state=(("exp_avg", moment), ("exp_avg_sq", moment)),
+        runs_under_zero=False,  # per-parameter gradient hooks and scales are not ZeRO-aware yet
         matmul=matmul,
         master=master,
         state=state,
