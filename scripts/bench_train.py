@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from runs import append_results, run_training
 
-STRATEGIES = ("mixed_fp32", "bf16", "collage_light", "collage_plus")
+STRATEGIES = ("mixed_fp32", "bf16", "collage_light", "collage_plus", "scalify")
 BASELINE = "mixed_fp32"
 
 

@@ -1,12 +1,12 @@
 """Quality study: every precision strategy x beta2 on the same tiny GPT, same data order.
 
-For each strategy (fp32, mixed_fp32, bf16, collage_light, collage_plus) and each beta2
+For each strategy (fp32, mixed_fp32, bf16, collage_light, collage_plus, scalify) and each beta2
 (0.95, 0.999) it trains the default gpt_tiny on the embedded corpus with the same seed,
 with an lr schedule that decays 100x (so that late updates fall below bf16's rounding),
 and reports the final validation loss, the mean normalised EDQ and the mean lost-update
 fraction over the run.
 
-    python scripts/quality_study.py                 # 300 steps a run, about 40 min on 2 cores
+    python scripts/quality_study.py                 # 300 steps a run, about an hour on 2 cores
     python scripts/quality_study.py --steps 150     # a quicker look
 
 The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from runs import append_results, run_training
 
-STRATEGIES = ("fp32", "mixed_fp32", "bf16", "collage_light", "collage_plus")
+STRATEGIES = ("fp32", "mixed_fp32", "bf16", "collage_light", "collage_plus", "scalify")
 
 
 def study_run(precision: str, beta2: float, args: argparse.Namespace, run_dir: Path) -> dict:
