@@ -250,3 +250,36 @@ def test_resuming_replicas_with_another_world_size_is_refused(
         "has 1; each replica's inner state is its own: resume with 2 processes "
         "(torchrun --nproc_per_node 2)"
     ]
+
+
+def test_collage_replicas_merge_theta_plus_dtheta_like_the_simulation(
+    corpus_dir, cache_dir, tmp_path
+):
+    """collage_plus: the pseudo-gradient comes from theta + dtheta, on both sides alike."""
+    outer_steps = 3
+    extra = (
+        "precision=collage_plus",
+        f"train.max_steps={H * outer_steps}",
+        f"train.eval_every={H * outer_steps}",
+    )
+    run_dir = tmp_path / "run"
+    result = torchrun(*overrides(corpus_dir, cache_dir, *extra), f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides(corpus_dir, cache_dir, *extra))
+        simulation = simulate_replicas(cfg, 2, tmp_path / "simulation")
+    finally:
+        torch.set_num_threads(threads)
+    assert len(simulation.shared) == outer_steps
+    for outer, shared in enumerate(simulation.shared, start=1):
+        for rank in (0, 1):
+            assert_bitwise(replica_file(run_dir, outer * H, rank, "outer")["shared"], shared)
+    for rank, trainer in enumerate(simulation.trainers):
+        saved = replica_file(run_dir, H * outer_steps, rank, "optimizer")["state"]
+        held = state_tensors(trainer.optimizer.state_dict()["state"])
+        assert_bitwise(state_tensors(saved), held)
+        dthetas = [s["dtheta"] for s in trainer.optimizer.state_dict()["state"].values()]
+        assert any(torch.count_nonzero(d) for d in dthetas)  # the compensation is in play
