@@ -47,32 +47,35 @@ def tiny(corpus_dir, cache_dir, tmp_path):
     return _run
 
 
+def compose_tiny(corpus_dir: Path, cache_dir: Path, *overrides: str):
+    """The real config of a tiny model on the test corpus, quiet; extra overrides win."""
+    base = [
+        "model.hidden_size=32",
+        "model.num_layers=2",
+        "model.num_heads=2",
+        "data=files",
+        f"data.paths=[{corpus_dir}]",
+        "data.vocab_size=512",
+        "data.seq_len=32",
+        "data.tokenizer_train_chars=200000",
+        "data.val_fraction=0.05",
+        f"data.cache_dir={cache_dir}",
+        "train.eval_batches=2",
+        "logging.console=none",
+        "logging.wandb.mode=disabled",
+        "logging.plots=false",
+        "train.export_hf=false",
+    ]
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose(config_name="config", overrides=base + list(overrides))
+
+
 @pytest.fixture
 def make_cfg(corpus_dir, cache_dir):
     """Composes the real config for a tiny in-process run; extra overrides win."""
 
     def _make(*overrides):
-        base = [
-            "model.hidden_size=32",
-            "model.num_layers=2",
-            "model.num_heads=2",
-            "data=files",
-            f"data.paths=[{corpus_dir}]",
-            "data.vocab_size=512",
-            "data.seq_len=32",
-            "data.tokenizer_train_chars=200000",
-            "data.val_fraction=0.05",
-            f"data.cache_dir={cache_dir}",
-            "train.max_steps=4",
-            "train.eval_every=2",
-            "train.eval_batches=2",
-            "logging.log_every=1",
-            "logging.console=none",
-            "logging.wandb.mode=disabled",
-            "logging.plots=false",
-            "train.export_hf=false",
-        ]
-        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-            return compose(config_name="config", overrides=base + list(overrides))
+        run_length = ["train.max_steps=4", "train.eval_every=2", "logging.log_every=1"]
+        return compose_tiny(corpus_dir, cache_dir, *run_length, *overrides)
 
     return _make

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import functools
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import compose_tiny
 
 from collage_train.checkpoint import load_checkpoint_file
 from collage_train.cli import train
@@ -213,32 +215,8 @@ STEPS = ("train.max_steps=200", "logging.log_every=10")
 
 @pytest.fixture(scope="module")
 def make_cfg_module(corpus_dir, cache_dir):
-    from hydra import compose, initialize_config_dir
-
-    from collage_train.cli import config_dir
-
-    def _make(*overrides):
-        base = [
-            "model.hidden_size=32",
-            "model.num_layers=2",
-            "model.num_heads=2",
-            "data=files",
-            f"data.paths=[{corpus_dir}]",
-            "data.vocab_size=512",
-            "data.seq_len=32",
-            "data.tokenizer_train_chars=200000",
-            "data.val_fraction=0.05",
-            f"data.cache_dir={cache_dir}",
-            "train.eval_batches=2",
-            "logging.console=none",
-            "logging.wandb.mode=disabled",
-            "logging.plots=false",
-            "train.export_hf=false",
-        ]
-        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-            return compose(config_name="config", overrides=base + list(overrides))
-
-    return _make
+    """``make_cfg`` for module-scoped fixtures, with the schema's run length."""
+    return functools.partial(compose_tiny, corpus_dir, cache_dir)
 
 
 @pytest.mark.slow
