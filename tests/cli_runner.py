@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiny_config import tiny_model_and_data
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -27,16 +29,7 @@ class Result:
 def tiny_overrides(corpus: Path, cache: Path, run_dir: Path) -> list[str]:
     """A 2-layer GPT on the small corpus: a few seconds per run."""
     return [
-        "model.hidden_size=32",
-        "model.num_layers=2",
-        "model.num_heads=2",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "data.vocab_size=512",
-        "data.seq_len=32",
-        "data.tokenizer_train_chars=200000",
-        "data.val_fraction=0.05",
-        f"data.cache_dir={cache}",
+        *tiny_model_and_data(corpus, cache),
         "train.micro_batch_size=4",
         "train.global_batch_size=8",
         "train.max_steps=8",

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 from cli_runner import Result, run_cli, tiny_overrides
-from hydra import compose, initialize_config_dir
+from tiny_config import compose_tiny
 
-from collage_train.cli import config_dir
 from collage_train.config import register_schemas
 
 register_schemas()
@@ -45,29 +44,6 @@ def tiny(corpus_dir, cache_dir, tmp_path):
 
     _run.run_dir = run_dir
     return _run
-
-
-def compose_tiny(corpus_dir: Path, cache_dir: Path, *overrides: str):
-    """The real config of a tiny model on the test corpus, quiet; extra overrides win."""
-    base = [
-        "model.hidden_size=32",
-        "model.num_layers=2",
-        "model.num_heads=2",
-        "data=files",
-        f"data.paths=[{corpus_dir}]",
-        "data.vocab_size=512",
-        "data.seq_len=32",
-        "data.tokenizer_train_chars=200000",
-        "data.val_fraction=0.05",
-        f"data.cache_dir={cache_dir}",
-        "train.eval_batches=2",
-        "logging.console=none",
-        "logging.wandb.mode=disabled",
-        "logging.plots=false",
-        "train.export_hf=false",
-    ]
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose(config_name="config", overrides=base + list(overrides))
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import compose_tiny
+from tiny_config import compose_tiny
 
 from collage_train.checkpoint import load_checkpoint_file
 from collage_train.cli import train

@@ -1,0 +1,47 @@
+"""The tiny test configuration: a 2-layer GPT on the small test corpus, composed in-process.
+
+Lives in its own uniquely named module (not ``conftest``): pytest puts every test
+directory that has a ``conftest.py`` on ``sys.path``, so ``from conftest import ...``
+can resolve to the wrong one depending on which files are collected.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from collage_train.cli import config_dir
+
+
+def tiny_model_and_data(corpus: Path, cache: Path) -> list[str]:
+    """Overrides for a 2-layer, 32-wide GPT trained on ``corpus`` with a 512-token vocabulary."""
+    return [
+        "model.hidden_size=32",
+        "model.num_layers=2",
+        "model.num_heads=2",
+        "data=files",
+        f"data.paths=[{corpus}]",
+        "data.vocab_size=512",
+        "data.seq_len=32",
+        "data.tokenizer_train_chars=200000",
+        "data.val_fraction=0.05",
+        f"data.cache_dir={cache}",
+    ]
+
+
+def compose_tiny(corpus: Path, cache: Path, *overrides: str) -> DictConfig:
+    """The real config of the tiny model, quiet (no console, W&B, plots, export); overrides win."""
+    quiet = [
+        "train.eval_batches=2",
+        "logging.console=none",
+        "logging.wandb.mode=disabled",
+        "logging.plots=false",
+        "train.export_hf=false",
+    ]
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose(
+            config_name="config",
+            overrides=tiny_model_and_data(corpus, cache) + quiet + list(overrides),
+        )
