@@ -110,20 +110,30 @@ def candidates(device: str) -> dict[str, tuple[torch.dtype, Callable]]:
     return rows
 
 
-def time_steps(optimizer: torch.optim.Optimizer, steps: int, device: str, track: bool) -> float:
-    """Median seconds per step, after two warm-up steps (state allocation, compilation)."""
+def time_steps(
+    optimizer: torch.optim.Optimizer, steps: int, device: str, track: bool
+) -> tuple[float, float | None]:
+    """Median seconds per step after two warm-up steps (state allocation, compilation).
+
+    With ``track`` the steps alternate EDQ tracking on and off on the same optimizer and
+    tensors, and both medians come back (tracked, untracked): the overhead is then a
+    paired comparison, not two runs minutes apart on a noisy host.
+    """
     for _ in range(2):
         optimizer.step()
-    times = []
-    for _ in range(steps):
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for index in range(2 * steps if track else steps):
+        tracked = track and index % 2 == 0
         if track:
-            optimizer.track_descent = True
+            optimizer.track_descent = tracked
         sync(device)
         start = time.perf_counter()
         optimizer.step()
         sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        times[tracked].append(time.perf_counter() - start)
+    if track:
+        return statistics.median(times[True]), statistics.median(times[False])
+    return statistics.median(times[False]), None
 
 
 def main() -> None:
@@ -140,14 +150,16 @@ def main() -> None:
 
     bandwidth = copy_bandwidth(int(total), args.device)
     rows = []
-    plans = [(name, spec, False) for name, spec in candidates(args.device).items()]
-    plans.append(("collage_plus (compiled, EDQ every step)", plans[-1][1], True))
+    specs = candidates(args.device)
+    plans = [(name, spec, False) for name, spec in specs.items()]
+    edq_row = ("collage_plus (compiled, EDQ every step)", specs["collage_plus (compiled)"], True)
+    plans.append(edq_row)
     plans = [p for p in plans if not args.only or p[0] in args.only]
     for name, (dtype, factory), track in plans:
         params = make_params(total, args.tensors, dtype, args.device)
         numel = sum(p.numel() for p in params)
         optimizer = factory(params)
-        seconds = time_steps(optimizer, args.steps, args.device, track)
+        seconds, untracked = time_steps(optimizer, args.steps, args.device, track)
         floor_bytes = FLOOR_BYTES[name.split(" ")[0]]
         floor_seconds = floor_bytes * numel / bandwidth
         rows.append(
@@ -160,6 +172,9 @@ def main() -> None:
                 "floor_ms": floor_seconds * 1e3,
             }
         )
+        if untracked is not None:
+            rows[-1]["edq_overhead"] = seconds / untracked - 1.0
+            print(f"EDQ on every step: {seconds / untracked - 1.0:+.1%} (paired)", flush=True)
         print(f"{name}: {seconds * 1e3:.1f} ms ({seconds / floor_seconds:.2f}x floor)", flush=True)
         del optimizer, params
 
@@ -171,6 +186,12 @@ def main() -> None:
         f"| {r['name']} | {r['floor_bytes_per_param']} | {r['ms_per_step']:.1f} | "
         f"{r['floor_ms']:.1f} | {r['gb_per_s']:.1f} | {r['floor_ratio']:.2f} |"
         for r in rows
+    ]
+    lines += [
+        f"\nEDQ on every step: {r['edq_overhead']:+.1%} against the same optimizer's untracked "
+        "steps (alternating, paired)."
+        for r in rows
+        if "edq_overhead" in r
     ]
     table = "\n".join(lines)
     print(table)

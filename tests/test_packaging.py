@@ -31,7 +31,11 @@ def test_wheel_contains_package_and_configs_and_finds_them(tmp_path):
     )
     (wheel,) = (tmp_path / "dist").glob("collage_train-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = {p.relative_to(REPO).as_posix() for p in (REPO / "collage_train").rglob("*.py")}
+    sources = {
+        p.relative_to(REPO).as_posix()
+        for pattern in ("*.py", "*.c")  # the CPU kernel's C source is built on first use
+        for p in (REPO / "collage_train").rglob(pattern)
+    }
     assert sources <= names, sources - names
     configs = {
         "collage_train/configs/" + p.relative_to(REPO / "configs").as_posix()

@@ -136,8 +136,8 @@ def _plus_step(*args: object, track: bool, return_update: bool) -> torch.Tensor 
 _ENTRY_POINTS = {"none": _none_step, "light": _light_step, "plus": _plus_step}
 _compiled: dict[str, object] = {}
 
-# Below this many elements a tensor is updated eagerly: compiling buys nothing there,
-# and sizes 0 and 1 would each cost a specialised recompilation.
+# Below this many elements TorchInductor's step is not used: compiling buys nothing
+# there, and sizes 0 and 1 would each cost a specialised recompilation.
 MIN_COMPILED_NUMEL = 64
 
 
@@ -160,17 +160,21 @@ def compiled_tensor_step(mode: str):
 def fused_tensor_step(mode: str, device_type: str):
     """The one-pass step of ``mode`` for tensors on ``device_type``.
 
-    CUDA runs the hand-written Triton kernel (``collage_triton``); other devices the
-    TorchInductor compilation of ``collage_tensor_step``. Same arguments as
-    ``compiled_tensor_step``.
+    CUDA runs the hand-written Triton kernel (``collage_triton``), the CPU the C kernel
+    (``collage_cpu``), other devices the TorchInductor compilation of
+    ``collage_tensor_step``. Same arguments as ``compiled_tensor_step``.
     """
     if device_type == "cuda":
         from collage_train.optim.collage_triton import triton_tensor_step
 
         return triton_tensor_step(mode)
+    if device_type == "cpu":
+        from collage_train.optim.collage_cpu import cpu_tensor_step
+
+        return cpu_tensor_step(mode)
     return compiled_tensor_step(mode)
 
 
 def min_fused_numel(device_type: str) -> int:
-    """Tensors smaller than this are stepped eagerly (compiling would not pay)."""
-    return 1 if device_type == "cuda" else MIN_COMPILED_NUMEL
+    """Tensors smaller than this are stepped eagerly (compiling for them would not pay)."""
+    return 1 if device_type in ("cuda", "cpu") else MIN_COMPILED_NUMEL

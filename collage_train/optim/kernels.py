@@ -1,12 +1,13 @@
 """Which implementation of the Collage step a run uses: eager reference or compiled kernel.
 
-``optim.kernel=auto`` compiles the step (one fused TorchInductor kernel per tensor) when
-a compiler backend is there (a C++ compiler on CPU, Triton on GPU), the model is large
-enough for the one-off compilation (seconds per mode) to pay for itself, and the
-compiled kernel reproduces the eager reference bit for bit on this device with this
-torch (checked once per process by ``compiled_matches_eager``: TorchInductor's bf16
-rounding emulation differs between torch versions and backends). ``compiled`` insists,
-and fails with one line where the check fails; ``eager`` forces the reference.
+``optim.kernel=auto`` runs the fused step (one pass per tensor: the C kernel of
+``collage_cpu`` on CPU, the Triton kernel on GPU, TorchInductor elsewhere) when its
+compiler is there (a C compiler on CPU, Triton on GPU), the model is large enough for
+the one-off build to pay for itself, and the fused kernel reproduces the eager
+reference bit for bit on this device (checked once per process by
+``compiled_matches_eager``: compilers and torch versions differ in their roundings).
+``compiled`` insists, and fails with one line where the check or the build fails;
+``eager`` forces the reference.
 Strategies without a Collage step (fp32 masters) always run eagerly.
 """
 
@@ -22,6 +23,7 @@ import torch
 
 from collage_train.errors import ConfigError
 from collage_train.metrics.descent import partials_close
+from collage_train.optim.collage_cpu import KernelBuildError, c_compiler
 from collage_train.optim.collage_math import (
     collage_tensor_step,
     fused_tensor_step,
@@ -42,7 +44,9 @@ def compiler_available(device: torch.device) -> bool:
     """Whether TorchInductor can build kernels for ``device`` here."""
     if device.type == "cuda":
         return importlib.util.find_spec("triton") is not None
-    compilers = (os.environ.get("CXX", ""), "g++", "c++", "clang++")
+    if device.type == "cpu":
+        return c_compiler() is not None
+    compilers = (os.environ.get("CXX", ""), "g++", "c++", "clang++")  # TorchInductor
     return any(name and shutil.which(name) for name in compilers)
 
 
@@ -100,18 +104,21 @@ def choose_kernel(setting: str, device: torch.device, num_params: int, mode: str
     if not compiler_available(device):
         if setting == "auto":
             return "eager"
-        needs = "Triton" if device.type == "cuda" else "a C++ compiler (g++ or clang++)"
+        needs = "Triton" if device.type == "cuda" else "a C compiler (gcc or clang)"
         raise ConfigError(
             f"optim.kernel=compiled needs {needs} for {device.type}; install it or use "
             "optim.kernel=eager"
         )
-    if compiled_matches_eager(mode, device.type):
-        return "compiled"
-    fused = "the Triton kernel" if device.type == "cuda" else "TorchInductor"
-    reason = (
-        f"{fused} (torch {torch.__version__}) does not reproduce the eager Collage step "
-        f"bit for bit on {device.type}"
-    )
+    fused = {"cuda": "the Triton kernel", "cpu": "the C kernel"}.get(device.type, "TorchInductor")
+    try:
+        if compiled_matches_eager(mode, device.type):
+            return "compiled"
+        reason = (
+            f"{fused} (torch {torch.__version__}) does not reproduce the eager Collage step "
+            f"bit for bit on {device.type}"
+        )
+    except KernelBuildError as error:
+        reason = f"{fused} could not be built: {error}"
     if setting == "compiled":
         raise ConfigError(f"optim.kernel=compiled: {reason}; use optim.kernel=eager or auto")
     log.warning("%s: running the eager reference step instead", reason)

@@ -1,0 +1,143 @@
+"""The C kernel of the CPU Collage step (optim/collage_cpu.py) against the eager reference.
+
+Bitwise on parameters and every state component, over many steps, on sizes that split
+across threads and sizes that do not, with gradients from 1e-38 (bf16 subnormals and
+fp32-subnormal intermediates) to 1e4 and exact zeros; its build cache and its failures.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import pytest
+import torch
+
+from collage_train.errors import ConfigError
+from collage_train.metrics.descent import partials_close
+from collage_train.optim import collage_cpu, kernels
+from collage_train.optim.collage_math import collage_tensor_step, step_scalars
+
+pytestmark = pytest.mark.skipif(
+    collage_cpu.c_compiler() is None, reason="needs a C compiler (gcc or clang)"
+)
+
+# 3 * 2**16 + 5: split into thread ranges, none a multiple of the vector width.
+SIZES = [1, 7, 2049, 3 * 2**16 + 5]
+
+
+def state(mode: str, n: int, seed: int) -> list[torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(seed)
+    theta = (torch.randn(n, generator=gen) * 0.05).bfloat16()
+    zeros = [torch.zeros(n, dtype=torch.bfloat16) for _ in range(4)]
+    dtheta, m, v, dv = zeros
+    return [theta, dtheta if mode != "none" else None, m, v, dv if mode == "plus" else None]
+
+
+def gradient(n: int, step: int, gen: torch.Generator) -> torch.Tensor:
+    """Magnitudes cycling over 1e-38..1e4 per element, some exact zeros."""
+    exponent = torch.randint(-38, 5, (n,), generator=gen).double()
+    values = torch.randn(n, generator=gen, dtype=torch.float64) * 10.0**exponent
+    values[torch.rand(n, generator=gen) < 0.05] = 0.0
+    return values.to(torch.bfloat16)
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.int16)
+
+
+@pytest.mark.parametrize("mode", ["none", "light", "plus"])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("beta2", [0.999, 0.95])  # bf16(0.999) = 1: 0.95 has a real product
+def test_kernel_is_bitwise_equal_to_the_eager_reference(mode, n, beta2):
+    eager, fused = state(mode, n, 0), state(mode, n, 0)
+    kernel = collage_cpu.cpu_tensor_step(mode)
+    gen = torch.Generator().manual_seed(1)
+    seen_subnormal = False
+    for step in range(1, 13):
+        grad = gradient(n, step, gen)
+        scalars = step_scalars(3e-3 * 0.97**step, 0.9, beta2, 1e-8, 0.1, step)
+        track, keep = step % 3 == 0, step % 4 == 0
+        expected = collage_tensor_step(
+            *eager, grad, *scalars, mode=mode, track=track, return_update=keep
+        )
+        got = kernel(*fused, grad, *scalars, track=track, return_update=keep)
+        if track and keep:
+            assert torch.equal(bits(got), bits(expected)), step
+        elif track:
+            assert partials_close(got, expected), (step, got, expected)
+        else:
+            assert got is None
+        for a, b in zip(eager, fused, strict=True):
+            if a is not None:
+                assert torch.equal(bits(a), bits(b)), step
+        tiny = eager[3].float().abs()
+        seen_subnormal |= bool(((tiny > 0) & (tiny < 2.0**-126)).any())
+    if n > 1000:  # the second moment of the smallest gradients went subnormal
+        assert seen_subnormal
+
+
+def test_each_thread_range_counts_once():
+    """The sums over a split tensor count every element once (nonzero = n)."""
+    n = 3 * 2**16 + 5
+    theta, dtheta, m, v, dv = state("plus", n, 3)
+    grad = torch.full((n,), 1e-2, dtype=torch.bfloat16)
+    sums = collage_cpu.cpu_tensor_step("plus")(
+        theta, dtheta, m, v, dv, grad, *step_scalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 1),
+        track=True, return_update=False,
+    )  # fmt: skip
+    assert sums.dtype == torch.float32
+    assert sums[2].item() == n
+
+
+def test_refuses_tensors_it_cannot_step():
+    kernel = collage_cpu.cpu_tensor_step("plus")
+    theta, dtheta, m, v, dv = state("plus", 8, 0)
+    scalars = step_scalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
+    with pytest.raises(ValueError, match="contiguous bf16 CPU"):
+        kernel(theta, dtheta, m, v, dv, theta.float(), *scalars, track=False, return_update=False)
+    with pytest.raises(ValueError, match="needs its dtheta"):
+        kernel(theta, dtheta, m, v, None, theta, *scalars, track=False, return_update=False)
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """An empty kernel cache and no loaded library; restored afterwards."""
+    monkeypatch.setenv("COLLAGE_KERNEL_CACHE", str(tmp_path / "kernels"))
+    collage_cpu.load_library.cache_clear()
+    kernels.compiled_matches_eager.cache_clear()
+    yield tmp_path / "kernels"
+    collage_cpu.load_library.cache_clear()
+    kernels.compiled_matches_eager.cache_clear()
+
+
+def test_builds_once_into_the_cache(fresh_build):
+    collage_cpu.load_library()
+    built = list(fresh_build.glob("collage_cpu-*.so"))
+    assert len(built) == 1
+    assert [p.name for p in fresh_build.iterdir()] == [built[0].name]  # no leftovers
+    stamp = built[0].stat().st_mtime_ns
+    collage_cpu.load_library.cache_clear()
+    collage_cpu.load_library()
+    assert built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
+
+
+def test_a_failing_compiler_is_one_clear_error(fresh_build, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "false")  # exits 1 on anything
+    with pytest.raises(collage_cpu.KernelBuildError, match=r"false failed on collage_cpu\.c"):
+        collage_cpu.load_library()
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"could not be built.*optim\.kernel=eager"):
+        kernels.choose_kernel("compiled", cpu, 10, "plus")
+    assert kernels.choose_kernel("auto", cpu, 10**9, "plus") == "eager"
+    assert "could not be built" in caplog.text
+    assert not list(fresh_build.glob("*.so"))
+
+
+def test_scalars_reach_the_kernel_as_fp32():
+    """1 - beta2 is formed in float64 and rounded once to fp32, as torch does a scalar."""
+    field = dict(collage_cpu._Scalars._fields_)["one_minus_beta2"]
+    assert field is ctypes.c_float
+    value = collage_cpu._Scalars(*[0.0] * 4, 1.0 - 0.999, *[0.0] * 4).one_minus_beta2
+    assert value == float(torch.tensor(1.0 - 0.999, dtype=torch.float32))
+    assert not math.isclose(value, 1.0 - 0.999, rel_tol=1e-12)
