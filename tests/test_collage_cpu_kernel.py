@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import math
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,3 +143,17 @@ def test_scalars_reach_the_kernel_as_fp32():
     value = collage_cpu._Scalars(*[0.0] * 4, 1.0 - 0.999, *[0.0] * 4).one_minus_beta2
     assert value == float(torch.tensor(1.0 - 0.999, dtype=torch.float32))
     assert not math.isclose(value, 1.0 - 0.999, rel_tol=1e-12)
+
+
+def test_two_sum_roundings_the_kernel_skips_are_exact_for_every_bf16_pair(tmp_path):
+    """All 2^32 input pairs (a few seconds): the proof behind the skipped roundings."""
+    source = Path(__file__).with_name("exhaustive_two_sum.c")
+    kernel_dir = Path(collage_cpu.__file__).parent
+    flags = [f for f in collage_cpu._flags() if f not in ("-fPIC", "-shared")]
+    binary = tmp_path / "exhaustive_two_sum"
+    subprocess.run(
+        [collage_cpu.c_compiler(), *flags, f"-I{kernel_dir}", str(source), "-o", str(binary)],
+        check=True,
+    )
+    result = subprocess.run([str(binary)], capture_output=True, text=True, timeout=600)
+    assert (result.returncode, result.stdout.strip()) == (0, "0")

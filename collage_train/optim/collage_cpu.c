@@ -8,6 +8,13 @@
  * "#pragma omp simd" (with -fopenmp-simd, no OpenMP runtime) lets the compiler
  * vectorise the loop, EDQ sums included.
  *
+ * TwoSum (mcf.two_sum) rounds six results; only the first two can be inexact. The other
+ * four are exact for every pair of bf16 inputs, so their fp32 results are bf16 values
+ * already and the kernel does not round them (8 of the 37 roundings per element in plus
+ * mode, 4 of 21 in light). tests/exhaustive_two_sum.c checks this on all 2^32
+ * input pairs; it is also the known theorem (Boldo, Graillat, Muller 2017: in 2Sum with
+ * round-to-nearest, b' = s - a', da = a - a', db = b - b' and da + db are exact).
+ *
  * NaN: rb keeps a NaN a NaN without the explicit test torch's conversion makes. Every
  * NaN in this kernel is a widened bf16 NaN or the processor's default NaN, whose low 16
  * bits are zero, so adding the rounding bias cannot carry into the exponent. The payload
@@ -84,8 +91,8 @@ static inline __attribute__((always_inline)) void step_range(
                 const float a = rb(rb(square) * omb2);
                 const float s2_ = rb(s + a);
                 const float a_approx = rb(s2_ - a);
-                const float b_approx = rb(s2_ - a_approx);
-                const float t2 = rb(rb(s - a_approx) + rb(a - b_approx));
+                const float b_approx = s2_ - a_approx; /* exact: see TwoSum above */
+                const float t2 = (s - a_approx) + (a - b_approx);
                 const float d2 = rb(t + t2);
                 v = rb(s2_ + d2);
                 dv_new = rb(d2 - rb(v - s2_));
@@ -104,8 +111,8 @@ static inline __attribute__((always_inline)) void step_range(
                 /* mcf.grow((theta, dtheta), update) */
                 const float s = rb(th + update);
                 const float a_approx = rb(s - update);
-                const float b_approx = rb(s - a_approx);
-                const float t = rb(rb(th - a_approx) + rb(update - b_approx));
+                const float b_approx = s - a_approx; /* exact: see TwoSum above */
+                const float t = (th - a_approx) + (update - b_approx);
                 const float d = rb(widen(dtheta[i]) + t);
                 new_theta = rb(s + d);
                 new_dtheta = rb(d - rb(new_theta - s));
@@ -113,12 +120,13 @@ static inline __attribute__((always_inline)) void step_range(
             }
             if (track) { /* metrics.descent.FIELDS */
                 const float realised = new_theta - th;
-                s0 += realised * update;
-                s1 += update * update;
+                /* Sums, not results: fused multiply-adds are fine here (fewer ops). */
+                s0 = fmaf(realised, update, s0);
+                s1 = fmaf(update, update, s1);
                 s2 += update != 0.0f ? 1.0f : 0.0f;
                 s3 += (update != 0.0f && realised == 0.0f) ? 1.0f : 0.0f;
-                s4 += new_dtheta * new_dtheta;
-                s5 += new_dtheta * update;
+                s4 = fmaf(new_dtheta, new_dtheta, s4);
+                s5 = fmaf(new_dtheta, update, s5);
             }
             if (keep_update) update_out[i] = narrow(update);
             exp_avg[i] = narrow(m);
