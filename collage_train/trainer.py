@@ -459,9 +459,10 @@ class Trainer:
         }
 
     def _scale_metrics(self) -> dict[str, float]:
-        """The optimizer's scale statistics (Scalify's ``scale_metrics``), else none."""
+        """Scale statistics of the optimizer (Scalify's ``scale_metrics``) and the model."""
         scale_metrics = getattr(self.optimizer, "scale_metrics", None)
-        return scale_metrics() if scale_metrics is not None else {}
+        metrics = scale_metrics() if scale_metrics is not None else {}
+        return {**metrics, **self.strategy.model_metrics(self.model)}
 
     def _emit(self, record: dict[str, Any]) -> None:
         for sink in self.sinks:

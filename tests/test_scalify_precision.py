@@ -234,6 +234,7 @@ def test_scalify_trains_like_fp32_for_200_steps(make_cfg_module, tmp_path, fp32_
         assert abs(ours - ref) < 0.05, (step, ours, ref)
     for record in records:
         assert record["scalify_rms_outside_frac"] == 0.0
+        assert record["scalify_residual_rms_outside_frac"] == 0.0  # the add-rule scales hold
         assert record["scalify_rescales"] > 0
     assert summary["scalify_rms_outside_frac"] == 0.0
     assert summary["scalify_rescales"] == records[-1]["scalify_rescales"]
@@ -263,6 +264,10 @@ def test_scalify_run_keeps_power_of_two_scales_and_unit_data(make_cfg, tmp_path,
         [{"time": 1.0, "loss": 1.0, "lr": 0.0, "grad_norm": 0.0, "data_time": 0.0, "descent": None}]
     )
     assert record["scalify_rms_outside_frac"] == 0.0 and record["scalify_rescales"] > 0
+    assert record["scalify_residual_rms_outside_frac"] == 0.0
+    stream = trainer.model.scalify_residual_stream
+    assert len(stream.scales) == 1 + 2 and is_power_of_two(torch.tensor(stream.scales))
+    assert trainer.model.config._attn_implementation == "scalify_float8"
 
 
 def _final_state(run_dir, step):

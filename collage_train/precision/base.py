@@ -62,6 +62,10 @@ class PrecisionStrategy:
         """Adapt the model after it is cast to ``param_dtype`` (module replacement); no-op."""
         return model
 
+    def model_metrics(self, model: torch.nn.Module) -> dict[str, float]:
+        """Statistics of what ``prepare_model`` installed, logged with the step; none."""
+        return {}
+
     def build_optimizer(
         self, param_groups: list[dict[str, Any]], optim_cfg: Any, kernel: str = "eager"
     ) -> torch.optim.Optimizer:

@@ -5,8 +5,9 @@ power-of-two scale so that data stays near unit RMS and fits fp16 or float8. Her
 applied to the unchanged transformers GPT-2 / OPT models by module replacement
 (``prepare_model``), and to AdamW by ``ScaledAdamW``:
 
-- ``precision.matmul``: format of every matmul (attention and MLP projections, and the
-  LM head, which GPT-2 and OPT tie to the embedding): ``fp8`` (E4M3 activations and
+- ``precision.matmul``: format of every matmul (attention and MLP projections, the two
+  attention matmuls Q K^T and P V, and the LM head, which GPT-2 and OPT tie to the
+  embedding): ``fp8`` (E4M3 activations and
   weights forward, E5M2 gradients backward), ``fp16``, ``bf16``, or ``fp32`` (no
   quantization, the plumbing check). Embeddings are lookups and stay as they are.
 - ``precision.master``: ``fp16`` keeps the master weights in the optimizer as scaled
@@ -28,9 +29,11 @@ fp32), so the fp32 copy is a working copy, counted in the memory (4 weight + 4 g
 + 2 master + 2 + 2 moments = 14 bytes per parameter by default). The emulation gives the
 numerics of the paper's formats, not its memory saving.
 
-Ops that are not matmuls or LayerNorm (attention softmax and scores, GELU, residual
-adds, the loss) compute unscaled in fp32: between modules tensors are plain fp32, so
-the propagation rules of ``collage_train.scalify.scale`` have nothing to carry there.
+The residual stream follows the add rule (``collage_train.scalify.residual``): it is
+stored in the activation format (fp16 for fp8/fp16 matmuls) under the scale the
+propagation table gives it, entering the first block and leaving each block. Other
+ops (the attention softmax, GELU, the loss) compute unscaled in fp32, the table's
+fallback for ops it has no rule for.
 """
 
 from __future__ import annotations
@@ -89,18 +92,31 @@ class ScalifyStrategy(PrecisionStrategy):
         )
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Swap Linear/Conv1D and LayerNorm for their scaled forms; hook gradient rescaling."""
-        from collage_train.scalify.modules import (  # needs transformers
+        """Swap Linear/Conv1D, LayerNorm and attention for scaled forms; hook gradient rescaling."""
+        from collage_train.scalify.attention import use_scaled_attention  # needs transformers
+        from collage_train.scalify.modules import (
             rescale_parameter_gradients,
             scalify_layer_norms,
             scalify_linears,
         )
+        from collage_train.scalify.residual import ScaledResidualStream
 
         fmt = _MODULE_FORMAT[self.matmul]
         scalify_linears(model, fmt, rescale="matmul" in self.rescale)
+        if hasattr(model, "config"):  # a transformers model (not a bare module stack)
+            use_scaled_attention(model, fmt, rescale="matmul" in self.rescale)
+        if ScaledResidualStream.applies_to(model):
+            model.scalify_residual_stream = ScaledResidualStream(model, fmt)
         scalify_layer_norms(model, fmt, rescale="layernorm_grad" in self.rescale)
         rescale_parameter_gradients(model, fmt, rescale="grads" in self.rescale)
         return model
+
+    def model_metrics(self, model: torch.nn.Module) -> dict[str, float]:
+        """Share of the residual stream stores (last forward) with data RMS outside [1/16, 16]."""
+        stream = getattr(getattr(model, "_orig_mod", model), "scalify_residual_stream", None)
+        if stream is None:
+            return {}
+        return {"scalify_residual_rms_outside_frac": stream.rms_outside_frac()}
 
     def build_optimizer(
         self, param_groups: list[dict[str, Any]], optim_cfg: Any, kernel: str = "eager"

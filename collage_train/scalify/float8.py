@@ -67,12 +67,12 @@ def scaled_mm_emulated(
 def hardware_scaled_mm_available(a8: torch.Tensor, b8: torch.Tensor) -> bool:
     """True when ``torch._scaled_mm`` runs these operands on a float8 GPU.
 
-    Needs CUDA compute capability >= 8.9 (Ada, Hopper and later), both dimensions of
-    each operand multiples of 16, and not both operands E5M2 (cuBLASLt has no
+    Needs 2-D operands, CUDA compute capability >= 8.9 (Ada, Hopper and later), both
+    dimensions of each operand multiples of 16, and not both operands E5M2 (cuBLASLt has no
     E5M2 x E5M2 kernel).
     """
-    if not (a8.is_cuda and b8.is_cuda):
-        return False
+    if not (a8.is_cuda and b8.is_cuda) or a8.dim() != 2 or b8.dim() != 2:
+        return False  # batched operands (attention) take the emulation
     if torch.cuda.get_device_capability(a8.device) < (8, 9):
         return False
     if a8.dtype == FLOAT8_BACKWARD and b8.dtype == FLOAT8_BACKWARD:
@@ -89,8 +89,9 @@ def scaled_mm(
 ) -> torch.Tensor:
     """``(a8 * scale_a) @ (b8 * scale_b)`` in ``out_dtype``, on float8 hardware when present.
 
-    ``a8`` is (M, K), ``b8`` is (K, N). The GPU kernel wants ``b8`` column-major; it
-    is made so here. Elsewhere (CPU, older GPUs, unsupported shapes or E5M2 x E5M2)
+    ``a8`` is (M, K), ``b8`` is (K, N), or both batched (..., M, K) and (..., K, N),
+    which always take the emulation. The GPU kernel wants ``b8`` column-major; it is
+    made so here. Elsewhere (CPU, older GPUs, unsupported shapes or E5M2 x E5M2)
     the exact emulation runs.
     """
     if not hardware_scaled_mm_available(a8, b8):

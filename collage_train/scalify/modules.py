@@ -4,7 +4,8 @@
 objects, same names, so optimizers, tied embeddings and state dicts are unaffected)
 and runs its matmul through ``ScaledMatmul``, a custom autograd Function:
 
-- ``"fp32"``: plain fp32 matmuls, no quantization (checks the plumbing);
+- ``"fp32"``: fp32 data under power-of-two scales, no rounding (checks the plumbing:
+  the scaled model then equals the original);
 - ``"bf16"`` / ``"fp16"``: each operand divided by its power-of-two RMS scale and
   cast, the product multiplied back by ``s_a * s_b`` (exact);
 - ``"float8"``: E4M3 activations and weights forward, E5M2 gradients backward,
@@ -23,7 +24,7 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from collage_train.scalify.float8 import FLOAT8_BACKWARD, FLOAT8_FORWARD, scaled_mm, to_float8
-from collage_train.scalify.scale import rms_scale
+from collage_train.scalify.scale import matmul_scale, rms_scale
 
 MATMUL_FORMATS = ("fp32", "bf16", "fp16", "float8")
 _CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,9 +37,9 @@ def quantize(
 
     ``rescale=False`` casts under scale 1 (what an unscaled low-precision cast does).
     """
-    if fmt == "fp32":
-        return t.to(torch.float32), torch.ones((), device=t.device)
     scale = rms_scale(t) if rescale else torch.ones((), device=t.device)
+    if fmt == "fp32":  # scaled, not rounded: dividing by a power of two is exact
+        return t.to(torch.float32) / scale, scale
     if fmt == "float8":
         return to_float8(t, scale, FLOAT8_BACKWARD if backward else FLOAT8_FORWARD)
     return (t.to(torch.float32) / scale).to(_CAST_DTYPES[fmt]), scale
@@ -48,22 +49,30 @@ def matmul(
     a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, fmt: str
 ) -> torch.Tensor:
     """The fp32 value of ``(a * scale_a) @ (b * scale_b)`` for data in format ``fmt``."""
-    if fmt == "fp32":
-        return a @ b
     if fmt == "float8":
         return scaled_mm(a, b, scale_a, scale_b, torch.float32)
     return (a @ b).to(torch.float32) * (scale_a * scale_b)
 
 
 class ScaledMatmul(torch.autograd.Function):
-    """``x @ w`` for 2-D ``x`` (M, K) and ``w`` (K, N), quantized as ``fmt`` says."""
+    """``x @ w`` for ``x`` (..., M, K) and ``w`` (..., K, N), quantized as ``fmt`` says.
+
+    2-D for the linear layers; batched (equal leading dimensions) for attention.
+    """
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, w: torch.Tensor, fmt: str, rescale: bool = True
+        ctx: Any,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        fmt: str,
+        rescale: bool = True,
+        record: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         x_data, x_scale = quantize(x, fmt, rescale=rescale)
         w_data, w_scale = quantize(w, fmt, rescale=rescale)
+        if record is not None:  # the matmul rule's output scale, for the residual stream
+            record["output_scale"] = matmul_scale(x_scale, w_scale, x.shape[-1])
         ctx.save_for_backward(x_data, x_scale, w_data, w_scale)
         ctx.fmt = fmt
         ctx.rescale = rescale
@@ -71,13 +80,15 @@ class ScaledMatmul(torch.autograd.Function):
         return matmul(x_data, x_scale, w_data, w_scale, fmt).to(x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+    def backward(
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
         fmt = ctx.fmt
         g_data, g_scale = quantize(grad_out, fmt, backward=True, rescale=ctx.rescale)
-        grad_x = matmul(g_data, g_scale, w_data.t(), w_scale, fmt)
-        grad_w = matmul(x_data.t(), x_scale, g_data, g_scale, fmt)
-        return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None
+        grad_x = matmul(g_data, g_scale, w_data.transpose(-2, -1), w_scale, fmt)
+        grad_w = matmul(x_data.transpose(-2, -1), x_scale, g_data, g_scale, fmt)
+        return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
 
 
 class ScaledLinear(torch.nn.Module):
@@ -103,6 +114,9 @@ class ScaledLinear(torch.nn.Module):
         self.weight_is_in_out = weight_is_in_out
         self.fmt = fmt
         self.rescale = rescale
+        # The matmul rule's scale of the last output (s_x * s_w * pow2(sqrt(K))): the
+        # scale this layer hands to a residual add (collage_train.scalify.residual).
+        self.last_scale: dict[str, torch.Tensor] = {}
 
     @classmethod
     def replacing(cls, module: torch.nn.Module, fmt: str, rescale: bool = True) -> ScaledLinear:
@@ -115,7 +129,9 @@ class ScaledLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight if self.weight_is_in_out else self.weight.t()
-        out = ScaledMatmul.apply(x.reshape(-1, x.shape[-1]), w, self.fmt, self.rescale)
+        out = ScaledMatmul.apply(
+            x.reshape(-1, x.shape[-1]), w, self.fmt, self.rescale, self.last_scale
+        )
         out = out.reshape(*x.shape[:-1], w.shape[1])
         return out if self.bias is None else out + self.bias
 

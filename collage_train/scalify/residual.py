@@ -1,0 +1,141 @@
+"""The residual stream as a scaled tensor: Scalify's add rule at every block boundary.
+
+Each transformer block adds two branches to the residual stream, x + attn(...) +
+mlp(...). In Scalify every tensor is data x a power-of-two scale and an add takes
+the scale ``pow2_floor(sqrt(s_a**2 + s_b**2))`` (``scale.add_scale``): a static rule,
+no look at the data. ``ScaledResidualStream`` applies it without editing the model:
+
+- the stream entering the first block has the add-rule scale of the embeddings that
+  were summed into it (token and position tables; each table's scale is the
+  power-of-two RMS of its weight, the scale a scaled master stores);
+- each branch ends in a ``ScaledLinear`` whose output scale is the matmul rule
+  ``s_x * s_w * pow2_floor(sqrt(K))`` (recorded by the layer as it runs);
+- leaving block l, the stream's scale is ``add(add(s_l, s_attn), s_mlp)``.
+
+At the entry of the first block and at every block output the stream is stored as
+``data = value / scale`` in the activation format (fp16 for fp16 and float8 matmuls,
+bf16 for bf16, fp32 for fp32, exactly), clamped to the format's range, and read back
+exactly as ``data * scale``: what holding the residual stream as a scaled
+low-precision tensor costs. Gradients pass straight through the store (the
+LayerNorm-backward rescale point handles them). Inside a block the stream between
+the two adds stays fp32.
+
+``rms_outside_frac`` reports the share of stored residual tensors (last forward pass)
+whose data RMS lies outside [1/16, 16]: how far the static rules drifted from the
+data, which is what Scalify's few dynamic rescale points exist to correct.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from collage_train.scalify.modules import ScaledLinear
+from collage_train.scalify.scale import add_scale, rms_scale
+
+# The modules that end each residual branch, by block class (attention, then MLP).
+BRANCH_OUTPUTS = {
+    "GPT2Block": ("attn.c_proj", "mlp.c_proj"),
+    "OPTDecoderLayer": ("self_attn.out_proj", "fc2"),
+}
+STORAGE = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float8": torch.float16,
+}
+RMS_RANGE = (1.0 / 16.0, 16.0)
+
+
+class StoreScaled(torch.autograd.Function):
+    """Forward: ``value`` rounded to ``dtype`` under ``scale``; backward: the identity."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        limit = float(torch.finfo(dtype).max)
+        data = (value.to(torch.float32) / scale).clamp(-limit, limit).to(dtype)
+        return (data.to(torch.float32) * scale).to(value.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
+
+
+class ScaledResidualStream:
+    """Forward hooks on ``model``'s blocks that carry and apply the residual stream's scale."""
+
+    def __init__(self, model: torch.nn.Module, fmt: str) -> None:
+        self.dtype = STORAGE[fmt]
+        self.embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+        self.blocks = []
+        for block in model.modules():
+            names = BRANCH_OUTPUTS.get(type(block).__name__)
+            if names is None:
+                continue
+            branches = [block.get_submodule(name) for name in names]
+            if not all(isinstance(branch, ScaledLinear) for branch in branches):
+                raise TypeError("scale the linear layers (scalify_linears) before the stream")
+            self.blocks.append((block, branches))
+        if not self.blocks:
+            raise TypeError(f"no block of a known kind ({', '.join(BRANCH_OUTPUTS)}) in model")
+        # Per store (entering block 0, leaving block l at l + 1), for the last forward
+        # pass. Indexed, not appended: activation checkpointing re-runs blocks in
+        # backward (in reverse order), and a re-run must see and store what the
+        # forward pass did.
+        self.scales: list[float] = [1.0] * (len(self.blocks) + 1)
+        self.data_rms: list[float] = [0.0] * (len(self.blocks) + 1)
+        self._entry: list[torch.Tensor] = [torch.ones(())] * (len(self.blocks) + 1)
+        self.handles = [self.blocks[0][0].register_forward_pre_hook(self._enter, with_kwargs=True)]
+        for index, (block, branches) in enumerate(self.blocks):
+            self.handles.append(
+                block.register_forward_hook(
+                    lambda module, args, output, index=index, branches=branches: self._leave(
+                        output, index, branches
+                    )
+                )
+            )
+
+    @staticmethod
+    def applies_to(model: torch.nn.Module) -> bool:
+        """Whether ``model`` has blocks of a kind this knows (GPT-2, OPT)."""
+        return any(type(m).__name__ in BRANCH_OUTPUTS for m in model.modules())
+
+    def _store(self, value: torch.Tensor, slot: int) -> torch.Tensor:
+        scale = self._entry[slot].to(value.device)
+        stored = StoreScaled.apply(value, scale, self.dtype)
+        data = stored.detach().float() / scale
+        self.scales[slot] = float(self._entry[slot])
+        self.data_rms[slot] = float(data.square().mean().sqrt())
+        return stored
+
+    def _enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Entering the first block: the add rule over the embedding tables' scales."""
+        scale = rms_scale(self.embeddings[0].weight)
+        for table in self.embeddings[1:]:
+            scale = add_scale(scale, rms_scale(table.weight))
+        self._entry[0] = scale.cpu()
+        if args:
+            return (self._store(args[0], 0), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self._store(kwargs["hidden_states"], 0)}
+
+    def _leave(self, output: Any, index: int, branches: list[ScaledLinear]) -> Any:
+        """Leaving block ``index``: its entry scale, add-ruled with each branch's scale."""
+        scale = self._entry[index]
+        for branch in branches:
+            scale = add_scale(scale, branch.last_scale["output_scale"].cpu())
+        self._entry[index + 1] = scale
+        if isinstance(output, tuple):
+            return (self._store(output[0], index + 1), *output[1:])
+        return self._store(output, index + 1)
+
+    def rms_outside_frac(self) -> float:
+        """Share of the last forward pass's stored tensors with data RMS outside RMS_RANGE."""
+        if not self.data_rms:
+            return 0.0
+        low, high = RMS_RANGE
+        return sum(not low <= rms <= high for rms in self.data_rms) / len(self.data_rms)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
