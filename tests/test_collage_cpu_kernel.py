@@ -136,6 +136,15 @@ def test_a_failing_compiler_is_one_clear_error(fresh_build, monkeypatch, caplog)
     assert not list(fresh_build.glob("*.so"))
 
 
+def test_an_unwritable_cache_is_one_clear_error(fresh_build, monkeypatch, tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("COLLAGE_KERNEL_CACHE", str(blocker / "kernels"))
+    with pytest.raises(collage_cpu.KernelBuildError, match="could not build into"):
+        collage_cpu.load_library()
+    assert kernels.choose_kernel("auto", torch.device("cpu"), 10**9, "light") == "eager"
+
+
 def test_scalars_reach_the_kernel_as_fp32():
     """1 - beta2 is formed in float64 and rounded once to fp32, as torch does a scalar."""
     field = dict(collage_cpu._Scalars._fields_)["one_minus_beta2"]

@@ -111,18 +111,10 @@ def load_library() -> ctypes.CDLL:
     ).hexdigest()[:20]
     target = cache_dir() / f"collage_cpu-{key}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src = Path(tmp) / _SOURCE
-            src.write_bytes(source)
-            built = Path(tmp) / target.name
-            result = subprocess.run(
-                [compiler, *flags, str(src), "-o", str(built)], capture_output=True, text=True
-            )
-            if result.returncode != 0:
-                first = (result.stderr.strip().splitlines() or ["no output"])[0]
-                raise KernelBuildError(f"{Path(compiler).name} failed on {_SOURCE}: {first}")
-            os.replace(built, target)  # atomic: concurrent ranks never load a partial file
+        try:
+            _build(compiler, flags, source, target)
+        except OSError as error:
+            raise KernelBuildError(f"could not build into {target.parent}: {error}") from error
     try:
         library = ctypes.CDLL(str(target))
     except OSError as error:
@@ -137,6 +129,22 @@ def load_library() -> ctypes.CDLL:
         ctypes.POINTER(ctypes.c_double),
     ]
     return library
+
+
+def _build(compiler: str, flags: list[str], source: bytes, target: Path) -> None:
+    """Compile ``source`` into ``target`` through a private temporary directory."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = Path(tmp) / _SOURCE
+        src.write_bytes(source)
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *flags, str(src), "-o", str(built)], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            first = (result.stderr.strip().splitlines() or ["no output"])[0]
+            raise KernelBuildError(f"{Path(compiler).name} failed on {_SOURCE}: {first}")
+        os.replace(built, target)  # atomic: concurrent ranks never load a partial file
 
 
 @functools.cache
