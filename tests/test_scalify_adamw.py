@@ -120,11 +120,26 @@ def test_fp16_master_tracks_to_fp16_precision():
     _run(optimizer, params)
     for p, ref in zip(params, reference.params, strict=True):
         state = optimizer.state[p]
-        assert state["master"].dtype == torch.float16
-        assert torch.equal(p.detach(), load_scaled(state["master"], state["master_scale"]))
+        # The fp32 parameter holds the master: fp16 data under a power-of-two scale,
+        # exactly; no second copy is stored (12 bytes per parameter, not 14).
+        assert "master" not in state
+        data = p.detach() / state["master_scale"]
+        assert torch.equal(data.half().float(), data)
         # each step rounds the weight to 11 bits relative to its RMS scale
         bound = STEPS * 2.0**-11 * 2 * state["master_scale"].item()
         assert (p.detach().double() - ref).abs().max().item() < bound
+
+
+def test_fp16_master_of_bf16_parameters_is_stored_beside_them():
+    params = [torch.nn.Parameter(p.detach().bfloat16()) for p in _params()]
+    optimizer = ScaledAdamW(params, lr=LR, master="fp16")
+    _run(optimizer, params, steps=3)
+    for p in params:
+        state = optimizer.state[p]
+        assert state["master"].dtype == torch.float16
+        master = load_scaled(state["master"], state["master_scale"])
+        assert torch.equal(p.detach(), master.bfloat16())
+        assert not torch.equal(master, p.detach().float())  # finer than the bf16 weight
 
 
 @pytest.mark.parametrize("master", ["fp32", "fp16"])

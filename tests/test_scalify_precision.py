@@ -33,7 +33,7 @@ def test_defaults_are_the_papers_full_low_precision_configuration(make_cfg):
     assert (strategy.matmul, strategy.master, strategy.state) == ("fp8", "fp16", "fp16")
     assert strategy.rescale == ("matmul", "layernorm_grad", "grads")
     assert strategy.param_dtype == torch.float32
-    assert strategy.expected_state_bytes_per_param == 14
+    assert strategy.expected_state_bytes_per_param == 12  # the fp32 weight holds the master
     assert strategy == get_strategy("scalify")  # the registered instance is the default
 
 
@@ -72,7 +72,7 @@ class OptCfg:
 
 @pytest.mark.parametrize(
     ("master", "state", "expected"),
-    [("fp16", "fp16", 14), ("fp32", "fp16", 12), ("fp16", "fp32", 18), ("fp32", "fp32", 16)],
+    [("fp16", "fp16", 12), ("fp32", "fp16", 12), ("fp16", "fp32", 16), ("fp32", "fp32", 16)],
 )
 def test_state_bytes_and_components_match_the_optimizer(make_cfg, master, state, expected):
     cfg = make_cfg(
@@ -91,7 +91,8 @@ def test_state_bytes_and_components_match_the_optimizer(make_cfg, master, state,
         if torch.is_tensor(value) and value.numel() == weight.numel() and key != "master"
     }
     assert held == dict(strategy.optimizer_state)
-    assert ("master" in opt.state[weight]) == (master == "fp16")
+    assert "master" not in opt.state[weight]  # the fp32 weight is the master
+    assert ("master_scale" in opt.state[weight]) == (master == "fp16")
     assert strategy.expected_state_bytes_per_param == expected
     params = sum(p.numel() for p in model.parameters())
     scales = sum(1 for s in opt.state.values() for k in s if k.endswith("_scale"))
@@ -238,7 +239,7 @@ def test_scalify_trains_like_fp32_for_200_steps(make_cfg_module, tmp_path, fp32_
         assert record["scalify_rescales"] > 0
     assert summary["scalify_rms_outside_frac"] == 0.0
     assert summary["scalify_rescales"] == records[-1]["scalify_rescales"]
-    assert summary["state_bytes_per_param"] == pytest.approx(14, abs=0.1)
+    assert summary["state_bytes_per_param"] == pytest.approx(12, abs=0.1)
 
 
 @pytest.mark.parametrize("model", ["gpt_tiny", "opt_125m"])
@@ -254,11 +255,14 @@ def test_scalify_run_keeps_power_of_two_scales_and_unit_data(make_cfg, tmp_path,
     assert not any(isinstance(m, torch.nn.Linear) for m in trainer.model.modules())
     losses = [trainer.train_step()["loss"] for _ in range(6)]
     assert all(torch.isfinite(torch.tensor(losses)))
-    for state in trainer.optimizer.state.values():
-        for key in ("exp_avg", "exp_avg_sq", "master"):
-            assert state[key].dtype == torch.float16
+    for param, state in trainer.optimizer.state.items():
+        master = param.detach() / state["master_scale"]  # the weight holds the fp16 master
+        assert torch.equal(master.half().float(), master)
+        stored = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"], "master": master}
+        for key, data in stored.items():
+            assert data.dtype == (torch.float16 if key != "master" else torch.float32)
             assert is_power_of_two(state[f"{key}_scale"])
-            rms = state[key].double().square().mean().sqrt().item()
+            rms = data.double().square().mean().sqrt().item()
             assert rms == 0 or 1 / 16 <= rms <= 16
     record = trainer._train_record(
         [{"time": 1.0, "loss": 1.0, "lr": 0.0, "grad_norm": 0.0, "data_time": 0.0, "descent": None}]

@@ -8,7 +8,9 @@ the gradients. ``rescale_count`` counts the times a stored scale changed.
 
 ``master="fp32"`` updates fp32 parameters in place (or an fp32 master copy of
 lower-precision parameters); ``master="fp16"`` keeps the master as scaled fp16 too
-and writes its value into the parameters. ``scaled=False`` pins every scale at 1:
+and writes its value into the parameters. An fp32 parameter then holds the master's
+value exactly, so only its scale is stored (``master_scale``); a lower-precision
+parameter gets its own fp16 ``master`` data. ``scaled=False`` pins every scale at 1:
 plain fp16 state, the baseline that under- and overflows. ``state="fp32"`` keeps the
 moments as plain fp32 (scale pinned at 1), the paper's fp32-optimizer-state setting.
 
@@ -102,11 +104,11 @@ class ScaledAdamW(TrackingOptimizer):
         """
         low, high = RMS_RANGE
         outside = total = 0
-        for state in self.state.values():
+        for param, state in self.state.items():
             for name in ("exp_avg", "exp_avg_sq", "master"):
                 if f"{name}_scale" not in state:
                     continue
-                data = state[name]
+                data = self._scaled_data(state, name, param)
                 rms = data.to(torch.float64).square().mean().sqrt().item() if data.numel() else 0
                 if rms == 0:
                     continue
@@ -120,6 +122,16 @@ class ScaledAdamW(TrackingOptimizer):
     def _keeps_master(self, param: torch.Tensor) -> bool:
         return self.master == "fp16" or param.dtype != torch.float32
 
+    @staticmethod
+    def _master_in_param(state: dict[str, Any]) -> bool:
+        """A scaled-fp16 master of an fp32 parameter is held by the parameter itself.
+
+        The parameter always equals ``data * scale`` exactly (fp16 data times a power
+        of two is an fp32 value), so only the scale is stored: 2 bytes per parameter
+        less than a separate fp16 copy, and the same numbers.
+        """
+        return "master_scale" in state and "master" not in state
+
     def _state_for(self, param: torch.Tensor) -> dict[str, Any]:
         state = self.state[param]
         if not state:
@@ -130,28 +142,46 @@ class ScaledAdamW(TrackingOptimizer):
                     zeros, self.scaled, self.state_dtype
                 )
             if self._keeps_master(param):
-                self._set_master(state, param.detach().to(torch.float32))
+                self._set_master(state, param, param.detach().to(torch.float32))
         return state
 
-    def _set_master(self, state: dict[str, Any], value: torch.Tensor) -> None:
-        if self.master == "fp16":
-            state["master"], state["master_scale"] = store_scaled(value, self.scaled)
-        else:
+    def _set_master(self, state: dict[str, Any], param: torch.Tensor, value: torch.Tensor) -> None:
+        """The master becomes ``value`` (rounded to scaled fp16 for ``master="fp16"``)."""
+        if self.master != "fp16":
             state["master"] = value.clone()
+            return
+        data, state["master_scale"] = store_scaled(value, self.scaled)
+        if param.dtype == torch.float32:
+            param.detach().copy_(load_scaled(data, state["master_scale"]))
+        else:
+            state["master"] = data
+
+    def _scaled_data(self, state: dict[str, Any], name: str, param: torch.Tensor) -> torch.Tensor:
+        """The stored data of the scaled entry ``name`` (the parameter's, for its master)."""
+        if name == "master" and self._master_in_param(state):
+            return (param.detach() / state["master_scale"]).to(STATE_DTYPE)
+        return state[name]
 
     def _master_value(self, state: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
         """The fp32 weight the update applies to (a copy, or the fp32 parameter itself)."""
-        if "master_scale" in state:
+        if "master_scale" in state and not self._master_in_param(state):
             return load_scaled(state["master"], state["master_scale"])
         return state.get("master", param.detach())
 
-    def _store(self, state: dict[str, Any], name: str, value: torch.Tensor) -> None:
-        """Store ``value`` into the scaled entry ``name``, counting a change of scale."""
+    def _store(self, state: dict[str, Any], name: str, value: torch.Tensor) -> torch.Tensor:
+        """Store ``value`` into the scaled entry ``name``, counting a change of scale.
+
+        Returns the value stored (``data * scale``). The master of an fp32 parameter is
+        stored by the caller writing that value into the parameter.
+        """
         dtype = STATE_DTYPE if name == "master" else self.state_dtype
         data, scale = store_scaled(value, self.scaled, dtype)
         if not torch.equal(scale, state[f"{name}_scale"]):
             self.rescale_count += 1
-        state[name], state[f"{name}_scale"] = data, scale
+        state[f"{name}_scale"] = scale
+        if not (name == "master" and "master" not in state):
+            state[name] = data
+        return load_scaled(data, scale)
 
     def _full_precision(self, param: torch.Tensor) -> torch.Tensor:
         state = self.state[param]
@@ -162,7 +192,7 @@ class ScaledAdamW(TrackingOptimizer):
     def _load_full_precision(self, param: torch.Tensor, value: torch.Tensor) -> None:
         if self._keeps_master(param):
             state = self._state_for(param)
-            self._set_master(state, value)
+            self._set_master(state, param, value)
             value = self._master_value(state, param)
         param.detach().copy_(value)
 
@@ -187,13 +217,12 @@ class ScaledAdamW(TrackingOptimizer):
         self._store(state, "exp_avg", exp_avg)
         self._store(state, "exp_avg_sq", exp_avg_sq)
 
-        if "master" not in state:
+        if "master" not in state and "master_scale" not in state:
             param.detach().add_(update)
             return update
         new_weight = weight + update
         if "master_scale" in state:
-            self._store(state, "master", new_weight)
-            new_weight = load_scaled(state["master"], state["master_scale"])
+            new_weight = self._store(state, "master", new_weight)
         else:
             state["master"] = new_weight
         param.detach().copy_(new_weight)
