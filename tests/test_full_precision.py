@@ -15,7 +15,15 @@ from collage_train.optim import AdamW, CollageAdamW, SplitMasterAdamW
 from collage_train.precision import get_strategy
 from collage_train.precision import remainder as remainder_bits
 
-STRATEGIES = ("fp32", "mixed_fp32", "split_fp32", "bf16", "collage_light", "collage_plus")
+STRATEGIES = (
+    "fp32",
+    "mixed_fp32",
+    "split_fp32",
+    "bf16",
+    "collage_light",
+    "collage_plus",
+    "scalify",
+)
 
 
 class _Hyper:
@@ -104,6 +112,13 @@ def test_each_strategy_reports_its_most_precise_value():
             dtheta = optimizer.state[param]["dtheta"]
             assert bool(dtheta.ne(0).any())
             assert torch.equal(value, param.float() + dtheta.float())
+
+    params, optimizer = build("scalify")  # the fp32 weight holds the scaled-fp16 master
+    take_steps(params, optimizer)
+    for param, value in zip(params, optimizer.full_precision_weights(), strict=True):
+        assert torch.equal(value, param.float())
+        data = value / optimizer.state[param]["master_scale"]
+        assert torch.equal(data.half().float(), data)
 
     for name in ("fp32", "bf16"):
         params, optimizer = build(name)

@@ -123,7 +123,9 @@ def assert_states_equal(a: dict, b: dict, collage: bool) -> None:
     assert differing <= total * 1e-3
 
 
-@pytest.mark.parametrize("precision", ["mixed_fp32", "split_fp32", "bf16", "collage_plus"])
+@pytest.mark.parametrize(
+    "precision", ["mixed_fp32", "split_fp32", "bf16", "collage_plus", "scalify"]
+)
 @pytest.mark.parametrize(
     "comm",
     [

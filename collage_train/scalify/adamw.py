@@ -59,6 +59,12 @@ def store_scaled(
     return data, scale
 
 
+def _holds_exactly(value: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether fp16 data under ``scale`` represents every element of ``value`` exactly."""
+    data = value / scale
+    return bool(torch.equal(data.to(STATE_DTYPE).to(torch.float32), data))
+
+
 class ScaledAdamW(TrackingOptimizer):
     """AdamW with scaled-fp16 ``exp_avg`` / ``exp_avg_sq`` (and master if ``master="fp16"``)."""
 
@@ -146,13 +152,23 @@ class ScaledAdamW(TrackingOptimizer):
         return state
 
     def _set_master(self, state: dict[str, Any], param: torch.Tensor, value: torch.Tensor) -> None:
-        """The master becomes ``value`` (rounded to scaled fp16 for ``master="fp16"``)."""
+        """The master becomes ``value`` (rounded to scaled fp16 for ``master="fp16"``).
+
+        A value that the current scale already represents exactly keeps that scale (a
+        round trip through ``load_full_precision_weights`` changes nothing); any other
+        gets a fresh one.
+        """
         if self.master != "fp16":
             state["master"] = value.clone()
             return
-        data, state["master_scale"] = store_scaled(value, self.scaled)
+        scale = state.get("master_scale")
+        if scale is not None and _holds_exactly(value, scale):
+            data = (value / scale).to(STATE_DTYPE)
+        else:
+            data, scale = store_scaled(value, self.scaled)
+        state["master_scale"] = scale
         if param.dtype == torch.float32:
-            param.detach().copy_(load_scaled(data, state["master_scale"]))
+            param.detach().copy_(load_scaled(data, scale))
         else:
             state["master"] = data
 
