@@ -30,14 +30,25 @@ MATMUL_FORMATS = ("fp32", "bf16", "fp16", "float8")
 _CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def operand_scale(t: torch.Tensor, rescale: bool = True) -> torch.Tensor:
+    """The power-of-two scale ``t`` is cast under: its RMS scale, or 1 without ``rescale``."""
+    return rms_scale(t) if rescale else torch.ones((), device=t.device)
+
+
 def quantize(
-    t: torch.Tensor, fmt: str, backward: bool = False, rescale: bool = True
+    t: torch.Tensor,
+    fmt: str,
+    backward: bool = False,
+    rescale: bool = True,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data, scale)`` of ``t`` in matmul format ``fmt`` (E5M2 for gradients in float8).
 
-    ``rescale=False`` casts under scale 1 (what an unscaled low-precision cast does).
+    ``rescale=False`` casts under scale 1 (what an unscaled low-precision cast does);
+    a given ``scale`` (``operand_scale``, computed by the caller) is used as is.
     """
-    scale = rms_scale(t) if rescale else torch.ones((), device=t.device)
+    if scale is None:
+        scale = operand_scale(t, rescale)
     if fmt == "fp32":  # scaled, not rounded: dividing by a power of two is exact
         return t.to(torch.float32) / scale, scale
     if fmt == "float8":
@@ -67,12 +78,11 @@ class ScaledMatmul(torch.autograd.Function):
         w: torch.Tensor,
         fmt: str,
         rescale: bool = True,
-        record: dict[str, torch.Tensor] | None = None,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x_data, x_scale = quantize(x, fmt, rescale=rescale)
-        w_data, w_scale = quantize(w, fmt, rescale=rescale)
-        if record is not None:  # the matmul rule's output scale, for the residual stream
-            record["output_scale"] = matmul_scale(x_scale, w_scale, x.shape[-1])
+        x_scale, w_scale = scales if scales is not None else (None, None)
+        x_data, x_scale = quantize(x, fmt, rescale=rescale, scale=x_scale)
+        w_data, w_scale = quantize(w, fmt, rescale=rescale, scale=w_scale)
         ctx.save_for_backward(x_data, x_scale, w_data, w_scale)
         ctx.fmt = fmt
         ctx.rescale = rescale
@@ -116,7 +126,7 @@ class ScaledLinear(torch.nn.Module):
         self.rescale = rescale
         # The matmul rule's scale of the last output (s_x * s_w * pow2(sqrt(K))): the
         # scale this layer hands to a residual add (collage_train.scalify.residual).
-        self.last_scale: dict[str, torch.Tensor] = {}
+        self.last_output_scale = torch.ones(())
 
     @classmethod
     def replacing(cls, module: torch.nn.Module, fmt: str, rescale: bool = True) -> ScaledLinear:
@@ -129,9 +139,10 @@ class ScaledLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight if self.weight_is_in_out else self.weight.t()
-        out = ScaledMatmul.apply(
-            x.reshape(-1, x.shape[-1]), w, self.fmt, self.rescale, self.last_scale
-        )
+        x2 = x.reshape(-1, x.shape[-1])
+        scales = (operand_scale(x2, self.rescale), operand_scale(w, self.rescale))
+        self.last_output_scale = matmul_scale(*scales, x2.shape[-1]).detach()
+        out = ScaledMatmul.apply(x2, w, self.fmt, self.rescale, scales)
         out = out.reshape(*x.shape[:-1], w.shape[1])
         return out if self.bias is None else out + self.bias
 

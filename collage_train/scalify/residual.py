@@ -123,7 +123,7 @@ class ScaledResidualStream:
         """Leaving block ``index``: its entry scale, add-ruled with each branch's scale."""
         scale = self._entry[index]
         for branch in branches:
-            scale = add_scale(scale, branch.last_scale["output_scale"].cpu())
+            scale = add_scale(scale, branch.last_output_scale.cpu())
         self._entry[index + 1] = scale
         if isinstance(output, tuple):
             return (self._store(output[0], index + 1), *output[1:])
