@@ -25,6 +25,7 @@ from cli_runner import REPO, Result, _free_port, run_cli, run_deepspeed
 from hydra import compose, initialize_config_dir
 from replica_sim import simulate_replicas
 from safetensors.torch import load_file
+from tiny_config import tiny_model_and_data
 
 from collage_train import checkpoint
 from collage_train.cli import config_dir
@@ -37,16 +38,7 @@ H, OUTER_STEPS = 4, 10
 def overrides(corpus: Path, cache: Path, *extra: str) -> list[str]:
     """gpt_tiny at hidden size 64 (payload ~1/87 of fp32), H = 4, ten outer steps."""
     return [
-        "model.hidden_size=64",
-        "model.num_layers=2",
-        "model.num_heads=2",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "data.vocab_size=512",
-        "data.seq_len=32",
-        "data.tokenizer_train_chars=200000",
-        "data.val_fraction=0.05",
-        f"data.cache_dir={cache}",
+        *tiny_model_and_data(corpus, cache, hidden_size=64),
         "train.micro_batch_size=4",
         "train.global_batch_size=8",  # 4 sequences per replica per step
         f"train.max_steps={H * OUTER_STEPS}",

@@ -8,12 +8,11 @@ stream's scales follow the add rule and its stored data is exactly fp16 under th
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_config import tiny_transformer
 
-from collage_train.models import build_model
 from collage_train.scalify import is_power_of_two
 from collage_train.scalify.attention import implementation_name, scaled_attention
 from collage_train.scalify.float8 import FLOAT8_FORWARD, to_float8
@@ -23,20 +22,7 @@ from collage_train.scalify.scale import add_scale, rms_scale
 
 
 def _model(family: str, layers: int = 3) -> torch.nn.Module:
-    cfg = SimpleNamespace(
-        family=family,
-        name="t",
-        hidden_size=32,
-        num_layers=layers,
-        num_heads=4,
-        ffn_hidden_size=None,
-        init_std=0.02,
-        dropout=0.0,
-        vocab_size=None,
-        attn_implementation="eager",
-        extra={},
-    )
-    return build_model(cfg, vocab_size=96, seq_len=16, eot_id=2, seed=0)
+    return tiny_transformer(family, layers)
 
 
 def _scalified(model: torch.nn.Module, fmt: str) -> tuple[torch.nn.Module, ScaledResidualStream]:

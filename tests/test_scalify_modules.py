@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_config import tiny_transformer
 from transformers.pytorch_utils import Conv1D
 
-from collage_train.models import build_model
 from collage_train.scalify.float8 import FLOAT8_BACKWARD, FLOAT8_FORWARD, scaled_mm, to_float8
 from collage_train.scalify.modules import (
     ScaledLinear,
@@ -20,20 +19,7 @@ from collage_train.scalify.scale import rms_scale
 
 
 def _model(family: str = "gpt") -> torch.nn.Module:
-    cfg = SimpleNamespace(
-        family=family,
-        name="t",
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        ffn_hidden_size=None,
-        init_std=0.02,
-        dropout=0.0,
-        vocab_size=None,
-        attn_implementation="eager",
-        extra={},
-    )
-    return build_model(cfg, vocab_size=96, seq_len=16, eot_id=2, seed=0)
+    return tiny_transformer(family)
 
 
 def _loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import copy
 import functools
-from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_config import compose_tiny
+from tiny_config import compose_tiny, tiny_transformer
 
 from collage_train.checkpoint import load_checkpoint_file
 from collage_train.cli import train
 from collage_train.errors import ConfigError
 from collage_train.metrics import RecordingSink, model_state_bytes
-from collage_train.models import build_model
 from collage_train.optim import decay_param_groups
 from collage_train.precision import get_strategy, strategy_for
 from collage_train.scalify import is_power_of_two
@@ -104,20 +102,7 @@ def test_state_bytes_and_components_match_the_optimizer(make_cfg, master, state,
 
 
 def _model(family: str) -> torch.nn.Module:
-    cfg = SimpleNamespace(
-        family=family,
-        name="t",
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        ffn_hidden_size=None,
-        init_std=0.02,
-        dropout=0.0,
-        vocab_size=None,
-        attn_implementation="eager",
-        extra={},
-    )
-    return build_model(cfg, vocab_size=96, seq_len=16, eot_id=2, seed=0)
+    return tiny_transformer(family)
 
 
 def _loss_and_grads(model: torch.nn.Module) -> tuple[float, torch.Tensor, dict]:

@@ -8,17 +8,20 @@ can resolve to the wrong one depending on which files are collected.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from collage_train.cli import config_dir
+from collage_train.models import build_model
 
 
-def tiny_model_and_data(corpus: Path, cache: Path) -> list[str]:
-    """Overrides for a 2-layer, 32-wide GPT trained on ``corpus`` with a 512-token vocabulary."""
+def tiny_model_and_data(corpus: Path, cache: Path, hidden_size: int = 32) -> list[str]:
+    """Overrides for a 2-layer GPT trained on ``corpus`` with a 512-token vocabulary."""
     return [
-        "model.hidden_size=32",
+        f"model.hidden_size={hidden_size}",
         "model.num_layers=2",
         "model.num_heads=2",
         "data=files",
@@ -45,3 +48,21 @@ def compose_tiny(corpus: Path, cache: Path, *overrides: str) -> DictConfig:
             config_name="config",
             overrides=tiny_model_and_data(corpus, cache) + quiet + list(overrides),
         )
+
+
+def tiny_transformer(family: str = "gpt", layers: int = 2) -> torch.nn.Module:
+    """A 32-wide, 4-head GPT-2 or OPT from the model registry (vocabulary 96, 16 tokens)."""
+    cfg = SimpleNamespace(
+        family=family,
+        name="t",
+        hidden_size=32,
+        num_layers=layers,
+        num_heads=4,
+        ffn_hidden_size=None,
+        init_std=0.02,
+        dropout=0.0,
+        vocab_size=None,
+        attn_implementation="eager",
+        extra={},
+    )
+    return build_model(cfg, vocab_size=96, seq_len=16, eot_id=2, seed=0)
