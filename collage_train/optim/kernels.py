@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 def compiler_available(device: torch.device) -> bool:
-    """Whether TorchInductor can build kernels for ``device`` here."""
+    """Whether the fused step for ``device`` can be built here (its compiler is there)."""
     if device.type == "cuda":
         return importlib.util.find_spec("triton") is not None
     if device.type == "cpu":
@@ -104,7 +104,9 @@ def choose_kernel(setting: str, device: torch.device, num_params: int, mode: str
     if not compiler_available(device):
         if setting == "auto":
             return "eager"
-        needs = "Triton" if device.type == "cuda" else "a C compiler (gcc or clang)"
+        needs = {"cuda": "Triton", "cpu": "a C compiler (gcc or clang)"}.get(
+            device.type, "a C++ compiler (g++ or clang++)"
+        )
         raise ConfigError(
             f"optim.kernel=compiled needs {needs} for {device.type}; install it or use "
             "optim.kernel=eager"
