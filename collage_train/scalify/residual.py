@@ -83,9 +83,10 @@ class ScaledResidualStream:
         # pass. Indexed, not appended: activation checkpointing re-runs blocks in
         # backward (in reverse order), and a re-run must see and store what the
         # forward pass did.
-        self.scales: list[float] = [1.0] * (len(self.blocks) + 1)
-        self.data_rms: list[float] = [0.0] * (len(self.blocks) + 1)
+        # 0-d tensors on the model's device: read as floats only when asked for
+        # (``scales``, ``data_rms``), so the forward pass never waits on the device.
         self._entry: list[torch.Tensor] = [torch.ones(())] * (len(self.blocks) + 1)
+        self._rms: list[torch.Tensor] = [torch.zeros(())] * (len(self.blocks) + 1)
         self.handles = [self.blocks[0][0].register_forward_pre_hook(self._enter, with_kwargs=True)]
         for index, (block, branches) in enumerate(self.blocks):
             self.handles.append(
@@ -101,12 +102,20 @@ class ScaledResidualStream:
         """Whether ``model`` has blocks of a kind this knows (GPT-2, OPT)."""
         return any(type(m).__name__ in BRANCH_OUTPUTS for m in model.modules())
 
+    @property
+    def scales(self) -> list[float]:
+        """The stream's scale at each store of the last forward pass."""
+        return [float(scale) for scale in self._entry]
+
+    @property
+    def data_rms(self) -> list[float]:
+        """The RMS of the data stored at each store of the last forward pass."""
+        return [float(rms) for rms in self._rms]
+
     def _store(self, value: torch.Tensor, slot: int) -> torch.Tensor:
         scale = self._entry[slot].to(value.device)
         stored = StoreScaled.apply(value, scale, self.dtype)
-        data = stored.detach().float() / scale
-        self.scales[slot] = float(self._entry[slot])
-        self.data_rms[slot] = float(data.square().mean().sqrt())
+        self._rms[slot] = (stored.detach().float() / scale).square().mean().sqrt()
         return stored
 
     def _enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -114,7 +123,7 @@ class ScaledResidualStream:
         scale = rms_scale(self.embeddings[0].weight)
         for table in self.embeddings[1:]:
             scale = add_scale(scale, rms_scale(table.weight))
-        self._entry[0] = scale.cpu()
+        self._entry[0] = scale
         if args:
             return (self._store(args[0], 0), *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": self._store(kwargs["hidden_states"], 0)}
@@ -123,7 +132,7 @@ class ScaledResidualStream:
         """Leaving block ``index``: its entry scale, add-ruled with each branch's scale."""
         scale = self._entry[index]
         for branch in branches:
-            scale = add_scale(scale, branch.last_output_scale.cpu())
+            scale = add_scale(scale, branch.last_output_scale.to(scale.device))
         self._entry[index + 1] = scale
         if isinstance(output, tuple):
             return (self._store(output[0], index + 1), *output[1:])
@@ -131,8 +140,6 @@ class ScaledResidualStream:
 
     def rms_outside_frac(self) -> float:
         """Share of the last forward pass's stored tensors with data RMS outside RMS_RANGE."""
-        if not self.data_rms:
-            return 0.0
         low, high = RMS_RANGE
         return sum(not low <= rms <= high for rms in self.data_rms) / len(self.data_rms)
 
