@@ -68,9 +68,7 @@ def measured_peak(trainer: Trainer) -> int:
         trainer.train_step()
         return torch.cuda.max_memory_allocated()
     with LiveTensorBytes() as live:
-        live.track(trainer.model.parameters())
-        for state in trainer.optimizer.state.values():
-            live.track(v for v in state.values() if isinstance(v, torch.Tensor))
+        live.track_training_state(trainer.model.parameters(), trainer.optimizer)
         trainer.train_step()
     return live.peak
 

@@ -34,9 +34,7 @@ def measured_step_peak(trainer: Trainer) -> int:
     """Live-tensor peak of the second training step (the first creates optimizer state)."""
     trainer.train_step()
     with LiveTensorBytes() as live:
-        live.track(trainer.model.parameters())
-        for state in trainer.optimizer.state.values():
-            live.track(v for v in state.values() if isinstance(v, torch.Tensor))
+        live.track_training_state(trainer.model.parameters(), trainer.optimizer)
         trainer.train_step()
     return live.peak
 
@@ -134,10 +132,8 @@ def test_optimizer_step_temporaries_match_the_table(name):
         p.grad = torch.randn_like(p) * 1e-3
     optimizer.step()  # creates the state
     with LiveTensorBytes() as live:
-        live.track(params)
+        live.track_training_state(params, optimizer)
         live.track(p.grad for p in params)
-        for state in optimizer.state.values():
-            live.track(v for v in state.values() if isinstance(v, torch.Tensor))
         before = live.current
         optimizer.track_descent = True
         optimizer.step()

@@ -35,6 +35,14 @@ class LiveTensorBytes(TorchDispatchMode):
             if tensor is not None:
                 self._add(tensor)
 
+    def track_training_state(
+        self, parameters: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Count the parameters and every optimizer state tensor (what lives between steps)."""
+        self.track(parameters)
+        for state in optimizer.state.values():
+            self.track(v for v in state.values() if isinstance(v, torch.Tensor))
+
     def _add(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         key = id(storage)

@@ -77,9 +77,5 @@ def use_scaled_attention(model: torch.nn.Module, fmt: str, rescale: bool = True)
     if fmt not in MATMUL_FORMATS:
         raise ValueError(f"matmul format must be one of {MATMUL_FORMATS}, got {fmt!r}")
     name = _register(fmt, rescale)
-    model.config._attn_implementation = name
-    for sub in model.modules():  # sub-configs some models keep a reference to
-        config = getattr(sub, "config", None)
-        if config is not None and config is not model.config:
-            config._attn_implementation = name
+    model.config._attn_implementation = name  # GPT-2's and OPT's modules share this config
     return name
