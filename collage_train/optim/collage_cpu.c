@@ -42,7 +42,9 @@ static inline uint32_t bits_of(float f) {
 /* fp32 -> nearest bf16 (ties to even), returned widened to fp32. */
 static inline float rb(float x) {
     uint32_t u = bits_of(x);
-    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    /* The even bit as (u << 15) >> 31: written as (u >> 16) & 1, gcc turns it into a
+     * compare and a masked move (6 vector ops instead of 5). */
+    uint32_t r = ((u + 0x7fffu + ((u << 15) >> 31)) >> 16) << 16;
     float f;
     memcpy(&f, &r, 4);
     return f;
@@ -57,8 +59,11 @@ typedef struct {
         step_size, decay;
 } scalars_t;
 
-/* EDQ sums are accumulated in fp32 per block (vectorised), then in double. */
-#define BLOCK 2048
+/* Elements per block: EDQ sums are accumulated in fp32 per block (vectorised), then in
+ * double. Each block runs three loops, each with a shorter dependency chain than one
+ * loop doing the whole step, so the processor overlaps more iterations (10-15% faster on
+ * a 2-core AVX-512 host); the moments and updates a later loop reads are still in L1. */
+#define BLOCK 256
 
 static inline __attribute__((always_inline)) void step_range(
     const int mode, const int track, const int keep_update, int64_t n, bf16 *theta,
@@ -69,16 +74,16 @@ static inline __attribute__((always_inline)) void step_range(
                 inv_sqrt_bias2 = c->inv_sqrt_bias2, eps = c->eps, step_size = c->step_size,
                 decay = c->decay;
     double acc[6] = {0, 0, 0, 0, 0, 0};
+    float intended[BLOCK] __attribute__((aligned(64)));
     for (int64_t start = 0; start < n; start += BLOCK) {
         const int64_t end = start + BLOCK < n ? start + BLOCK : n;
-        float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0;
-#pragma omp simd reduction(+ : s0, s1, s2, s3, s4, s5)
+        /* 1. The moments: m, and v (with its remainder dv in plus mode). */
+#pragma omp simd
         for (int64_t i = start; i < end; i++) {
             const float g = widen(grad[i]);
             const float ea = widen(exp_avg[i]);
-            const float m = rb(ea + omb1 * (g - ea));
             const float square = g * g; /* exact in fp32 */
-            float v, dv_new = 0.0f;
+            exp_avg[i] = narrow(rb(ea + omb1 * (g - ea)));
             if (mode == 2) {
                 /* mcf.mul((v, dv), (beta2_hi, beta2_lo)) */
                 const float x = widen(exp_avg_sq[i]), dx = widen(dv[i]);
@@ -89,21 +94,31 @@ static inline __attribute__((always_inline)) void step_range(
                 const float t = rb(d - rb(s - p));
                 /* mcf.grow((s, t), fl(fl(g^2) * (1 - beta2))) */
                 const float a = rb(rb(square) * omb2);
-                const float s2_ = rb(s + a);
-                const float a_approx = rb(s2_ - a);
-                const float b_approx = s2_ - a_approx; /* exact: see TwoSum above */
+                const float s2 = rb(s + a);
+                const float a_approx = rb(s2 - a);
+                const float b_approx = s2 - a_approx; /* exact: see TwoSum above */
                 const float t2 = (s - a_approx) + (a - b_approx);
                 const float d2 = rb(t + t2);
-                v = rb(s2_ + d2);
-                dv_new = rb(d2 - rb(v - s2_));
+                const float v = rb(s2 + d2);
+                exp_avg_sq[i] = narrow(v);
+                dv[i] = narrow(rb(d2 - rb(v - s2)));
             } else {
-                v = rb(rb(widen(exp_avg_sq[i]) * beta2) + omb2 * square);
+                exp_avg_sq[i] = narrow(rb(rb(widen(exp_avg_sq[i]) * beta2) + omb2 * square));
             }
-            float denom = rb(sqrtf(v));
+        }
+        /* 2. The intended update, from the new moments. */
+#pragma omp simd
+        for (int64_t i = start; i < end; i++) {
+            float denom = rb(sqrtf(widen(exp_avg_sq[i])));
             denom = rb(rb(denom * inv_sqrt_bias2) + eps);
-            const float th = widen(theta[i]);
-            float update = rb(rb(m / denom) * step_size);
-            update = rb(update + decay * th);
+            const float update = rb(rb(widen(exp_avg[i]) / denom) * step_size);
+            intended[i - start] = rb(update + decay * widen(theta[i]));
+        }
+        /* 3. The weights (and the EDQ sums of this block). */
+        float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0;
+#pragma omp simd reduction(+ : s0, s1, s2, s3, s4, s5)
+        for (int64_t i = start; i < end; i++) {
+            const float th = widen(theta[i]), update = intended[i - start];
             float new_theta, new_dtheta = 0.0f;
             if (mode == 0) {
                 new_theta = rb(th + update);
@@ -129,9 +144,6 @@ static inline __attribute__((always_inline)) void step_range(
                 s5 = fmaf(new_dtheta, update, s5);
             }
             if (keep_update) update_out[i] = narrow(update);
-            exp_avg[i] = narrow(m);
-            exp_avg_sq[i] = narrow(v);
-            if (mode == 2) dv[i] = narrow(dv_new);
             theta[i] = narrow(new_theta);
         }
         acc[0] += s0, acc[1] += s1, acc[2] += s2, acc[3] += s3, acc[4] += s4, acc[5] += s5;
