@@ -29,7 +29,7 @@ from collage_train.scalify.modules import (
 def test_defaults_are_the_papers_full_low_precision_configuration(make_cfg):
     strategy = strategy_for(make_cfg("precision=scalify").precision)
     assert (strategy.matmul, strategy.master, strategy.state) == ("fp8", "fp16", "fp16")
-    assert strategy.rescale == ("matmul", "layernorm_grad", "grads")
+    assert strategy.rescale == ("layernorm_grad", "grads")  # forward scales propagated
     assert strategy.param_dtype == torch.float32
     assert strategy.expected_state_bytes_per_param == 12  # the fp32 weight holds the master
     assert strategy == get_strategy("scalify")  # the registered instance is the default
@@ -254,9 +254,11 @@ def test_scalify_run_keeps_power_of_two_scales_and_unit_data(make_cfg, tmp_path,
     )
     assert record["scalify_rms_outside_frac"] == 0.0 and record["scalify_rescales"] > 0
     assert record["scalify_residual_rms_outside_frac"] == 0.0
+    # Forward operands at their propagated scales stay near unit RMS too.
+    assert record["scalify_operand_rms_outside_frac"] == 0.0
     stream = trainer.model.scalify_residual_stream
     assert len(stream.scales) == 1 + 2 and is_power_of_two(torch.tensor(stream.scales))
-    assert trainer.model.config._attn_implementation == "scalify_float8"
+    assert trainer.model.config._attn_implementation == "scalify_float8_propagated"
 
 
 def _final_state(run_dir, step):

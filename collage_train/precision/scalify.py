@@ -14,14 +14,19 @@ applied to the unchanged transformers GPT-2 / OPT models by module replacement
   fp16; ``fp32`` updates the fp32 parameters themselves.
 - ``precision.optimizer_state``: AdamW's moments as scaled ``fp16`` or plain ``fp32``.
 - ``precision.rescale``: where a fresh power-of-two RMS scale is taken (the dynamic
-  rescale points); a point left out casts under scale 1, as an unscaled format would:
-  ``matmul`` (each matmul operand), ``layernorm_grad`` (the gradient LayerNorm's
-  backward hands to the residual stream, stored in the gradient format) and ``grads``
-  (each weight gradient, stored as scaled fp16 for fp8/fp16 matmuls, bf16 for bf16).
+  rescale points): ``layernorm_grad`` (the gradient LayerNorm's backward hands to the
+  residual stream, stored in the gradient format), ``grads`` (the gradient entering
+  each matmul's backward, and each weight gradient, stored as scaled fp16 for fp8/fp16
+  matmuls, bf16 for bf16) and ``matmul`` (each forward matmul operand at its own RMS).
+  A gradient point left out casts under scale 1, as an unscaled format would. Without
+  ``matmul`` the forward operands take their scales from the propagation table
+  (``collage_train.scalify.propagation``): weights their own, activations their
+  producer's, with no reduction over the data.
 
-Default: fp8 matmuls and gradients, fp16 master, fp16 optimizer state, every rescale
-point: the paper's full low-precision configuration (training loss 2.93 against fp32's
-2.87 on its 168M GPT-2; fp16 matmuls with fp32 master and state match fp32 at 2.87).
+Default: fp8 matmuls and gradients, fp16 master, fp16 optimizer state, rescaling at
+LayerNorm backward and the gradients only, forward scales propagated: the paper's full
+low-precision configuration (training loss 2.93 against fp32's 2.87 on its 168M GPT-2;
+fp16 matmuls with fp32 master and state match fp32 at 2.87).
 
 The model's parameters are fp32 and hold exactly the value the forward pass uses: with
 ``master=fp16`` that is the scaled-fp16 master itself (fp16 data x a power of two is
@@ -32,9 +37,10 @@ numerics, not that part of the saving.
 
 The residual stream follows the add rule (``collage_train.scalify.residual``): it is
 stored in the activation format (fp16 for fp8/fp16 matmuls) under the scale the
-propagation table gives it, entering the first block and leaving each block. Other
-ops (the attention softmax, GELU, the loss) compute unscaled in fp32, the table's
-fallback for ops it has no rule for.
+propagation table gives it, entering the first block and leaving each block. The
+elementwise ops between matmuls (the attention softmax, GELU, the loss) compute in
+fp32; their outputs' scales follow the table where it has a rule (softmax: exp, sum,
+div; GELU and ReLU: a gate times the input) and are 1 where it has none.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ MATMULS = ("fp8", "fp16", "bf16", "fp32")
 MASTERS = ("fp16", "fp32")
 STATES = ("fp16", "fp32")
 RESCALE_POINTS = ("matmul", "layernorm_grad", "grads")
+DEFAULT_RESCALE = ("layernorm_grad", "grads")
 DEFAULTS = {"matmul": "fp8", "master": "fp16", "optimizer_state": "fp16"}
 _MODULE_FORMAT = {"fp8": "float8", "fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 _BYTES = {"fp16": 2, "fp32": 4}
@@ -63,7 +70,7 @@ class ScalifyStrategy(PrecisionStrategy):
     matmul: str = DEFAULTS["matmul"]
     master: str = DEFAULTS["master"]
     state: str = DEFAULTS["optimizer_state"]
-    rescale: tuple[str, ...] = RESCALE_POINTS
+    rescale: tuple[str, ...] = DEFAULT_RESCALE
     step_transient_kind: str = "scaled_adamw"  # memory_plan.STEP_TRANSIENT row
 
     def configured(self, precision_cfg: Any) -> ScalifyStrategy:
@@ -78,7 +85,7 @@ class ScalifyStrategy(PrecisionStrategy):
             return value
 
         rescale = getattr(precision_cfg, "rescale", None)
-        rescale = RESCALE_POINTS if rescale is None else tuple(str(p) for p in rescale)
+        rescale = DEFAULT_RESCALE if rescale is None else tuple(str(p) for p in rescale)
         unknown = [point for point in rescale if point not in RESCALE_POINTS]
         if unknown:
             raise ConfigError(
@@ -100,24 +107,48 @@ class ScalifyStrategy(PrecisionStrategy):
             scalify_layer_norms,
             scalify_linears,
         )
+        from collage_train.scalify.propagation import propagate_scales
         from collage_train.scalify.residual import ScaledResidualStream
 
         fmt = _MODULE_FORMAT[self.matmul]
-        scalify_linears(model, fmt, rescale="matmul" in self.rescale)
+        operands = {
+            "operand_scales": "dynamic" if "matmul" in self.rescale else "propagated",
+            "grad_rescale": "grads" in self.rescale,
+        }
+        scalify_linears(model, fmt, **operands)
         if hasattr(model, "config"):  # a transformers model (not a bare module stack)
-            use_scaled_attention(model, fmt, rescale="matmul" in self.rescale)
+            use_scaled_attention(model, fmt, **operands)
         if ScaledResidualStream.applies_to(model):
             model.scalify_residual_stream = ScaledResidualStream(model, fmt)
         scalify_layer_norms(model, fmt, rescale="layernorm_grad" in self.rescale)
+        if operands["operand_scales"] == "propagated":
+            propagate_scales(model)
         rescale_parameter_gradients(model, fmt, rescale="grads" in self.rescale)
         return model
 
     def model_metrics(self, model: torch.nn.Module) -> dict[str, float]:
-        """Share of the residual stream stores (last forward) with data RMS outside [1/16, 16]."""
-        stream = getattr(getattr(model, "_orig_mod", model), "scalify_residual_stream", None)
-        if stream is None:
-            return {}
-        return {"scalify_residual_rms_outside_frac": stream.rms_outside_frac()}
+        """Shares of the last forward's scaled tensors with data RMS outside [1/16, 16].
+
+        ``scalify_residual_rms_outside_frac`` over the residual stream's stores,
+        ``scalify_operand_rms_outside_frac`` over the matmul inputs (their data is
+        value / the propagated or dynamic scale).
+        """
+        from collage_train.scalify.modules import ScaledLinear
+        from collage_train.scalify.residual import RMS_RANGE
+
+        model = getattr(model, "_orig_mod", model)
+        metrics = {}
+        stream = getattr(model, "scalify_residual_stream", None)
+        if stream is not None:
+            metrics["scalify_residual_rms_outside_frac"] = stream.rms_outside_frac()
+        linears = [m for m in model.modules() if isinstance(m, ScaledLinear)]
+        if linears:
+            low, high = RMS_RANGE
+            rms = torch.stack([m.last_input_data_rms.float().cpu() for m in linears])
+            metrics["scalify_operand_rms_outside_frac"] = float(
+                ((rms < low) | (rms > high)).float().mean()
+            )
+        return metrics
 
     def build_optimizer(
         self, param_groups: list[dict[str, Any]], optim_cfg: Any, kernel: str = "eager"
@@ -139,7 +170,7 @@ def scalify_strategy(
     matmul: str = DEFAULTS["matmul"],
     master: str = DEFAULTS["master"],
     state: str = DEFAULTS["optimizer_state"],
-    rescale: tuple[str, ...] = RESCALE_POINTS,
+    rescale: tuple[str, ...] = DEFAULT_RESCALE,
 ) -> ScalifyStrategy:
     """The strategy for one choice of options, with its byte counts and checkpoint contents."""
     moment = _BYTES[state]

@@ -2,7 +2,7 @@
 
 transformers' GPT-2 and OPT attention modules call whatever function
 ``ALL_ATTENTION_FUNCTIONS`` holds under ``config._attn_implementation``.
-``use_scaled_attention(model, fmt, rescale)`` registers ``scalify_<fmt>`` (with the
+``use_scaled_attention(model, fmt, operand_scales)`` registers ``scalify_<fmt>`` (with the
 eager additive mask under the same name in the mask registry, so causal and padding
 masks arrive as they do for eager attention) and points the model's config at it:
 the model code is untouched. Per head, for queries Q, keys K and values V:
@@ -13,6 +13,11 @@ the model code is untouched. Per head, for queries Q, keys K and values V:
 - mask added and softmax taken in fp32: exp is not a scale-propagating op, so it runs
   unscaled, as Scalify's table prescribes (its output lies in [0, 1]);
 - output = ``ScaledMatmul(P, V)``, the matmul rule again.
+
+Operand scales as for ``ScaledLinear``: ``"propagated"`` takes Q, K and V at the scales
+of the projections that produced them and P at ``1 / pow2(sqrt(keys))``
+(``propagation.attention_scales``; an attention module of an unknown kind falls back
+to ``"dynamic"``), ``"dynamic"`` at each operand's RMS, ``"unit"`` at 1.
 
 With ``fmt="fp32"`` this is transformers' eager attention, operation for operation.
 """
@@ -25,12 +30,18 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from collage_train.scalify.modules import MATMUL_FORMATS, ScaledMatmul
+from collage_train.scalify.modules import MATMUL_FORMATS, OPERAND_SCALES, ScaledMatmul
+from collage_train.scalify.propagation import attention_scales
 
 
-def implementation_name(fmt: str) -> str:
-    """The ``config._attn_implementation`` value of scaled attention in format ``fmt``."""
-    return f"scalify_{fmt}"
+def implementation_name(
+    fmt: str, operand_scales: str = "dynamic", grad_rescale: bool = True
+) -> str:
+    """The ``config._attn_implementation`` value of scaled attention with these options."""
+    name = f"scalify_{fmt}"
+    if operand_scales != "dynamic":
+        name += f"_{operand_scales}"
+    return name if grad_rescale else name + "_unscaled_grads"
 
 
 def scaled_attention(
@@ -43,7 +54,8 @@ def scaled_attention(
     dropout: float = 0.0,
     *,
     fmt: str,
-    rescale: bool = True,
+    operand_scales: str = "dynamic",
+    grad_rescale: bool = True,
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over (batch, heads, tokens, head_dim) tensors, in transformers' signature.
@@ -52,30 +64,43 @@ def scaled_attention(
     """
     if scaling is None:
         scaling = query.size(-1) ** -0.5
-    scores = ScaledMatmul.apply(query, key.transpose(-2, -1), fmt, rescale) * scaling
+    static = attention_scales(module, key.size(-2)) if operand_scales == "propagated" else None
+    rescale = operand_scales != "unit"
+    qk_scales = None if static is None else (static[0], static[1])
+    pv_scales = None if static is None else (static[2], static[3])
+    scores = (
+        ScaledMatmul.apply(query, key.transpose(-2, -1), fmt, rescale, qk_scales, grad_rescale)
+        * scaling
+    )
     if attention_mask is not None:
         scores = scores + attention_mask
     probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
-    output = ScaledMatmul.apply(probs, value, fmt, rescale)
+    output = ScaledMatmul.apply(probs, value, fmt, rescale, pv_scales, grad_rescale)
     return output.transpose(1, 2).contiguous(), probs
 
 
-def _register(fmt: str, rescale: bool) -> str:
-    name = implementation_name(fmt) + ("" if rescale else "_unscaled")
+def _register(fmt: str, operand_scales: str, grad_rescale: bool) -> str:
+    name = implementation_name(fmt, operand_scales, grad_rescale)
 
     def attention(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return scaled_attention(*args, fmt=fmt, rescale=rescale, **kwargs)
+        return scaled_attention(
+            *args, fmt=fmt, operand_scales=operand_scales, grad_rescale=grad_rescale, **kwargs
+        )
 
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, eager_mask)
     return name
 
 
-def use_scaled_attention(model: torch.nn.Module, fmt: str, rescale: bool = True) -> str:
+def use_scaled_attention(
+    model: torch.nn.Module, fmt: str, operand_scales: str = "dynamic", grad_rescale: bool = True
+) -> str:
     """Route ``model``'s attention through ``scaled_attention``; returns the name registered."""
     if fmt not in MATMUL_FORMATS:
         raise ValueError(f"matmul format must be one of {MATMUL_FORMATS}, got {fmt!r}")
-    name = _register(fmt, rescale)
+    if operand_scales not in OPERAND_SCALES:
+        raise ValueError(f"operand_scales must be one of {OPERAND_SCALES}, got {operand_scales!r}")
+    name = _register(fmt, operand_scales, grad_rescale)
     model.config._attn_implementation = name  # GPT-2's and OPT's modules share this config
     return name

@@ -11,13 +11,23 @@ and runs its matmul through ``ScaledMatmul``, a custom autograd Function:
 - ``"float8"``: E4M3 activations and weights forward, E5M2 gradients backward,
   through ``scaled_mm`` (hardware float8 where present, exact emulation elsewhere).
 
-Scales are taken from each operand's RMS at the module boundary, and the output is
-handed back unscaled, so model code needs no change: ``scalify_linears(model, fmt)``
-swaps the modules in place.
+Where an operand's scale comes from (``operand_scales``):
+
+- ``"dynamic"``: each operand's power-of-two RMS, measured as it is cast (a dynamic
+  rescale at every matmul: robust, but a reduction over every activation);
+- ``"propagated"``: Scalify's static rule: the weight carries its own scale (its
+  power-of-two RMS, what a scaled master stores), the input the scale its producer's
+  rule gave it (``input_scale_source``, wired by ``collage_train.scalify.propagation``;
+  without one the input is unscaled, scale 1, as after an op the table has no rule for);
+- ``"unit"``: scale 1 for both (a plain low-precision cast; an ablation).
+
+The output is handed back as an fp32 value, so model code needs no change:
+``scalify_linears(model, fmt)`` swaps the modules in place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +37,7 @@ from collage_train.scalify.float8 import FLOAT8_BACKWARD, FLOAT8_FORWARD, scaled
 from collage_train.scalify.scale import matmul_scale, rms_scale
 
 MATMUL_FORMATS = ("fp32", "bf16", "fp16", "float8")
+OPERAND_SCALES = ("dynamic", "propagated", "unit")
 _CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -79,33 +90,37 @@ class ScaledMatmul(torch.autograd.Function):
         fmt: str,
         rescale: bool = True,
         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        grad_rescale: bool | None = None,
     ) -> torch.Tensor:
+        """``scales`` fixes the operands' scales (else their RMS, or 1 without ``rescale``);
+        ``grad_rescale`` (default: ``rescale``) gives the incoming gradient its RMS scale."""
         x_scale, w_scale = scales if scales is not None else (None, None)
         x_data, x_scale = quantize(x, fmt, rescale=rescale, scale=x_scale)
         w_data, w_scale = quantize(w, fmt, rescale=rescale, scale=w_scale)
         ctx.save_for_backward(x_data, x_scale, w_data, w_scale)
         ctx.fmt = fmt
-        ctx.rescale = rescale
+        ctx.rescale = rescale if grad_rescale is None else grad_rescale
         ctx.dtypes = (x.dtype, w.dtype)
         return matmul(x_data, x_scale, w_data, w_scale, fmt).to(x.dtype)
 
     @staticmethod
     def backward(
         ctx: Any, grad_out: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, None, None, None, None]:
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
         fmt = ctx.fmt
         g_data, g_scale = quantize(grad_out, fmt, backward=True, rescale=ctx.rescale)
         grad_x = matmul(g_data, g_scale, w_data.transpose(-2, -1), w_scale, fmt)
         grad_w = matmul(x_data.transpose(-2, -1), x_scale, g_data, g_scale, fmt)
-        return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
+        return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None
 
 
 class ScaledLinear(torch.nn.Module):
     """``y = x @ W (+ b)`` with a scaled matmul, holding the replaced module's Parameters.
 
     ``weight_is_in_out`` says the weight is stored (in, out) as in ``Conv1D``; else it
-    is (out, in) as in ``nn.Linear``.
+    is (out, in) as in ``nn.Linear``. ``operand_scales`` is one of OPERAND_SCALES;
+    ``grad_rescale`` gives the gradient arriving in backward a fresh RMS scale.
     """
 
     def __init__(
@@ -114,37 +129,62 @@ class ScaledLinear(torch.nn.Module):
         bias: torch.nn.Parameter | None,
         weight_is_in_out: bool,
         fmt: str = "float8",
-        rescale: bool = True,
+        operand_scales: str = "dynamic",
+        grad_rescale: bool = True,
     ) -> None:
         super().__init__()
         if fmt not in MATMUL_FORMATS:
             raise ValueError(f"matmul format must be one of {MATMUL_FORMATS}, got {fmt!r}")
+        if operand_scales not in OPERAND_SCALES:
+            raise ValueError(
+                f"operand_scales must be one of {OPERAND_SCALES}, got {operand_scales!r}"
+            )
         self.weight = weight
         self.bias = bias
         self.weight_is_in_out = weight_is_in_out
         self.fmt = fmt
-        self.rescale = rescale
+        self.operand_scales = operand_scales
+        self.grad_rescale = grad_rescale
+        # With "propagated": returns the input's scale (a 0-d tensor), set by
+        # collage_train.scalify.propagation; None means the input is unscaled.
+        self.input_scale_source: Callable[[], torch.Tensor] | None = None
         # The matmul rule's scale of the last output (s_x * s_w * pow2(sqrt(K))): the
-        # scale this layer hands to a residual add (collage_train.scalify.residual).
+        # scale this layer hands to a residual add (collage_train.scalify.residual) and
+        # to the layers that consume its output (propagation).
         self.last_output_scale = torch.ones(())
+        # RMS of the last input's data (value / its scale): how far the scale drifted.
+        self.last_input_data_rms = torch.ones(())
 
     @classmethod
-    def replacing(cls, module: torch.nn.Module, fmt: str, rescale: bool = True) -> ScaledLinear:
+    def replacing(cls, module: torch.nn.Module, fmt: str, **options: Any) -> ScaledLinear:
         """A ScaledLinear sharing ``module``'s weight and bias (nn.Linear or Conv1D)."""
         if isinstance(module, Conv1D):
-            return cls(module.weight, module.bias, True, fmt=fmt, rescale=rescale)
+            return cls(module.weight, module.bias, True, fmt=fmt, **options)
         if isinstance(module, torch.nn.Linear):
-            return cls(module.weight, module.bias, False, fmt=fmt, rescale=rescale)
+            return cls(module.weight, module.bias, False, fmt=fmt, **options)
         raise TypeError(f"cannot replace a {type(module).__name__} with a ScaledLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight if self.weight_is_in_out else self.weight.t()
         x2 = x.reshape(-1, x.shape[-1])
-        scales = (operand_scale(x2, self.rescale), operand_scale(w, self.rescale))
+        scales = self._operand_scales(x2, w)
         self.last_output_scale = matmul_scale(*scales, x2.shape[-1]).detach()
-        out = ScaledMatmul.apply(x2, w, self.fmt, self.rescale, scales)
+        self.last_input_data_rms = (x2.detach().float().square().mean().sqrt() / scales[0]).detach()
+        out = ScaledMatmul.apply(x2, w, self.fmt, True, scales, self.grad_rescale)
         out = out.reshape(*x.shape[:-1], w.shape[1])
         return out if self.bias is None else out + self.bias
+
+    def _operand_scales(
+        self, x: torch.Tensor, w: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.operand_scales == "dynamic":
+            return rms_scale(x), rms_scale(w)
+        one = torch.ones((), device=x.device)
+        if self.operand_scales == "unit":
+            return one, one
+        source = self.input_scale_source
+        x_scale = one if source is None else source().to(x.device)
+        return x_scale, rms_scale(w)
 
     def extra_repr(self) -> str:
         k, n = self.weight.shape if self.weight_is_in_out else self.weight.shape[::-1]
@@ -152,12 +192,13 @@ class ScaledLinear(torch.nn.Module):
 
 
 def scalify_linears(
-    model: torch.nn.Module, fmt: str = "float8", skip: tuple[str, ...] = (), rescale: bool = True
+    model: torch.nn.Module, fmt: str = "float8", skip: tuple[str, ...] = (), **options: Any
 ) -> list[str]:
     """Replace every ``nn.Linear`` and ``Conv1D`` in ``model`` by a ScaledLinear, in place.
 
     Modules whose qualified name is in ``skip`` (e.g. ``"lm_head"``) stay as they are.
-    ``rescale=False`` casts the matmul operands under scale 1. Returns the names replaced.
+    ``options`` go to ScaledLinear (``operand_scales``, ``grad_rescale``). Returns the
+    names replaced.
     """
     targets = [
         (name, module)
@@ -167,7 +208,7 @@ def scalify_linears(
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, ScaledLinear.replacing(module, fmt, rescale))
+        setattr(parent, child, ScaledLinear.replacing(module, fmt, **options))
     return [name for name, _ in targets]
 
 
@@ -199,7 +240,8 @@ class GradientRescale(torch.autograd.Function):
 class ScaledLayerNorm(torch.nn.Module):
     """A LayerNorm whose backward is a dynamic-rescale point, holding the original Parameters.
 
-    Forward is the original ``F.layer_norm`` (its output is unit-scaled by construction).
+    Forward is the original ``F.layer_norm``: the normalised value has unit scale, so the
+    output's scale is the mul rule's, the gain's power-of-two RMS (``output_scale``).
     Backward: the gradient LayerNorm hands back to the residual stream is stored in the
     gradient format (E5M2 for float8, else fp16 / bf16) under a fresh power-of-two RMS
     scale (Scalify's LayerNorm-backward rescale; scale 1 with ``rescale=False``).
@@ -213,6 +255,12 @@ class ScaledLayerNorm(torch.nn.Module):
         self.normalized_shape = norm.normalized_shape
         self.eps = norm.eps
         self.fmt, self.rescale = fmt, rescale
+
+    def output_scale(self) -> torch.Tensor:
+        """The propagated scale of the output: unit-scale normalised value times the gain."""
+        if self.weight is None:
+            return torch.ones(())
+        return rms_scale(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = GradientRescale.apply(x, self.fmt, self.rescale)

@@ -1,0 +1,165 @@
+"""Static operand scales: Scalify's propagation table wired between the model's modules.
+
+In Scalify a tensor's scale is not measured, it is derived: each op's output scale
+follows from its inputs' scales by a fixed rule (``collage_train.scalify.scale``), and
+only a few points rescale dynamically (LayerNorm backward, the gradients). Between the
+modules of a transformers model the tensors are plain, so here every matmul input is
+given, as a ``ScaledLinear.input_scale_source``, the scale the table assigns to the op
+that produced it:
+
+- after a LayerNorm: the mul rule, unit-scaled normalised value times the gain, i.e.
+  the gain's power-of-two RMS (``ScaledLayerNorm.output_scale``);
+- after attention: ``P V`` with the softmax output ``P`` at scale ``1 / pow2(sqrt(N))``
+  (exp unscales, the sum over N keys multiplies by ``pow2(sqrt(N))``, division divides
+  the scales), so the matmul rule gives exactly the value projection's scale;
+- after a gating activation (ReLU, GELU, SiLU: the input times a gate in [0, 1] that
+  the table treats as unscaled), the mul rule: the input's scale, the producing
+  linear's. An activation of another kind has no rule: its output is unscaled (1).
+
+The attention matmuls take their operand scales the same way (``attention_scales``).
+Blocks of an unknown kind, and OPT's post-LayerNorm variant (its projections read the
+residual stream, not a LayerNorm), keep ``input_scale_source`` unset: their inputs are
+unscaled, the table's fallback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from collage_train.scalify.modules import ScaledLayerNorm, ScaledLinear
+from collage_train.scalify.scale import pow2_floor, sum_scale
+
+# Per block class: consumer linear -> the module whose output it reads (a ScaledLayerNorm
+# or a ScaledLinear), or None for an input the table leaves unscaled.
+_GPT2_BLOCK: dict[str, str | None] = {
+    "attn.c_attn": "ln_1",
+    "attn.c_proj": "attn.c_attn",  # P V: the value projection's scale
+    "mlp.c_fc": "ln_2",
+}
+_OPT_LAYER: dict[str, str | None] = {
+    "self_attn.q_proj": "self_attn_layer_norm",
+    "self_attn.k_proj": "self_attn_layer_norm",
+    "self_attn.v_proj": "self_attn_layer_norm",
+    "self_attn.out_proj": "self_attn.v_proj",
+    "fc1": "final_layer_norm",
+}
+# Activations of the form x * gate(x), gate in [0, 1]: they keep their input's scale.
+GATING_ACTIVATIONS = frozenset(
+    {
+        "ReLU",
+        "GELU",
+        "GELUActivation",
+        "NewGELUActivation",
+        "FastGELUActivation",
+        "GELUTanh",
+        "PytorchGELUTanh",
+        "QuickGELUActivation",
+        "SiLU",
+        "SiLUActivation",
+    }
+)
+# The LM head reads the final LayerNorm, wherever the model keeps it.
+_FINAL_NORMS = ("transformer.ln_f", "model.decoder.final_layer_norm")
+
+# Attention module class -> (query, key, value) producing linears, and whether the
+# query was multiplied by the module's ``scaling`` before attention (OPT does that).
+ATTENTION_INPUTS = {
+    "GPT2Attention": (("c_attn", "c_attn", "c_attn"), False),
+    "OPTAttention": (("q_proj", "k_proj", "v_proj"), True),
+}
+
+
+def _output_scale_of(module: torch.nn.Module) -> Callable[[], torch.Tensor]:
+    if isinstance(module, ScaledLayerNorm):
+        return module.output_scale
+    if isinstance(module, ScaledLinear):
+        return lambda: module.last_output_scale
+    raise TypeError(f"no propagated scale for a {type(module).__name__}")
+
+
+def _unit() -> torch.Tensor:
+    return torch.ones(())
+
+
+def _after(activation: object, producer: str) -> str | None:
+    """The producer whose scale an activation's output keeps, or None (unscaled)."""
+    return producer if type(activation).__name__ in GATING_ACTIVATIONS else None
+
+
+def _wire(block: torch.nn.Module, table: dict[str, str | None]) -> list[str]:
+    wired = []
+    for consumer_name, producer_name in table.items():
+        consumer = block.get_submodule(consumer_name)
+        if not isinstance(consumer, ScaledLinear):
+            continue
+        source = (
+            _unit if producer_name is None else _output_scale_of(block.get_submodule(producer_name))
+        )
+        consumer.input_scale_source = source
+        wired.append(consumer_name)
+    return wired
+
+
+def propagate_scales(model: torch.nn.Module) -> list[str]:
+    """Give each ScaledLinear of ``model`` the propagated scale of its input.
+
+    Run after the linears and LayerNorms are scaled. Returns the qualified names of the
+    linears wired (the others stay unscaled on input).
+    """
+    wired: list[str] = []
+    for name, block in model.named_modules():
+        kind = type(block).__name__
+        prefix = f"{name}." if name else ""
+        if kind == "GPT2Block":
+            table = {**_GPT2_BLOCK, "mlp.c_proj": _after(block.mlp.act, "mlp.c_fc")}
+            wired += [prefix + n for n in _wire(block, table)]
+        elif kind == "OPTDecoderLayer" and getattr(block, "do_layer_norm_before", False):
+            table = {**_OPT_LAYER, "fc2": _after(block.activation_fn, "fc1")}
+            wired += [prefix + n for n in _wire(block, table)]
+    head = getattr(model, "lm_head", None)
+    norm = _final_norm(model)
+    if isinstance(head, ScaledLinear) and norm is not None:
+        head.input_scale_source = norm.output_scale
+        wired.append("lm_head")
+    return wired
+
+
+def _final_norm(model: torch.nn.Module) -> ScaledLayerNorm | None:
+    """The LayerNorm whose output the LM head reads directly, if the model has one."""
+    decoder = getattr(getattr(model, "model", None), "decoder", None)
+    if getattr(decoder, "project_out", None) is not None:
+        return None  # OPT with a narrower embedding: the head reads a projection
+    for name in _FINAL_NORMS:
+        try:
+            norm = model.get_submodule(name)
+        except AttributeError:  # absent, or None (OPT without a final LayerNorm)
+            continue
+        if isinstance(norm, ScaledLayerNorm):
+            return norm
+    return None
+
+
+def attention_scales(
+    module: torch.nn.Module, keys: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Propagated scales of (query, key, softmax output, value) for ``module``'s attention.
+
+    None for an attention module of an unknown kind. The softmax output over ``keys``
+    keys has scale ``1 / pow2_floor(sqrt(keys))`` (module docstring).
+    """
+    entry = ATTENTION_INPUTS.get(type(module).__name__)
+    if entry is None:
+        return None
+    (q_name, k_name, v_name), query_prescaled = entry
+    q, k, v = (module.get_submodule(n) for n in (q_name, k_name, v_name))
+    if not all(isinstance(m, ScaledLinear) for m in (q, k, v)):
+        return None
+    device = q.last_output_scale.device
+    q_scale = q.last_output_scale
+    if query_prescaled:  # query = q_proj(x) * scaling: the mul rule with a constant
+        q_scale = q_scale * pow2_floor(torch.tensor(float(module.scaling), device=device))
+    device = q.last_output_scale.device
+    probs_scale = 1.0 / sum_scale(torch.ones((), device=device), keys)
+    return q_scale, k.last_output_scale.to(device), probs_scale, v.last_output_scale.to(device)

@@ -1,0 +1,170 @@
+"""Propagated (static) operand scales: each matmul input at the scale the table derives."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_config import tiny_transformer
+
+from collage_train.precision.scalify import scalify_strategy
+from collage_train.scalify import is_power_of_two
+from collage_train.scalify import modules as scalify_modules
+from collage_train.scalify.modules import ScaledLayerNorm, ScaledLinear, scalify_linears
+from collage_train.scalify.propagation import attention_scales, propagate_scales
+from collage_train.scalify.scale import matmul_scale, pow2_floor, rms_scale, sum_scale
+
+SEQ = 16
+
+
+def _prepared(family: str, matmul: str = "fp8", layers: int = 2) -> torch.nn.Module:
+    """A tiny model as precision=scalify (default options but ``matmul``) prepares it."""
+    model = tiny_transformer(family, layers)
+    return scalify_strategy(matmul=matmul).prepare_model(model)
+
+
+def _forward_backward(model: torch.nn.Module):
+    ids = torch.randint(0, 96, (3, SEQ), generator=torch.Generator().manual_seed(1))
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _input_scale(model: torch.nn.Module, name: str) -> torch.Tensor:
+    source = model.get_submodule(name).input_scale_source
+    assert source is not None, f"{name} has no propagated input scale"
+    return source()
+
+
+def _norm_scale(model: torch.nn.Module, name: str) -> torch.Tensor:
+    norm = model.get_submodule(name)
+    assert isinstance(norm, ScaledLayerNorm)
+    return rms_scale(norm.weight)
+
+
+def _linear_scale(model: torch.nn.Module, name: str) -> torch.Tensor:
+    return model.get_submodule(name).last_output_scale
+
+
+def test_gpt2_inputs_take_their_producers_scales():
+    model = _prepared("gpt")
+    for _ in range(2):  # scales change with the weights; check after an update too
+        _forward_backward(model)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(1.7)
+    _forward_backward(model)
+    for block in ("transformer.h.0", "transformer.h.1"):
+        expected = {
+            "attn.c_attn": _norm_scale(model, f"{block}.ln_1"),
+            "attn.c_proj": _linear_scale(model, f"{block}.attn.c_attn"),  # P V
+            "mlp.c_fc": _norm_scale(model, f"{block}.ln_2"),
+            "mlp.c_proj": _linear_scale(model, f"{block}.mlp.c_fc"),  # GELU keeps it
+        }
+        for name, scale in expected.items():
+            got = _input_scale(model, f"{block}.{name}")
+            assert torch.equal(got, scale), name
+            assert is_power_of_two(got)
+    assert torch.equal(_input_scale(model, "lm_head"), _norm_scale(model, "transformer.ln_f"))
+    # the matmul rule on the propagated input scale and the weight's own scale
+    c_fc = model.get_submodule("transformer.h.0.mlp.c_fc")
+    assert torch.equal(
+        c_fc.last_output_scale,
+        matmul_scale(_input_scale(model, "transformer.h.0.mlp.c_fc"), rms_scale(c_fc.weight), 32),
+    )
+
+
+def test_opt_inputs_take_their_producers_scales():
+    model = _prepared("opt")
+    _forward_backward(model)
+    for block in ("model.decoder.layers.0", "model.decoder.layers.1"):
+        norm = _norm_scale(model, f"{block}.self_attn_layer_norm")
+        expected = {
+            "self_attn.q_proj": norm,
+            "self_attn.k_proj": norm,
+            "self_attn.v_proj": norm,
+            "self_attn.out_proj": _linear_scale(model, f"{block}.self_attn.v_proj"),
+            "fc1": _norm_scale(model, f"{block}.final_layer_norm"),
+            "fc2": _linear_scale(model, f"{block}.fc1"),  # ReLU keeps it
+        }
+        for name, scale in expected.items():
+            assert torch.equal(_input_scale(model, f"{block}.{name}"), scale), name
+    final = _norm_scale(model, "model.decoder.final_layer_norm")
+    assert torch.equal(_input_scale(model, "lm_head"), final)
+
+
+@pytest.mark.parametrize("family", ["gpt", "opt"])
+def test_forward_operand_scales_never_measure_an_activation(family, monkeypatch):
+    """Only parameters (weights, LayerNorm gains, embedding tables) get an RMS scale."""
+    model = _prepared(family)
+    params = {id(p) for p in model.parameters()}
+    measured = []
+    original = scalify_modules.rms_scale
+
+    def recording(t: torch.Tensor) -> torch.Tensor:
+        measured.append(id(t) in params or (t._base is not None and id(t._base) in params))
+        return original(t)
+
+    monkeypatch.setattr(scalify_modules, "rms_scale", recording)
+    ids = torch.randint(0, 96, (2, SEQ))
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert measured and all(measured)
+
+
+@pytest.mark.parametrize("family", ["gpt", "opt"])
+def test_attention_scales_follow_the_table(family):
+    model = _prepared(family)
+    _forward_backward(model)
+    attention = next(m for m in model.modules() if type(m).__name__.endswith("Attention"))
+    q, k, probs, v = attention_scales(attention, SEQ)
+    assert torch.equal(probs, 1.0 / sum_scale(torch.ones(()), SEQ))  # 1/4 for 16 keys
+    assert float(probs) == 0.25
+    if family == "gpt":
+        qkv = attention.c_attn.last_output_scale
+        assert torch.equal(q, qkv) and torch.equal(k, qkv) and torch.equal(v, qkv)
+    else:  # OPT multiplies the query by 1/sqrt(head_dim) before attention
+        scaling = pow2_floor(torch.tensor(attention.scaling))
+        assert torch.equal(q, attention.q_proj.last_output_scale * scaling)
+        assert torch.equal(k, attention.k_proj.last_output_scale)
+        assert torch.equal(v, attention.v_proj.last_output_scale)
+    # P V's scale by the matmul rule is the value's: what out_proj / c_proj reads
+    for keys in (1, 7, 16, 1000):
+        p_scale = 1.0 / sum_scale(torch.ones(()), keys)
+        assert torch.equal(matmul_scale(p_scale, v, keys), v)
+
+
+@pytest.mark.parametrize("family", ["gpt", "opt"])
+def test_propagated_model_with_fp32_data_equals_the_original(family):
+    original = tiny_transformer(family, 2)
+    scaled = scalify_strategy(matmul="fp32").prepare_model(copy.deepcopy(original))
+    assert scaled.config._attn_implementation == "scalify_fp32_propagated"
+    logits, grads = _forward_backward(original)
+    scaled_logits, scaled_grads = _forward_backward(scaled)
+    assert torch.allclose(scaled_logits, logits, rtol=1e-6, atol=1e-6)
+    for name, grad in grads.items():
+        assert torch.allclose(scaled_grads[name], grad, rtol=1e-6, atol=1e-6), name
+
+
+def test_float8_with_propagated_scales_stays_close_to_fp32():
+    original = tiny_transformer("gpt", 2)
+    reference, _ = _forward_backward(original)
+    logits, _ = _forward_backward(_prepared("gpt"))
+    error = (logits - reference).norm() / reference.norm()
+    assert error < 0.1, float(error)
+
+
+def test_unknown_modules_stay_unscaled_on_input():
+    """A bare stack has no table entry: input scale 1, the weight at its own scale."""
+    stack = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    scalify_linears(stack, "fp32", operand_scales="propagated")
+    assert propagate_scales(stack) == []
+    x = torch.randn(5, 8) * 100
+    stack(x)
+    first = stack[0]
+    assert isinstance(first, ScaledLinear) and first.input_scale_source is None
+    assert torch.equal(
+        first.last_output_scale, matmul_scale(torch.ones(()), rms_scale(first.weight), 8)
+    )
