@@ -168,3 +168,20 @@ def test_unknown_modules_stay_unscaled_on_input():
     assert torch.equal(
         first.last_output_scale, matmul_scale(torch.ones(()), rms_scale(first.weight), 8)
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("matmul", ["fp32", "fp8"])
+def test_propagated_scales_trace_under_torch_compile(matmul):
+    """train.compile=true with the default (propagated) scalify: the sources trace."""
+    eager = _prepared("gpt", matmul)
+    compiled = copy.deepcopy(eager)
+    logits, grads = _forward_backward(eager)
+    compiled_logits, compiled_grads = _forward_backward(torch.compile(compiled))
+    tolerance = 1e-5 if matmul == "fp32" else 0.05
+    assert ((compiled_logits - logits).norm() / logits.norm()).item() < tolerance
+    for name in grads:
+        other = compiled_grads.get(name, compiled_grads.get(f"_orig_mod.{name}"))
+        assert other is not None and bool(torch.isfinite(other).all()), name
+    for name in ("transformer.h.0.attn.c_proj", "lm_head"):
+        assert torch.equal(_input_scale(compiled, name), _input_scale(eager, name))
