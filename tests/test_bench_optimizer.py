@@ -1,0 +1,48 @@
+"""scripts/bench_optimizer.py: its rows against the floor, and a tiny real run to JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import bench_optimizer
+
+SCRIPTS = Path(bench_optimizer.__file__).parent
+
+
+def test_row_compares_best_with_best_and_pairs_the_edq_steps():
+    numel, bandwidth = 1_000_000, 22e9  # collage_plus: 22 B/param -> a 1 ms floor
+    times = [0.004, 0.002, 0.003]  # tracked steps
+    partners = [0.002, 0.001, 0.003]  # the untracked step beside each
+    row = bench_optimizer.row("collage_plus (compiled)", numel, times, partners, bandwidth)
+    assert row["floor_ms"] == pytest.approx(1.0)
+    assert row["ms_per_step"] == pytest.approx(2.0)  # the best step
+    assert row["ms_per_step_median"] == pytest.approx(3.0)
+    assert row["floor_ratio"] == pytest.approx(2.0)
+    assert row["floor_ratio_median"] == pytest.approx(3.0)
+    assert row["gb_per_s"] == pytest.approx(11.0)
+    assert row["edq_overhead"] == pytest.approx(1.0)  # median of 2.0, 2.0, 1.0, minus 1
+    assert row["edq_overhead_best"] == pytest.approx(1.0)  # 2 ms against 1 ms
+    untracked = bench_optimizer.row("bf16 (eager)", numel, times, [], bandwidth)
+    assert "edq_overhead" not in untracked
+
+
+def test_a_tiny_run_writes_the_rows_the_issue_names(tmp_path):
+    out = tmp_path / "rows.json"
+    only = ["collage_plus (compiled)", "collage_plus (compiled, EDQ every step)"]
+    command = [sys.executable, str(SCRIPTS / "bench_optimizer.py"), "--params", "2e5"]
+    command += ["--tensors", "2", "--steps", "2", "--no-append", "--json", str(out), "--only"]
+    result = subprocess.run([*command, *only], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [r["name"] for r in rows] == only
+    for r in rows:
+        for key in ("ms_per_step", "gb_per_s", "floor_ratio"):
+            assert r[key] > 0, key
+    assert "edq_overhead" in rows[1]
+    assert "| collage_plus (compiled) | 22 |" in result.stdout
