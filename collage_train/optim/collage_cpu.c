@@ -61,9 +61,12 @@ typedef struct {
 
 /* Elements per block: EDQ sums are accumulated in fp32 per block (vectorised), then in
  * double. Each block runs three loops, each with a shorter dependency chain than one
- * loop doing the whole step, so the processor overlaps more iterations (10-15% faster on
- * a 2-core AVX-512 host); the moments and updates a later loop reads are still in L1. */
-#define BLOCK 256
+ * loop doing the whole step, so the processor overlaps more iterations; the moments and
+ * updates a later loop reads are still in L1 (a block's six arrays and the update buffer
+ * take 32 KB). Measured on a 2-core AVX-512 host against the single-loop version: about
+ * 10% faster on cache-resident tensors, the same untracked and about 6% faster with the
+ * EDQ sums on 33.6M parameters, where memory traffic hides part of the arithmetic. */
+#define BLOCK 2048
 
 static inline __attribute__((always_inline)) void step_range(
     const int mode, const int track, const int keep_update, int64_t n, bf16 *theta,
