@@ -19,16 +19,19 @@ def test_row_compares_best_with_best_and_pairs_the_edq_steps():
     numel, bandwidth = 1_000_000, 22e9  # collage_plus: 22 B/param -> a 1 ms floor
     times = [0.004, 0.002, 0.003]  # tracked steps
     partners = [0.002, 0.001, 0.003]  # the untracked step beside each
-    row = bench_optimizer.row("collage_plus (compiled)", numel, times, partners, bandwidth)
+    copies = [0.002, 0.001, 0.001]  # 22 MB copies before each: floors 2, 1, 1 ms
+    row = bench_optimizer.row(
+        "collage_plus (compiled)", numel, times, partners, copies, 22_000_000, bandwidth
+    )
     assert row["floor_ms"] == pytest.approx(1.0)
     assert row["ms_per_step"] == pytest.approx(2.0)  # the best step
     assert row["ms_per_step_median"] == pytest.approx(3.0)
     assert row["floor_ratio"] == pytest.approx(2.0)
-    assert row["floor_ratio_median"] == pytest.approx(3.0)
+    assert row["floor_ratio_paired"] == pytest.approx(2.0)  # median of 2, 2, 3
     assert row["gb_per_s"] == pytest.approx(11.0)
     assert row["edq_overhead"] == pytest.approx(1.0)  # median of 2.0, 2.0, 1.0, minus 1
     assert row["edq_overhead_best"] == pytest.approx(1.0)  # 2 ms against 1 ms
-    untracked = bench_optimizer.row("bf16 (eager)", numel, times, [], bandwidth)
+    untracked = bench_optimizer.row("bf16 (eager)", numel, times, [], copies, 1, bandwidth)
     assert "edq_overhead" not in untracked
 
 
