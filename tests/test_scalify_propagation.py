@@ -11,16 +11,22 @@ from tiny_config import tiny_transformer
 from collage_train.precision.scalify import scalify_strategy
 from collage_train.scalify import is_power_of_two
 from collage_train.scalify import modules as scalify_modules
+from collage_train.scalify import propagation as scalify_propagation
 from collage_train.scalify.modules import ScaledLayerNorm, ScaledLinear, scalify_linears
 from collage_train.scalify.propagation import attention_scales, propagate_scales
-from collage_train.scalify.scale import matmul_scale, pow2_floor, rms_scale, sum_scale
+from collage_train.scalify.scale import add_scale, matmul_scale, pow2_floor, rms_scale, sum_scale
 
 SEQ = 16
 
 
-def _prepared(family: str, matmul: str = "fp8", layers: int = 2) -> torch.nn.Module:
+# OPT as opt_350m is shaped: LayerNorm after each residual add, narrower embeddings
+# projected in and out, no final LayerNorm.
+POST_LN_OPT = {"do_layer_norm_before": False, "word_embed_proj_dim": 16}
+
+
+def _prepared(family: str, matmul: str = "fp8", layers: int = 2, **extra) -> torch.nn.Module:
     """A tiny model as precision=scalify (default options but ``matmul``) prepares it."""
-    model = tiny_transformer(family, layers)
+    model = tiny_transformer(family, layers, **extra)
     return scalify_strategy(matmul=matmul).prepare_model(model)
 
 
@@ -95,10 +101,49 @@ def test_opt_inputs_take_their_producers_scales():
     assert torch.equal(_input_scale(model, "lm_head"), final)
 
 
-@pytest.mark.parametrize("family", ["gpt", "opt"])
-def test_forward_operand_scales_never_measure_an_activation(family, monkeypatch):
+def test_post_layernorm_opt_inputs_take_their_producers_scales():
+    model = _prepared("opt", **POST_LN_OPT)
+    strategy = scalify_strategy()
+    _forward_backward(model)
+    layers = [f"model.decoder.layers.{i}" for i in range(2)]
+    tokens = model.get_input_embeddings().weight
+    positions = model.get_submodule("model.decoder.embed_positions").weight
+    project_in = _linear_scale(model, "model.decoder.project_in")
+    assert torch.equal(_input_scale(model, "model.decoder.project_in"), rms_scale(tokens))
+    block_input = add_scale(project_in, rms_scale(positions))  # entering the first layer
+    for block in layers:
+        expected = {
+            "self_attn.q_proj": block_input,
+            "self_attn.k_proj": block_input,
+            "self_attn.v_proj": block_input,
+            "self_attn.out_proj": _linear_scale(model, f"{block}.self_attn.v_proj"),
+            "fc1": _norm_scale(model, f"{block}.self_attn_layer_norm"),  # LN after the add
+            "fc2": _linear_scale(model, f"{block}.fc1"),
+        }
+        for name, scale in expected.items():
+            assert torch.equal(_input_scale(model, f"{block}.{name}"), scale), name
+        block_input = _norm_scale(model, f"{block}.final_layer_norm")  # the block's output
+    assert torch.equal(_input_scale(model, "model.decoder.project_out"), block_input)
+    head_input = _linear_scale(model, "model.decoder.project_out")
+    assert torch.equal(_input_scale(model, "lm_head"), head_input)
+    # the residual stream leaves each post-LN layer at its closing LayerNorm's scale
+    stream = model.scalify_residual_stream
+    entry = add_scale(project_in, rms_scale(positions))
+    expected_stream = [entry] + [_norm_scale(model, f"{b}.final_layer_norm") for b in layers]
+    assert stream.scales == [float(s) for s in expected_stream]
+    metrics = strategy.model_metrics(model)
+    assert metrics["scalify_operand_rms_outside_frac"] == 0.0
+    assert metrics["scalify_residual_rms_outside_frac"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [("gpt", {}), ("opt", {}), ("opt", POST_LN_OPT)],
+    ids=["gpt", "opt", "opt-post-ln"],
+)
+def test_forward_operand_scales_never_measure_an_activation(family, extra, monkeypatch):
     """Only parameters (weights, LayerNorm gains, embedding tables) get an RMS scale."""
-    model = _prepared(family)
+    model = _prepared(family, **extra)
     params = {id(p) for p in model.parameters()}
     measured = []
     original = scalify_modules.rms_scale
@@ -107,7 +152,8 @@ def test_forward_operand_scales_never_measure_an_activation(family, monkeypatch)
         measured.append(id(t) in params or (t._base is not None and id(t._base) in params))
         return original(t)
 
-    monkeypatch.setattr(scalify_modules, "rms_scale", recording)
+    for module in (scalify_modules, scalify_propagation):
+        monkeypatch.setattr(module, "rms_scale", recording)
     ids = torch.randint(0, 96, (2, SEQ))
     with torch.no_grad():
         model(input_ids=ids)
@@ -136,9 +182,13 @@ def test_attention_scales_follow_the_table(family):
         assert torch.equal(matmul_scale(p_scale, v, keys), v)
 
 
-@pytest.mark.parametrize("family", ["gpt", "opt"])
-def test_propagated_model_with_fp32_data_equals_the_original(family):
-    original = tiny_transformer(family, 2)
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [("gpt", {}), ("opt", {}), ("opt", POST_LN_OPT)],
+    ids=["gpt", "opt", "opt-post-ln"],
+)
+def test_propagated_model_with_fp32_data_equals_the_original(family, extra):
+    original = tiny_transformer(family, 2, **extra)
     scaled = scalify_strategy(matmul="fp32").prepare_model(copy.deepcopy(original))
     assert scaled.config._attn_implementation == "scalify_fp32_propagated"
     logits, grads = _forward_backward(original)
@@ -174,8 +224,7 @@ def test_unknown_modules_stay_unscaled_on_input():
 @pytest.mark.parametrize("matmul", ["fp32", "fp8"])
 def test_propagated_scales_trace_under_torch_compile(matmul):
     """train.compile=true with the default (propagated) scalify: the sources trace."""
-    eager = _prepared("gpt", matmul)
-    compiled = copy.deepcopy(eager)
+    eager, compiled = _prepared("gpt", matmul), _prepared("gpt", matmul)  # same seed
     logits, grads = _forward_backward(eager)
     compiled_logits, compiled_grads = _forward_backward(torch.compile(compiled))
     tolerance = 1e-5 if matmul == "fp32" else 0.05

@@ -50,8 +50,9 @@ def compose_tiny(corpus: Path, cache: Path, *overrides: str) -> DictConfig:
         )
 
 
-def tiny_transformer(family: str = "gpt", layers: int = 2) -> torch.nn.Module:
-    """A 32-wide, 4-head GPT-2 or OPT from the model registry (vocabulary 96, 16 tokens)."""
+def tiny_transformer(family: str = "gpt", layers: int = 2, **extra: object) -> torch.nn.Module:
+    """A 32-wide, 4-head GPT-2 or OPT from the model registry (vocabulary 96, 16 tokens);
+    ``extra`` goes to the transformers config (e.g. OPT's ``do_layer_norm_before``)."""
     cfg = SimpleNamespace(
         family=family,
         name="t",
@@ -63,6 +64,6 @@ def tiny_transformer(family: str = "gpt", layers: int = 2) -> torch.nn.Module:
         dropout=0.0,
         vocab_size=None,
         attn_implementation="eager",
-        extra={},
+        extra=extra,
     )
     return build_model(cfg, vocab_size=96, seq_len=16, eot_id=2, seed=0)

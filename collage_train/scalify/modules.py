@@ -258,9 +258,7 @@ class ScaledLayerNorm(torch.nn.Module):
 
     def output_scale(self) -> torch.Tensor:
         """The propagated scale of the output: unit-scale normalised value times the gain."""
-        if self.weight is None:
-            return torch.ones(())
-        return rms_scale(self.weight)
+        return layer_norm_output_scale(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = GradientRescale.apply(x, self.fmt, self.rescale)
@@ -270,6 +268,12 @@ class ScaledLayerNorm(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.normalized_shape)}, eps={self.eps}, fmt={self.fmt}"
+
+
+def layer_norm_output_scale(norm: torch.nn.Module) -> torch.Tensor:
+    """Scale of a LayerNorm's output by the mul rule: its gain's power-of-two RMS (1 without)."""
+    weight = getattr(norm, "weight", None)
+    return torch.ones(()) if weight is None else rms_scale(weight)
 
 
 def scalify_layer_norms(model: torch.nn.Module, fmt: str, rescale: bool = True) -> list[str]:

@@ -16,9 +16,14 @@ that produced it:
   the table treats as unscaled), the mul rule: the input's scale, the producing
   linear's. An activation of another kind has no rule: its output is unscaled (1).
 
+- after an embedding lookup: the table's scale; entering the first block, the add rule
+  over the token embeddings (or OPT's ``project_in`` of them) and the positions
+  (``stream_entry_scale``);
+- in OPT's post-LayerNorm layers (opt_350m), the projections read the block's input:
+  the previous layer's closing LayerNorm, or the first block's entry.
+
 The attention matmuls take their operand scales the same way (``attention_scales``).
-Blocks of an unknown kind, and OPT's post-LayerNorm variant (its projections read the
-residual stream, not a LayerNorm), keep ``input_scale_source`` unset: their inputs are
+Blocks of an unknown kind keep ``input_scale_source`` unset: their inputs are
 unscaled, the table's fallback.
 """
 
@@ -29,7 +34,7 @@ from collections.abc import Callable
 import torch
 
 from collage_train.scalify.modules import ScaledLayerNorm, ScaledLinear
-from collage_train.scalify.scale import pow2_floor, sum_scale
+from collage_train.scalify.scale import add_scale, pow2_floor, rms_scale, sum_scale
 
 # Per block class: consumer linear -> the module whose output it reads (a ScaledLayerNorm
 # or a ScaledLinear), or None for an input the table leaves unscaled.
@@ -38,13 +43,18 @@ _GPT2_BLOCK: dict[str, str | None] = {
     "attn.c_proj": "attn.c_attn",  # P V: the value projection's scale
     "mlp.c_fc": "ln_2",
 }
-_OPT_LAYER: dict[str, str | None] = {
+_OPT_LAYER: dict[str, str | None] = {  # LayerNorm before attention and MLP (most OPTs)
     "self_attn.q_proj": "self_attn_layer_norm",
     "self_attn.k_proj": "self_attn_layer_norm",
     "self_attn.v_proj": "self_attn_layer_norm",
     "self_attn.out_proj": "self_attn.v_proj",
     "fc1": "final_layer_norm",
 }
+_OPT_POST_LN_LAYER: dict[str, str | None] = {  # LayerNorm after each add (opt_350m)
+    "self_attn.out_proj": "self_attn.v_proj",
+    "fc1": "self_attn_layer_norm",
+}
+_OPT_POST_LN_INPUTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 # Activations of the form x * gate(x), gate in [0, 1]: they keep their input's scale.
 GATING_ACTIVATIONS = frozenset(
     {
@@ -60,7 +70,8 @@ GATING_ACTIVATIONS = frozenset(
         "SiLUActivation",
     }
 )
-# The LM head reads the final LayerNorm, wherever the model keeps it.
+# The final LayerNorm, wherever the model keeps it (the LM head, or OPT's project_out,
+# reads it).
 _FINAL_NORMS = ("transformer.ln_f", "model.decoder.final_layer_norm")
 
 # Attention module class -> (query, key, value) producing linears, and whether the
@@ -109,28 +120,71 @@ def propagate_scales(model: torch.nn.Module) -> list[str]:
     linears wired (the others stay unscaled on input).
     """
     wired: list[str] = []
+    block_input: Callable[[], torch.Tensor] = lambda: stream_entry_scale(model)  # noqa: E731
     for name, block in model.named_modules():
         kind = type(block).__name__
         prefix = f"{name}." if name else ""
         if kind == "GPT2Block":
             table = {**_GPT2_BLOCK, "mlp.c_proj": _after(block.mlp.act, "mlp.c_fc")}
             wired += [prefix + n for n in _wire(block, table)]
-        elif kind == "OPTDecoderLayer" and getattr(block, "do_layer_norm_before", False):
+        elif kind == "OPTDecoderLayer" and block.do_layer_norm_before:
             table = {**_OPT_LAYER, "fc2": _after(block.activation_fn, "fc1")}
             wired += [prefix + n for n in _wire(block, table)]
-    head = getattr(model, "lm_head", None)
+        elif kind == "OPTDecoderLayer":
+            table = {**_OPT_POST_LN_LAYER, "fc2": _after(block.activation_fn, "fc1")}
+            wired += [prefix + n for n in _wire(block, table)]
+            for projection in _OPT_POST_LN_INPUTS:
+                block.get_submodule(projection).input_scale_source = block_input
+                wired.append(prefix + projection)
+            block_input = _output_scale_of(block.final_layer_norm)  # the next layer's input
+    decoder = _opt_decoder(model)
+    project_in = getattr(decoder, "project_in", None)
+    if isinstance(project_in, ScaledLinear):  # reads the token embedding lookup
+        tokens = model.get_input_embeddings()
+        project_in.input_scale_source = lambda: rms_scale(tokens.weight)
+        wired.append("model.decoder.project_in")
+    head_input: Callable[[], torch.Tensor] | None = None
     norm = _final_norm(model)
-    if isinstance(head, ScaledLinear) and norm is not None:
-        head.input_scale_source = norm.output_scale
+    if norm is not None:
+        head_input = norm.output_scale
+    project_out = getattr(decoder, "project_out", None)
+    if isinstance(project_out, ScaledLinear):
+        # its input: the final LayerNorm, or (post-LN) the last layer's closing one
+        project_out.input_scale_source = head_input or block_input
+        wired.append("model.decoder.project_out")
+        head_input = _output_scale_of(project_out)
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, ScaledLinear) and head_input is not None:
+        head.input_scale_source = head_input
         wired.append("lm_head")
     return wired
 
 
+def stream_entry_scale(model: torch.nn.Module) -> torch.Tensor:
+    """The scale of the residual stream entering the first block.
+
+    The add rule over the token embeddings (the table's scale, or the output scale of
+    OPT's ``project_in`` when the embeddings are narrower) and every other embedding
+    table (positions).
+    """
+    tokens = model.get_input_embeddings()
+    project_in = getattr(_opt_decoder(model), "project_in", None)
+    if isinstance(project_in, ScaledLinear):
+        scale = project_in.last_output_scale
+    else:
+        scale = rms_scale(tokens.weight)
+    for table in model.modules():
+        if isinstance(table, torch.nn.Embedding) and table is not tokens:
+            scale = add_scale(scale, rms_scale(table.weight).to(scale.device))
+    return scale
+
+
+def _opt_decoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    return getattr(getattr(model, "model", None), "decoder", None)
+
+
 def _final_norm(model: torch.nn.Module) -> ScaledLayerNorm | None:
-    """The LayerNorm whose output the LM head reads directly, if the model has one."""
-    decoder = getattr(getattr(model, "model", None), "decoder", None)
-    if getattr(decoder, "project_out", None) is not None:
-        return None  # OPT with a narrower embedding: the head reads a projection
+    """The model's final LayerNorm (GPT-2's ln_f, OPT's decoder norm), if it has one."""
     for name in _FINAL_NORMS:
         try:
             norm = model.get_submodule(name)

@@ -7,10 +7,14 @@ no look at the data. ``ScaledResidualStream`` applies it without editing the mod
 
 - the stream entering the first block has the add-rule scale of the embeddings that
   were summed into it (token and position tables; each table's scale is the
-  power-of-two RMS of its weight, the scale a scaled master stores);
+  power-of-two RMS of its weight, the scale a scaled master stores; OPT's
+  ``project_in`` output in place of narrower token embeddings):
+  ``propagation.stream_entry_scale``;
 - each branch ends in a ``ScaledLinear`` whose output scale is the matmul rule
   ``s_x * s_w * pow2_floor(sqrt(K))`` (recorded by the layer as it runs);
-- leaving block l, the stream's scale is ``add(add(s_l, s_attn), s_mlp)``.
+- leaving block l, the stream's scale is ``add(add(s_l, s_attn), s_mlp)``; in OPT's
+  post-LayerNorm layers (opt_350m) the block's output is its closing LayerNorm's, so
+  its scale is that LayerNorm's output scale.
 
 At the entry of the first block and at every block output the stream is stored as
 ``data = value / scale`` in the activation format (fp16 for fp16 and float8 matmuls,
@@ -31,8 +35,9 @@ from typing import Any
 
 import torch
 
-from collage_train.scalify.modules import ScaledLinear
-from collage_train.scalify.scale import add_scale, rms_scale
+from collage_train.scalify.modules import ScaledLinear, layer_norm_output_scale
+from collage_train.scalify.propagation import stream_entry_scale
+from collage_train.scalify.scale import add_scale
 
 # The modules that end each residual branch, by block class (attention, then MLP).
 BRANCH_OUTPUTS = {
@@ -67,7 +72,7 @@ class ScaledResidualStream:
 
     def __init__(self, model: torch.nn.Module, fmt: str) -> None:
         self.dtype = STORAGE[fmt]
-        self.embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+        self.model = model
         self.blocks = []
         for block in model.modules():
             names = BRANCH_OUTPUTS.get(type(block).__name__)
@@ -119,20 +124,22 @@ class ScaledResidualStream:
         return stored
 
     def _enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Entering the first block: the add rule over the embedding tables' scales."""
-        scale = rms_scale(self.embeddings[0].weight)
-        for table in self.embeddings[1:]:
-            scale = add_scale(scale, rms_scale(table.weight))
-        self._entry[0] = scale
+        """Entering the first block: the add rule over the embeddings' scales."""
+        self._entry[0] = stream_entry_scale(self.model)
         if args:
             return (self._store(args[0], 0), *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": self._store(kwargs["hidden_states"], 0)}
 
     def _leave(self, output: Any, index: int, branches: list[ScaledLinear]) -> Any:
-        """Leaving block ``index``: its entry scale, add-ruled with each branch's scale."""
-        scale = self._entry[index]
-        for branch in branches:
-            scale = add_scale(scale, branch.last_output_scale.to(scale.device))
+        """Leaving block ``index``: its entry scale, add-ruled with each branch's scale
+        (or, after a closing LayerNorm, that LayerNorm's output scale)."""
+        block = self.blocks[index][0]
+        if getattr(block, "do_layer_norm_before", True):
+            scale = self._entry[index]
+            for branch in branches:
+                scale = add_scale(scale, branch.last_output_scale.to(scale.device))
+        else:  # OPT post-LN: the output is final_layer_norm's
+            scale = layer_norm_output_scale(block.final_layer_norm)
         self._entry[index + 1] = scale
         if isinstance(output, tuple):
             return (self._store(output[0], index + 1), *output[1:])
