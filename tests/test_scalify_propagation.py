@@ -234,3 +234,15 @@ def test_propagated_scales_trace_under_torch_compile(matmul):
         assert other is not None and bool(torch.isfinite(other).all()), name
     for name in ("transformer.h.0.attn.c_proj", "lm_head"):
         assert torch.equal(_input_scale(compiled, name), _input_scale(eager, name))
+
+
+def test_an_activation_without_a_rule_leaves_its_output_unscaled():
+    """tanh is no gate times its input: the table has no rule, the next input has scale 1."""
+    model = _prepared("gpt", activation_function="tanh")
+    _forward_backward(model)
+    c_proj = model.get_submodule("transformer.h.0.mlp.c_proj")
+    assert c_proj.input_scale_source is None
+    expected = matmul_scale(torch.ones(()), rms_scale(c_proj.weight), 4 * 32)
+    assert torch.equal(c_proj.last_output_scale, expected)
+    gelu = _prepared("gpt").get_submodule("transformer.h.0.mlp.c_proj")
+    assert gelu.input_scale_source is not None

@@ -90,10 +90,6 @@ def _output_scale_of(module: torch.nn.Module) -> Callable[[], torch.Tensor]:
     raise TypeError(f"no propagated scale for a {type(module).__name__}")
 
 
-def _unit() -> torch.Tensor:
-    return torch.ones(())
-
-
 def _after(activation: object, producer: str) -> str | None:
     """The producer whose scale an activation's output keeps, or None (unscaled)."""
     return producer if type(activation).__name__ in GATING_ACTIVATIONS else None
@@ -105,10 +101,10 @@ def _wire(block: torch.nn.Module, table: dict[str, str | None]) -> list[str]:
         consumer = block.get_submodule(consumer_name)
         if not isinstance(consumer, ScaledLinear):
             continue
-        source = (
-            _unit if producer_name is None else _output_scale_of(block.get_submodule(producer_name))
+        # None: the input is unscaled (ScaledLinear then casts it under scale 1)
+        consumer.input_scale_source = (
+            None if producer_name is None else _output_scale_of(block.get_submodule(producer_name))
         )
-        consumer.input_scale_source = source
         wired.append(consumer_name)
     return wired
 
