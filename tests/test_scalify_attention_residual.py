@@ -149,23 +149,35 @@ def test_activation_checkpointing_recomputes_the_same_stores(family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["fp32", "float8"])
-def test_scaled_model_runs_under_torch_compile(fmt):
-    """train.compile=true with precision=scalify: hooks, attention and autograd Functions trace.
+@pytest.mark.parametrize(
+    ("matmul", "rescale"),
+    [("fp32", ("matmul", "layernorm_grad", "grads")), ("fp8", ("layernorm_grad", "grads"))],
+    ids=["fp32-dynamic", "fp8-propagated"],
+)
+def test_scaled_model_runs_under_torch_compile(matmul, rescale):
+    """train.compile=true with precision=scalify: hooks, attention, autograd Functions and
+    the propagated scale sources trace.
 
     With fp32 data the compiled model equals the eager one to fp32 reordering; with
     float8 such reorderings flip some roundings, so it is only close.
     """
-    eager, eager_stream = _scalified(_model("gpt", layers=2), fmt)
-    compiled, stream = _scalified(_model("gpt", layers=2), fmt)
+    from collage_train.precision.scalify import scalify_strategy
+
+    strategy = scalify_strategy(matmul=matmul, rescale=rescale)
+    eager = strategy.prepare_model(_model("gpt", layers=2))
+    compiled = strategy.prepare_model(_model("gpt", layers=2))  # same seed, same weights
     logits, grads = _loss_and_grads(eager)
     compiled_logits, compiled_grads = _loss_and_grads(torch.compile(compiled))
-    if fmt == "fp32":
+    if matmul == "fp32":
         assert torch.allclose(compiled_logits, logits, rtol=1e-5, atol=1e-5)
     relative = (compiled_logits - logits).norm() / logits.norm()
     assert relative.item() < 0.05
     for name, grad in grads.items():
         other = compiled_grads.get(name, compiled_grads.get(f"_orig_mod.{name}"))
         assert other is not None and bool(torch.isfinite(other).all()), name
-        assert ((other - grad).norm() / grad.norm()).item() < (1e-4 if fmt == "fp32" else 0.2)
+        assert ((other - grad).norm() / grad.norm()).item() < (1e-4 if matmul == "fp32" else 0.2)
+    stream, eager_stream = compiled.scalify_residual_stream, eager.scalify_residual_stream
     assert stream.scales == eager_stream.scales
+    for name in ("transformer.h.0.attn.c_proj", "lm_head"):
+        ours, theirs = compiled.get_submodule(name), eager.get_submodule(name)
+        assert torch.equal(ours.last_output_scale, theirs.last_output_scale), name
