@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from tiny_config import tiny_transformer
+from tiny_config import assert_same_logits_and_grads, logits_and_grads, tiny_transformer
 
 from collage_train.scalify import is_power_of_two
 from collage_train.scalify.attention import implementation_name, scaled_attention
@@ -36,24 +36,12 @@ def _scalified(model: torch.nn.Module, fmt: str) -> tuple[torch.nn.Module, Scale
     return scaled, ScaledResidualStream(scaled, fmt)
 
 
-def _loss_and_grads(model: torch.nn.Module):
-    ids = torch.randint(0, 96, (3, 16), generator=torch.Generator().manual_seed(1))
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("family", ["gpt", "opt"])
 def test_scaled_model_with_fp32_data_equals_the_original(family):
     original = _model(family)
     scaled, stream = _scalified(original, "fp32")
     assert scaled.config._attn_implementation == "scalify_fp32"
-    logits, grads = _loss_and_grads(original)
-    scaled_logits, scaled_grads = _loss_and_grads(scaled)
-    assert torch.allclose(scaled_logits, logits, rtol=1e-6, atol=1e-6)
-    for name, grad in grads.items():
-        assert torch.allclose(scaled_grads[name], grad, rtol=1e-6, atol=1e-6), name
+    assert_same_logits_and_grads(original, scaled)
     assert len(stream.scales) == 1 + 3  # entering the first block, leaving each block
     assert is_power_of_two(torch.tensor(stream.scales))
 
@@ -61,7 +49,7 @@ def test_scaled_model_with_fp32_data_equals_the_original(family):
 @pytest.mark.parametrize("family", ["gpt", "opt"])
 def test_residual_scales_follow_the_add_rule(family):
     scaled, stream = _scalified(_model(family), "fp16")
-    _loss_and_grads(scaled)
+    logits_and_grads(scaled)
     embeddings = [m for m in scaled.modules() if isinstance(m, torch.nn.Embedding)]
     expected = rms_scale(embeddings[0].weight)
     for table in embeddings[1:]:
@@ -82,7 +70,7 @@ def test_residual_stream_is_stored_as_fp16_data_under_its_scale():
     outputs = []
     for block, _ in stream.blocks:  # registered after the stream's hook: sees the store
         block.register_forward_hook(lambda m, a, out: outputs.append(out.detach()))
-    _loss_and_grads(scaled)
+    logits_and_grads(scaled)
     for output, scale in zip(outputs, stream.scales[1:], strict=True):
         data = output / scale
         assert torch.equal(data.half().float(), data)  # exactly fp16 data
@@ -122,8 +110,8 @@ def test_float8_attention_multiplies_e4m3_operands():
 def test_float8_model_stays_close_and_trains_through_attention(family):
     original = _model(family)
     scaled, _ = _scalified(original, "float8")
-    logits, grads = _loss_and_grads(original)
-    scaled_logits, scaled_grads = _loss_and_grads(scaled)
+    logits, grads = logits_and_grads(original)
+    scaled_logits, scaled_grads = logits_and_grads(scaled)
     assert ((scaled_logits - logits).norm() / logits.norm()).item() < 0.1
     name = next(n for n in grads if "q_proj.weight" in n or "c_attn.weight" in n)
     relative = (scaled_grads[name] - grads[name]).norm() / grads[name].norm()
@@ -140,8 +128,8 @@ def test_activation_checkpointing_recomputes_the_same_stores(family):
     )
     checkpointed.train()
     plain.train()
-    logits, grads = _loss_and_grads(plain)
-    ckpt_logits, ckpt_grads = _loss_and_grads(checkpointed)
+    logits, grads = logits_and_grads(plain)
+    ckpt_logits, ckpt_grads = logits_and_grads(checkpointed)
     assert torch.equal(ckpt_logits, logits)
     for name, grad in grads.items():
         assert torch.equal(ckpt_grads[name], grad), name
@@ -166,8 +154,8 @@ def test_scaled_model_runs_under_torch_compile(matmul, rescale):
     strategy = scalify_strategy(matmul=matmul, rescale=rescale)
     eager = strategy.prepare_model(_model("gpt", layers=2))
     compiled = strategy.prepare_model(_model("gpt", layers=2))  # same seed, same weights
-    logits, grads = _loss_and_grads(eager)
-    compiled_logits, compiled_grads = _loss_and_grads(torch.compile(compiled))
+    logits, grads = logits_and_grads(eager)
+    compiled_logits, compiled_grads = logits_and_grads(torch.compile(compiled))
     if matmul == "fp32":
         assert torch.allclose(compiled_logits, logits, rtol=1e-5, atol=1e-5)
     relative = (compiled_logits - logits).norm() / logits.norm()

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from tiny_config import tiny_transformer
+from tiny_config import assert_same_logits_and_grads, logits_and_grads, tiny_transformer
 
 from collage_train.precision.scalify import scalify_strategy
 from collage_train.scalify import is_power_of_two
@@ -30,14 +30,6 @@ def _prepared(family: str, matmul: str = "fp8", layers: int = 2, **extra) -> tor
     return scalify_strategy(matmul=matmul).prepare_model(model)
 
 
-def _forward_backward(model: torch.nn.Module):
-    ids = torch.randint(0, 96, (3, SEQ), generator=torch.Generator().manual_seed(1))
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 def _input_scale(model: torch.nn.Module, name: str) -> torch.Tensor:
     source = model.get_submodule(name).input_scale_source
     assert source is not None, f"{name} has no propagated input scale"
@@ -57,11 +49,11 @@ def _linear_scale(model: torch.nn.Module, name: str) -> torch.Tensor:
 def test_gpt2_inputs_take_their_producers_scales():
     model = _prepared("gpt")
     for _ in range(2):  # scales change with the weights; check after an update too
-        _forward_backward(model)
+        logits_and_grads(model)
         with torch.no_grad():
             for param in model.parameters():
                 param.mul_(1.7)
-    _forward_backward(model)
+    logits_and_grads(model)
     for block in ("transformer.h.0", "transformer.h.1"):
         expected = {
             "attn.c_attn": _norm_scale(model, f"{block}.ln_1"),
@@ -84,7 +76,7 @@ def test_gpt2_inputs_take_their_producers_scales():
 
 def test_opt_inputs_take_their_producers_scales():
     model = _prepared("opt")
-    _forward_backward(model)
+    logits_and_grads(model)
     for block in ("model.decoder.layers.0", "model.decoder.layers.1"):
         norm = _norm_scale(model, f"{block}.self_attn_layer_norm")
         expected = {
@@ -104,7 +96,7 @@ def test_opt_inputs_take_their_producers_scales():
 def test_post_layernorm_opt_inputs_take_their_producers_scales():
     model = _prepared("opt", **POST_LN_OPT)
     strategy = scalify_strategy()
-    _forward_backward(model)
+    logits_and_grads(model)
     layers = [f"model.decoder.layers.{i}" for i in range(2)]
     tokens = model.get_input_embeddings().weight
     positions = model.get_submodule("model.decoder.embed_positions").weight
@@ -163,7 +155,7 @@ def test_forward_operand_scales_never_measure_an_activation(family, extra, monke
 @pytest.mark.parametrize("family", ["gpt", "opt"])
 def test_attention_scales_follow_the_table(family):
     model = _prepared(family)
-    _forward_backward(model)
+    logits_and_grads(model)
     attention = next(m for m in model.modules() if type(m).__name__.endswith("Attention"))
     q, k, probs, v = attention_scales(attention, SEQ)
     assert torch.equal(probs, 1.0 / sum_scale(torch.ones(()), SEQ))  # 1/4 for 16 keys
@@ -191,17 +183,13 @@ def test_propagated_model_with_fp32_data_equals_the_original(family, extra):
     original = tiny_transformer(family, 2, **extra)
     scaled = scalify_strategy(matmul="fp32").prepare_model(copy.deepcopy(original))
     assert scaled.config._attn_implementation == "scalify_fp32_propagated"
-    logits, grads = _forward_backward(original)
-    scaled_logits, scaled_grads = _forward_backward(scaled)
-    assert torch.allclose(scaled_logits, logits, rtol=1e-6, atol=1e-6)
-    for name, grad in grads.items():
-        assert torch.allclose(scaled_grads[name], grad, rtol=1e-6, atol=1e-6), name
+    assert_same_logits_and_grads(original, scaled)
 
 
 def test_float8_with_propagated_scales_stays_close_to_fp32():
     original = tiny_transformer("gpt", 2)
-    reference, _ = _forward_backward(original)
-    logits, _ = _forward_backward(_prepared("gpt"))
+    reference, _ = logits_and_grads(original)
+    logits, _ = logits_and_grads(_prepared("gpt"))
     error = (logits - reference).norm() / reference.norm()
     assert error < 0.1, float(error)
 
@@ -223,7 +211,7 @@ def test_unknown_modules_stay_unscaled_on_input():
 def test_an_activation_without_a_rule_leaves_its_output_unscaled():
     """tanh is no gate times its input: the table has no rule, the next input has scale 1."""
     model = _prepared("gpt", activation_function="tanh")
-    _forward_backward(model)
+    logits_and_grads(model)
     c_proj = model.get_submodule("transformer.h.0.mlp.c_proj")
     assert c_proj.input_scale_source is None
     expected = matmul_scale(torch.ones(()), rms_scale(c_proj.weight), 4 * 32)

@@ -67,3 +67,21 @@ def tiny_transformer(family: str = "gpt", layers: int = 2, **extra: object) -> t
         extra=extra,
     )
     return build_model(cfg, vocab_size=96, seq_len=16, eot_id=2, seed=0)
+
+
+def logits_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One seeded forward and backward of a ``tiny_transformer``: logits and gradients."""
+    ids = torch.randint(0, 96, (3, 16), generator=torch.Generator().manual_seed(1))
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same_logits_and_grads(original: torch.nn.Module, other: torch.nn.Module) -> None:
+    """``other`` gives ``original``'s logits and gradients to 1e-6."""
+    logits, grads = logits_and_grads(original)
+    other_logits, other_grads = logits_and_grads(other)
+    assert torch.allclose(other_logits, logits, rtol=1e-6, atol=1e-6)
+    for name, grad in grads.items():
+        assert torch.allclose(other_grads[name], grad, rtol=1e-6, atol=1e-6), name
