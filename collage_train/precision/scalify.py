@@ -144,7 +144,8 @@ class ScalifyStrategy(PrecisionStrategy):
         linears = [m for m in model.modules() if isinstance(m, ScaledLinear)]
         if linears:
             low, high = RMS_RANGE
-            rms = torch.stack([m.last_input_data_rms.float().cpu() for m in linears])
+            device = linears[0].last_input_data_rms.device  # one transfer, not one per layer
+            rms = torch.stack([m.last_input_data_rms.float().to(device) for m in linears])
             metrics["scalify_operand_rms_outside_frac"] = float(
                 ((rms < low) | (rms > high)).float().mean()
             )

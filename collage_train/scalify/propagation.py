@@ -29,12 +29,13 @@ unscaled, the table's fallback.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
 from collage_train.scalify.modules import ScaledLayerNorm, ScaledLinear
-from collage_train.scalify.scale import add_scale, pow2_floor, rms_scale, sum_scale
+from collage_train.scalify.scale import add_scale, rms_scale, sum_scale
 
 # Per block class: consumer linear -> the module whose output it reads (a ScaledLayerNorm
 # or a ScaledLinear), or None for an input the table leaves unscaled.
@@ -209,7 +210,8 @@ def attention_scales(
     device = q.last_output_scale.device
     q_scale = q.last_output_scale
     if query_prescaled:  # query = q_proj(x) * scaling: the mul rule with a constant
-        q_scale = q_scale * pow2_floor(torch.tensor(float(module.scaling), device=device))
+        mantissa_exponent = math.frexp(float(module.scaling))[1]  # exact, on the host
+        q_scale = q_scale * math.ldexp(1.0, mantissa_exponent - 1)
     device = q.last_output_scale.device
     probs_scale = 1.0 / sum_scale(torch.ones((), device=device), keys)
     return q_scale, k.last_output_scale.to(device), probs_scale, v.last_output_scale.to(device)
