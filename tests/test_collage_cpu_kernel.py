@@ -2,7 +2,9 @@
 
 Bitwise on parameters and every state component, over many steps, on sizes that split
 across threads and sizes that do not, with gradients from 1e-38 (bf16 subnormals and
-fp32-subnormal intermediates) to 1e4 and exact zeros; its build cache and its failures.
+fp32-subnormal intermediates) to 1e4 and exact zeros; both of its paths (the fast one
+on training-like state, the exact one for blocks where a rounding the fast path leaves
+out is not the identity); its build cache and its failures.
 """
 
 from __future__ import annotations
@@ -77,6 +79,73 @@ def test_kernel_is_bitwise_equal_to_the_eager_reference(mode, n, beta2):
         seen_subnormal |= bool(((tiny > 0) & (tiny < 2.0**-126)).any())
     if n > 1000:  # the second moment of the smallest gradients went subnormal
         assert seen_subnormal
+
+
+def training_like_state(mode: str, n: int, beta2: float) -> list[torch.Tensor | None]:
+    """The state after 20 eager steps with gradients of 1e-4 to 1e-1, no subnormals."""
+    tensors = state(mode, n, 0)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(1, 21):
+        grad = (
+            torch.randn(n, generator=gen) * 10.0 ** -torch.randint(1, 5, (n,), generator=gen)
+        ).bfloat16()
+        collage_tensor_step(
+            *tensors, grad, *step_scalars(1e-3, 0.9, beta2, 1e-8, 0.1, step), mode=mode, track=False
+        )
+    return tensors
+
+
+def steps_agree(mode: str, eager: list, fused: list, beta2: float, seed: int) -> None:
+    """Three more steps (untracked, tracked, update kept) on both: bitwise equal."""
+    kernel = collage_cpu.cpu_tensor_step(mode)
+    gen = torch.Generator().manual_seed(seed)
+    n = eager[0].numel()
+    for step, (track, keep) in enumerate([(False, False), (True, False), (True, True)], 21):
+        grad = (torch.randn(n, generator=gen) * 1e-2).bfloat16()
+        scalars = step_scalars(1e-3, 0.9, beta2, 1e-8, 0.1, step)
+        expected = collage_tensor_step(
+            *eager, grad, *scalars, mode=mode, track=track, return_update=keep
+        )
+        got = kernel(*fused, grad, *scalars, track=track, return_update=keep)
+        if keep:
+            assert torch.equal(bits(got), bits(expected)), step
+        elif track:
+            assert partials_close(got, expected), (step, got, expected)
+        for a, b in zip(eager, fused, strict=True):
+            if a is not None:
+                assert torch.equal(bits(a), bits(b)), step
+
+
+@pytest.mark.parametrize("mode", ["none", "light", "plus"])
+@pytest.mark.parametrize("beta2", [0.999, 0.95])
+def test_training_like_state_stays_on_the_fast_path(mode, beta2):
+    """No block recomputed, results bitwise equal: the fast path is what runs and is right."""
+    n = 8 * 1024 + 7
+    eager = training_like_state(mode, n, beta2)
+    fused = [t.clone() if t is not None else None for t in eager]
+    before = collage_cpu.exact_blocks()
+    steps_agree(mode, eager, fused, beta2, seed=3)
+    assert collage_cpu.exact_blocks() == before
+
+
+@pytest.mark.parametrize("mode", ["light", "plus"])
+@pytest.mark.parametrize("beta2", [0.999, 0.95])
+def test_a_block_with_an_inexact_skipped_rounding_is_recomputed_exactly(mode, beta2):
+    """Remainders ten times their values in block 3 only (Fast2Sum's precondition broken):
+    that block, and no other, goes to the exact path, and every bit still matches."""
+    n = 8 * 1024
+    eager = training_like_state(mode, n, beta2)
+    gen = torch.Generator().manual_seed(4)
+    block = slice(3 * 1024, 4 * 1024)
+    theta, dtheta, _, v, dv = eager
+    dtheta[block] = (theta[block].float() * 10 * torch.rand(1024, generator=gen)).bfloat16()
+    if dv is not None:
+        dv[block] = (v[block].float() * 10 * torch.rand(1024, generator=gen) + 1e-6).bfloat16()
+    fused = [t.clone() if t is not None else None for t in eager]
+    before = collage_cpu.exact_blocks()
+    steps_agree(mode, eager, fused, beta2, seed=5)
+    # The first step puts the remainders back in range, so only it recomputes.
+    assert collage_cpu.exact_blocks() - before == 1
 
 
 def test_each_thread_range_counts_once():

@@ -1,7 +1,10 @@
 """The fused CollageAdamW step on CPU: a small C kernel, built once per machine.
 
 ``collage_cpu.c`` does one pass over each tensor (EDQ sums in the same pass) with the
-arithmetic of ``collage_math.collage_tensor_step``, bitwise. It is compiled on first
+arithmetic of ``collage_math.collage_tensor_step``, bitwise. A fast path leaves out
+roundings that are the identity in practice and checks, block by block, that they
+were; a block that fails the check is recomputed on an exact path that rounds
+everything (``exact_blocks`` counts them: a diagnostic). It is compiled on first
 use with the system C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``) for this
 processor (``-march=native``, no FMA contraction) and cached as a shared library under
 ``$COLLAGE_KERNEL_CACHE`` (default ``$XDG_CACHE_HOME/collage_train/kernels``), keyed by
@@ -36,6 +39,8 @@ from pathlib import Path
 import torch
 
 _MODES = {"none": 0, "light": 1, "plus": 2}
+# Blocks the kernel recomputed on its exact path since the process started.
+_exact_blocks = 0
 _SOURCE = "collage_cpu.c"
 # Below this many elements one thread does the whole tensor (a thread hand-off costs
 # tens of microseconds); ranges are multiples of 64 elements (a cache line of bf16 x 2).
@@ -89,6 +94,16 @@ def _processor_identity() -> str:
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
 
 
+def exact_blocks() -> int:
+    """How many blocks the fast path has handed to the exact path in this process.
+
+    Each is a block of 1024 elements where a rounding the fast path leaves out was not
+    the identity (subnormal second moments, say); the result is the same either way,
+    only slower. Mostly zero in training.
+    """
+    return _exact_blocks
+
+
 def cache_dir() -> Path:
     """Where built kernels are kept (``$COLLAGE_KERNEL_CACHE`` overrides)."""
     if override := os.environ.get("COLLAGE_KERNEL_CACHE"):
@@ -119,7 +134,7 @@ def load_library() -> ctypes.CDLL:
         library = ctypes.CDLL(str(target))
     except OSError as error:
         raise KernelBuildError(f"could not load {target}: {error}") from error
-    library.collage_step.restype = None
+    library.collage_step.restype = ctypes.c_int64
     library.collage_step.argtypes = [
         ctypes.c_int64,
         ctypes.c_int,
@@ -215,18 +230,21 @@ def cpu_tensor_step(mode: str) -> Callable[..., torch.Tensor | None]:
         )
         pointers = [t.data_ptr() if t is not None else None for t in (*tensors, update)]
 
-        def run(bounds: tuple[int, int]) -> list[float]:
+        def run(bounds: tuple[int, int]) -> tuple[list[float], int]:
             start, end = bounds
             sums = (ctypes.c_double * 6)()
             shifted = [p + 2 * start if p is not None else None for p in pointers]
-            library.collage_step(end - start, mode_id, out, *shifted, scalars, sums)
-            return list(sums)
+            exact = library.collage_step(end - start, mode_id, out, *shifted, scalars, sums)
+            return list(sums), exact
 
         ranges = _ranges(theta.numel(), torch.get_num_threads())
         if len(ranges) == 1:
-            partials = [run(ranges[0])]
+            results = [run(ranges[0])]
         else:
-            partials = list(_pool(len(ranges)).map(run, ranges))
+            results = list(_pool(len(ranges)).map(run, ranges))
+        global _exact_blocks
+        _exact_blocks += sum(exact for _, exact in results)
+        partials = [sums for sums, _ in results]
         if update is not None:
             return update
         if not track:
