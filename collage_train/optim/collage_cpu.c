@@ -88,6 +88,7 @@ static inline uint32_t load_pair(const bf16 *p) {
     memcpy(&w, p, 4);
     return w;
 }
+static inline void store_pair(bf16 *p, uint32_t w) { memcpy(p, &w, 4); }
 static inline float low_half(uint32_t w) { return from_bits(w << 16); }
 static inline float high_half(uint32_t w) { return from_bits(w & 0xffff0000u); }
 static inline uint32_t pack(float low_rounded, float high_rounded) {
@@ -232,12 +233,12 @@ static inline __attribute__((always_inline)) void exact_range(
 }
 
 /* ------------------------------------------------------------------------------------
- * The fast path on one block of 2 * pairs elements: results into the buffers, the
- * block's sums into acc and 1 returned if every checked rounding was exact; 0 (and
- * nothing written but update_out, which the exact path overwrites with the same
- * values) otherwise. */
+ * The fast path on one block of 2 * pairs elements: results into the buffers, then,
+ * if every checked rounding was exact, copied out, the block's sums added to acc and 1
+ * returned; otherwise 0, with nothing written but update_out (which the exact path
+ * overwrites). Mode none, which checks nothing, writes in place. */
 typedef struct {
-    uint32_t m[BLOCK / 2], v[BLOCK / 2], dv[BLOCK / 2], theta[BLOCK / 2], dtheta[BLOCK / 2];
+    bf16 m[BLOCK], v[BLOCK], dv[BLOCK], theta[BLOCK], dtheta[BLOCK];
     float update_low[BLOCK / 2], update_high[BLOCK / 2];
 } buffers_t;
 
@@ -245,6 +246,10 @@ static inline __attribute__((always_inline)) int fast_block(
     const int mode, const int unit_hi, const int track, const int keep_update, int64_t pairs,
     bf16 *theta, bf16 *dtheta, bf16 *exp_avg, bf16 *exp_avg_sq, bf16 *dv, const bf16 *grad,
     bf16 *update_out, const scalars_t *c, double *acc, buffers_t *b) {
+    /* Mode none leaves no rounding out: nothing to check, so it writes in place. */
+    const int in_place = mode == 0;
+    bf16 *m_to = in_place ? exp_avg : b->m, *v_to = in_place ? exp_avg_sq : b->v,
+         *theta_to = in_place ? theta : b->theta;
     uint32_t low = 0;
 #pragma omp simd reduction(| : low)
     for (int64_t j = 0; j < pairs; j++) {
@@ -256,24 +261,21 @@ static inline __attribute__((always_inline)) int fast_block(
                                          low_half(v), low_half(dvw), c, &l);
         const moments_t hi = new_moments(mode, 1, unit_hi, high_half(g), high_half(m),
                                          high_half(v), high_half(dvw), c, &l);
-        b->m[j] = pack(lo.m, hi.m);
-        b->v[j] = pack(lo.v, hi.v);
-        if (mode == 2) b->dv[j] = pack(lo.dv, hi.dv);
+        store_pair(m_to + 2 * j, pack(lo.m, hi.m));
+        store_pair(v_to + 2 * j, pack(lo.v, hi.v));
+        if (mode == 2) store_pair(b->dv + 2 * j, pack(lo.dv, hi.dv));
         low |= l;
     }
     if (low & 0xffffu) return 0;
 #pragma omp simd
     for (int64_t j = 0; j < pairs; j++) {
-        const uint32_t th = load_pair(theta + 2 * j);
-        const float ulo = intended_update(low_half(b->m[j]), low_half(b->v[j]), low_half(th), c);
-        const float uhi =
-            intended_update(high_half(b->m[j]), high_half(b->v[j]), high_half(th), c);
+        const uint32_t th = load_pair(theta + 2 * j), m = load_pair(m_to + 2 * j),
+                       v = load_pair(v_to + 2 * j);
+        const float ulo = intended_update(low_half(m), low_half(v), low_half(th), c);
+        const float uhi = intended_update(high_half(m), high_half(v), high_half(th), c);
         b->update_low[j] = ulo;
         b->update_high[j] = uhi;
-        if (keep_update) {
-            const uint32_t packed = pack(ulo, uhi);
-            memcpy(update_out + 2 * j, &packed, 4);
-        }
+        if (keep_update) store_pair(update_out + 2 * j, pack(ulo, uhi));
     }
     float s0 = 0, s1 = 0, s4 = 0, s5 = 0;
     int32_t n2 = 0, n3 = 0;
@@ -288,17 +290,19 @@ static inline __attribute__((always_inline)) int fast_block(
             EDQ_ACCUMULATE(low_half(th), wlo, ulo);
             EDQ_ACCUMULATE(high_half(th), whi, uhi);
         }
-        b->theta[j] = pack(wlo.theta, whi.theta);
-        if (mode) b->dtheta[j] = pack(wlo.dtheta, whi.dtheta);
+        store_pair(theta_to + 2 * j, pack(wlo.theta, whi.theta));
+        if (mode) store_pair(b->dtheta + 2 * j, pack(wlo.dtheta, whi.dtheta));
         low |= l;
     }
     if (low & 0xffffu) return 0;
-    const size_t bytes = (size_t)pairs * 4;
-    memcpy(exp_avg, b->m, bytes);
-    memcpy(exp_avg_sq, b->v, bytes);
-    if (mode == 2) memcpy(dv, b->dv, bytes);
-    memcpy(theta, b->theta, bytes);
-    if (mode) memcpy(dtheta, b->dtheta, bytes);
+    if (!in_place) {
+        const size_t bytes = (size_t)pairs * 4;
+        memcpy(exp_avg, b->m, bytes);
+        memcpy(exp_avg_sq, b->v, bytes);
+        if (mode == 2) memcpy(dv, b->dv, bytes);
+        memcpy(theta, b->theta, bytes);
+        memcpy(dtheta, b->dtheta, bytes);
+    }
     acc[0] += s0, acc[1] += s1, acc[2] += n2, acc[3] += n3, acc[4] += s4, acc[5] += s5;
     return 1;
 }
