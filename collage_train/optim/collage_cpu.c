@@ -105,6 +105,26 @@ typedef struct {
  * The arithmetic of one element, shared by both paths. mode: 0 none (bf16), 1 light,
  * 2 plus. fast: 1 checks the roundings of 2. instead of doing them. */
 
+/* An MCF (value, remainder) pair. */
+typedef struct {
+    float value, remainder;
+} mcf_t;
+
+/* mcf.grow((x, dx), y): TwoSum of x and y, its error added to the remainder, and the
+ * result renormalised with Fast2Sum (whose two roundings are checked on the fast path). */
+static inline __attribute__((always_inline)) mcf_t grow(const int fast, float x, float dx,
+                                                          float y, uint32_t *low) {
+    const float s = rb(x + y);
+    const float a_approx = rb(s - y);
+    const float b_approx = s - a_approx; /* exact: 1. */
+    const float t = (x - a_approx) + (y - b_approx);
+    const float d = rb(dx + t);
+    mcf_t r;
+    r.value = rb(s + d);
+    r.remainder = checked_rb(fast, d - checked_rb(fast, r.value - s, low), low);
+    return r;
+}
+
 typedef struct {
     float m, v, dv;
 } moments_t;
@@ -128,14 +148,9 @@ new_moments(const int mode, const int fast, const int unit_hi, float g, float ea
         const float s = rb(p + d);
         const float t = checked_rb(fast, d - checked_rb(fast, s - p, low), low);
         /* mcf.grow((s, t), fl(fl(g^2) * (1 - beta2))) */
-        const float a = rb(rb(square) * c->one_minus_beta2);
-        const float s2 = rb(s + a);
-        const float a_approx = rb(s2 - a);
-        const float b_approx = s2 - a_approx; /* exact: 1. */
-        const float t2 = (s - a_approx) + (a - b_approx);
-        const float d2 = rb(t + t2);
-        r.v = rb(s2 + d2);
-        r.dv = checked_rb(fast, d2 - checked_rb(fast, r.v - s2, low), low);
+        const mcf_t grown = grow(fast, s, t, rb(rb(square) * c->one_minus_beta2), low);
+        r.v = grown.value;
+        r.dv = grown.remainder;
     } else {
         r.v = rb(rb(x * c->beta2) + c->one_minus_beta2 * square);
         r.dv = 0.0f;
@@ -162,14 +177,9 @@ new_weights(const int mode, const int fast, float th, float dth, float update, u
         r.theta = rb(th + update);
         return r;
     }
-    /* mcf.grow((theta, dtheta), update) */
-    const float s = rb(th + update);
-    const float a_approx = rb(s - update);
-    const float b_approx = s - a_approx; /* exact: 1. */
-    const float t = (th - a_approx) + (update - b_approx);
-    const float d = rb(dth + t);
-    r.theta = rb(s + d);
-    r.dtheta = checked_rb(fast, d - checked_rb(fast, r.theta - s, low), low);
+    const mcf_t grown = grow(fast, th, dth, update, low); /* (theta, dtheta) + update */
+    r.theta = grown.value;
+    r.dtheta = grown.remainder;
     return r;
 }
 
