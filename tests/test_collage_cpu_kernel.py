@@ -2,16 +2,20 @@
 
 Bitwise on parameters and every state component, over many steps, on sizes that split
 across threads and sizes that do not, with gradients from 1e-38 (bf16 subnormals and
-fp32-subnormal intermediates) to 1e4 and exact zeros; both of its paths (the fast one
-on training-like state, the exact one for blocks where a rounding the fast path leaves
-out is not the identity); its build cache and its failures.
+fp32-subnormal intermediates) to 1e4 and exact zeros; each of its tiers (the fastest on
+training-like state, the checked one for blocks with subnormal operands, the exact one
+for blocks where a rounding the fast tiers leave out is not the identity), the build
+without the split tier, the exhaustive checks behind the tiers; its build cache and its
+failures.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import math
 import subprocess
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -50,10 +54,17 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.int16)
 
 
-@pytest.mark.parametrize("mode", ["none", "light", "plus"])
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("beta2", [0.999, 0.95])  # bf16(0.999) = 1: 0.95 has a real product
-def test_kernel_is_bitwise_equal_to_the_eager_reference(mode, n, beta2):
+def tier_counts() -> tuple[int, int]:
+    """Blocks handed so far to the checked tier and to the exact tier."""
+    return collage_cpu.checked_blocks(), collage_cpu.exact_blocks()
+
+
+X86 = collage_cpu.splits_roundings()
+
+
+def agrees_with_eager(mode: str, n: int, beta2: float) -> bool:
+    """Twelve steps of random gradients on eager and kernel, bitwise equal after each;
+    whether the second moments went subnormal on the way."""
     eager, fused = state(mode, n, 0), state(mode, n, 0)
     kernel = collage_cpu.cpu_tensor_step(mode)
     gen = torch.Generator().manual_seed(1)
@@ -77,8 +88,41 @@ def test_kernel_is_bitwise_equal_to_the_eager_reference(mode, n, beta2):
                 assert torch.equal(bits(a), bits(b)), step
         tiny = eager[3].float().abs()
         seen_subnormal |= bool(((tiny > 0) & (tiny < 2.0**-126)).any())
+    return seen_subnormal
+
+
+@pytest.mark.parametrize("mode", ["none", "light", "plus"])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("beta2", [0.999, 0.95])  # bf16(0.999) = 1: 0.95 has a real product
+def test_kernel_is_bitwise_equal_to_the_eager_reference(mode, n, beta2):
+    seen_subnormal = agrees_with_eager(mode, n, beta2)
     if n > 1000:  # the second moment of the smallest gradients went subnormal
         assert seen_subnormal
+
+
+def build_without_split_tier(tmp_path: Path) -> ctypes.CDLL:
+    """The kernel built as for a processor without the split tier (-DCOLLAGE_NO_SPLIT)."""
+    source = resources.files("collage_train.optim").joinpath("collage_cpu.c").read_bytes()
+    target = tmp_path / "collage_cpu-no-split.so"
+    collage_cpu._build(
+        collage_cpu.c_compiler(), [*collage_cpu._flags(), "-DCOLLAGE_NO_SPLIT"], source, target
+    )
+    library = ctypes.CDLL(str(target))
+    collage_cpu._declare(library)
+    return library
+
+
+@pytest.fixture
+def without_split_tier(monkeypatch, tmp_path):
+    library = build_without_split_tier(tmp_path)
+    monkeypatch.setattr(collage_cpu, "load_library", lambda: library)
+
+
+@pytest.mark.parametrize("mode", ["none", "light", "plus"])
+def test_the_build_without_the_split_tier_is_bitwise_equal_too(without_split_tier, mode):
+    before = tier_counts()
+    assert agrees_with_eager(mode, 2049, 0.95)
+    assert tier_counts()[0] == before[0]  # nothing went through a split tier
 
 
 def training_like_state(mode: str, n: int, beta2: float) -> list[torch.Tensor | None]:
@@ -123,9 +167,9 @@ def test_training_like_state_stays_on_the_fast_path(mode, beta2):
     n = 8 * 1024 + 7
     eager = training_like_state(mode, n, beta2)
     fused = [t.clone() if t is not None else None for t in eager]
-    before = collage_cpu.exact_blocks()
+    before = tier_counts()
     steps_agree(mode, eager, fused, beta2, seed=3)
-    assert collage_cpu.exact_blocks() == before
+    assert tier_counts() == before  # none left the fastest tier
 
 
 @pytest.mark.parametrize("mode", ["light", "plus"])
@@ -142,10 +186,82 @@ def test_a_block_with_an_inexact_skipped_rounding_is_recomputed_exactly(mode, be
     if dv is not None:
         dv[block] = (v[block].float() * 10 * torch.rand(1024, generator=gen) + 1e-6).bfloat16()
     fused = [t.clone() if t is not None else None for t in eager]
-    before = collage_cpu.exact_blocks()
+    before = tier_counts()
     steps_agree(mode, eager, fused, beta2, seed=5)
-    # The first step puts the remainders back in range, so only it recomputes.
-    assert collage_cpu.exact_blocks() - before == 1
+    # The first step puts the remainders back in range, so only it hands the block on,
+    # through the checked tier (which skips the same roundings) where there is a split one.
+    checked, exact = (now - then for now, then in zip(tier_counts(), before, strict=True))
+    assert (checked, exact) == (int(X86), 1)
+
+
+def with_subnormal_first_moments(mode: str, n: int, beta2: float) -> list[torch.Tensor | None]:
+    """Training-like state whose block 2 has first moments decayed to bf16 subnormals (the
+    rows of an embedding whose tokens stopped appearing)."""
+    tensors = training_like_state(mode, n, beta2)
+    exp_avg = tensors[2]
+    block = exp_avg[2 * 1024 : 3 * 1024]
+    block.copy_((torch.sign(block.float()) * 2.0**-130).bfloat16())
+    return tensors
+
+
+@pytest.mark.parametrize("mode", ["light", "plus"])
+@pytest.mark.parametrize("beta2", [0.999, 0.95])
+def test_a_block_with_subnormal_operands_runs_on_the_checked_tier(mode, beta2):
+    """The split rounding of m sees a subnormal operand, the processor flags it, and that
+    block alone is handed to the checked tier (whose integer rounding handles
+    subnormals); nothing reaches the exact tier and every bit matches."""
+    eager = with_subnormal_first_moments(mode, 8 * 1024, beta2)
+    fused = [t.clone() if t is not None else None for t in eager]
+    before = tier_counts()
+    steps_agree(mode, eager, fused, beta2, seed=6)
+    checked, exact = (now - then for now, then in zip(tier_counts(), before, strict=True))
+    assert (checked, exact) == (int(X86), 0)  # one step: then the moments are normal
+
+
+LIBM = ctypes.CDLL(ctypes.util.find_library("m"))
+FE_INVALID, FE_TONEAREST, FE_UPWARD = 0x01, 0x000, 0x800  # x86 <fenv.h>
+
+
+@pytest.mark.skipif(not X86, reason="the split tier and MXCSR are x86-64 only")
+def test_without_round_to_nearest_the_split_tier_is_left_out(monkeypatch, tmp_path):
+    """Veltkamp's splitting rounds to nearest only in round-to-nearest mode (and needs
+    denormals seen, not zeroed): in any other MXCSR mode the kernel does what the build
+    without the split tier does, bit for bit."""
+    n = 8 * 1024
+    grad = (torch.randn(n, generator=torch.Generator().manual_seed(7)) * 1e-2).bfloat16()
+    scalars = step_scalars(1e-3, 0.9, 0.95, 1e-8, 0.1, 21)
+    with_split = training_like_state("plus", n, 0.95)
+    without = [t.clone() for t in with_split]
+    split_kernel = collage_cpu.cpu_tensor_step("plus")
+    monkeypatch.setattr(collage_cpu, "load_library", lambda: build_without_split_tier(tmp_path))
+    plain_kernel = collage_cpu.cpu_tensor_step("plus")
+    before = tier_counts()
+    assert LIBM.fesetround(FE_UPWARD) == 0
+    try:
+        split_kernel(*with_split, grad, *scalars, track=False, return_update=False)
+        plain_kernel(*without, grad, *scalars, track=False, return_update=False)
+    finally:
+        LIBM.fesetround(FE_TONEAREST)
+    assert tier_counts()[0] == before[0]  # no block tried the split tier
+    for a, b in zip(with_split, without, strict=True):
+        assert torch.equal(bits(a), bits(b))
+
+
+@pytest.mark.skipif(not X86, reason="the split tier and MXCSR are x86-64 only")
+def test_the_kernel_leaves_the_callers_floating_point_flags_as_it_found_them():
+    """The split tier clears MXCSR's sticky flags to read its own; a flag the caller had
+    raised before the call is raised after it."""
+    fused = with_subnormal_first_moments("plus", 8 * 1024, 0.95)  # raises flags inside
+    grad = torch.full((8 * 1024,), 1e-2, dtype=torch.bfloat16)
+    kernel = collage_cpu.cpu_tensor_step("plus")
+    scalars = step_scalars(1e-3, 0.9, 0.95, 1e-8, 0.1, 21)
+    before = tier_counts()
+    LIBM.feraiseexcept(FE_INVALID)
+    kernel(*fused, grad, *scalars, track=False, return_update=False)
+    raised = LIBM.fetestexcept(FE_INVALID)
+    LIBM.feclearexcept(FE_INVALID)
+    assert tier_counts()[0] == before[0] + 1  # the split tier ran and flagged a block
+    assert raised
 
 
 def test_each_thread_range_counts_once():
@@ -223,15 +339,26 @@ def test_scalars_reach_the_kernel_as_fp32():
     assert not math.isclose(value, 1.0 - 0.999, rel_tol=1e-12)
 
 
-def test_two_sum_roundings_the_kernel_skips_are_exact_for_every_bf16_pair(tmp_path):
-    """All 2^32 input pairs (a few seconds): the proof behind the skipped roundings."""
-    source = Path(__file__).with_name("exhaustive_two_sum.c")
+def run_exhaustive_check(name: str, tmp_path: Path) -> None:
+    """Build tests/<name>.c with the kernel's flags and run it: it prints 0 and exits 0."""
+    source = Path(__file__).with_name(f"{name}.c")
     kernel_dir = Path(collage_cpu.__file__).parent
     flags = [f for f in collage_cpu._flags() if f not in ("-fPIC", "-shared")]
-    binary = tmp_path / "exhaustive_two_sum"
+    binary = tmp_path / name
     subprocess.run(
         [collage_cpu.c_compiler(), *flags, f"-I{kernel_dir}", str(source), "-o", str(binary)],
         check=True,
     )
     result = subprocess.run([str(binary)], capture_output=True, text=True, timeout=600)
     assert (result.returncode, result.stdout.strip()) == (0, "0")
+
+
+def test_two_sum_roundings_the_kernel_skips_are_exact_for_every_bf16_pair(tmp_path):
+    """All 2^32 input pairs (a few seconds): the proof behind the skipped roundings."""
+    run_exhaustive_check("exhaustive_two_sum", tmp_path)
+
+
+@pytest.mark.skipif(not X86, reason="the split tier is x86-64 only")
+def test_split_rounding_is_rb_or_flagged_for_every_fp32_value(tmp_path):
+    """All 2^32 fp32 values (about 15 seconds): the proof behind the split tier."""
+    run_exhaustive_check("exhaustive_split", tmp_path)

@@ -9,7 +9,7 @@
  * vectorise the loops, EDQ sums included.
  *
  * The step is bound by the processor's vector ports, not by memory: a bf16 rounding is
- * five integer operations and the plus step needs 37 of them per element. Four things
+ * five integer operations and the plus step needs 37 of them per element. Five things
  * cut the operation count without changing a bit of the result:
  *
  * 1. Roundings known to be exact are not done. TwoSum (mcf.two_sum) rounds six
@@ -17,25 +17,37 @@
  *    pair of bf16 inputs (tests/exhaustive_two_sum.c checks all 2^32 pairs; it is also
  *    the theorem of Boldo, Graillat and Muller 2017).
  * 2. Roundings that are exact in practice are checked instead of done. A rounding of
- *    an fp32 value whose low 16 bits are zero returns it unchanged, so the fast path
- *    keeps such values as they are and ORs their bits into a word; if that word's low
- *    16 bits are zero at the end of a block, every skipped rounding was the identity
- *    and the block's results are exactly the reference's. Otherwise the block is
- *    recomputed on the exact path, which rounds everything. The checked roundings are
- *    Fast2Sum's two (exact when the first operand is the larger, which an MCF
+ *    an fp32 value whose low 16 bits are zero returns it unchanged, so the fast paths
+ *    keep such values as they are and OR their bits into a word; if that word's low
+ *    16 bits are zero at the end of a block, every skipped rounding was the identity.
+ *    They are Fast2Sum's two (exact when the first operand is the larger, which an MCF
  *    renormalisation of a value and its remainder always is) and the error of a
- *    product of two bf16 (exact outside the subnormal range). The fast path writes
- *    its results to block-local buffers, and only a block that passes its check
- *    copies them out, so a recomputed block starts from untouched state.
- * 3. The fast path reads and writes the bf16 arrays as pairs in 32-bit words: the low
+ *    product of two bf16 (exact outside the subnormal range).
+ * 3. The remaining roundings are three floating-point operations instead of five
+ *    integer ones (SPLIT, x86 only): Veltkamp's splitting, h = c - (c - x) with
+ *    c = x * (2^16 + 1), is x rounded to 8 significant bits, ties to even, for every
+ *    normal fp32 x below 2^111 (tests/exhaustive_split.c
+ *    checks all 2^32 inputs). Where it is not, x is subnormal, or c overflows, or x is
+ *    infinite, and the processor says so: x * C raises the denormal-operand flag,
+ *    overflow raises the overflow flag, c - x = inf - inf the invalid flag. The kernel
+ *    reads those sticky MXCSR flags after a block and hands the block on if any is set.
+ *    A NaN x gives h = x, as rb does for the NaNs this kernel sees (see below).
+ * 4. The fast paths read and write the bf16 arrays as pairs in 32-bit words: the low
  *    half widened by a shift, the high half by a mask, and packed back with a shift and
  *    a select, instead of the widening and narrowing shuffles of one element at a time.
- * 4. With beta2_hi == 1 (beta2 >= 0.998) four roundings of mcf.mul are of bf16 values
+ * 5. With beta2_hi == 1 (beta2 >= 0.998) four roundings of mcf.mul are of bf16 values
  *    and are left out (new_moments, unit_hi).
  *
- * On a 2-core AVX-512 host this is about 20% fewer vector instructions than rounding
- * everything one element at a time (370 against 463 per 32 elements for plus, 338
- * with beta2_hi == 1), and as much faster on one core; the EDQ sums add 28.
+ * So there are three tiers, tried block by block (1024 elements): SPLIT (2. to 5.),
+ * CHECKED (the integer rounding, 2. and 4. and 5.) and EXACT (every rounding done, one
+ * element at a time, in place). The fast tiers write their results to block-local
+ * buffers and only a block that passes its checks copies them out, so a block handed
+ * to the next tier starts from untouched state. Mode none leaves nothing out and has
+ * one fast tier, CHECKED with nothing to check, which writes in place.
+ *
+ * On a 2-core AVX-512 host the plus step's fast loops are 283 vector instructions per
+ * 32 elements with SPLIT, 370 with CHECKED, 463 rounding everything; the EDQ sums add
+ * 28.
  *
  * NaN: rb keeps a NaN a NaN without the explicit test torch's conversion makes. Every
  * NaN in this kernel is a widened bf16 NaN or the processor's default NaN, whose low 16
@@ -74,13 +86,49 @@ static inline float rb(float x) {
 /* The bf16 bits of a value already rounded by rb. */
 static inline bf16 narrow(float rounded) { return (bf16)(bits_of(rounded) >> 16); }
 
+/* The tiers (see the top of the file). */
+enum { EXACT = 0, CHECKED = 1, SPLIT = 2 };
+
+/* A rounding: Veltkamp's splitting on the SPLIT tier (checked by the MXCSR flags),
+ * rb on the others. */
+static inline float round_bf16(const int tier, float x) {
+    if (tier != SPLIT) return rb(x);
+    const float c = x * 65537.0f;
+    return c - (c - x);
+}
+
 /* A rounding that is exact in practice: checked (its bits ORed into *low) on the fast
- * path, done on the exact path. */
-static inline float checked_rb(const int fast, float x, uint32_t *low) {
-    if (!fast) return rb(x);
+ * tiers, done on the exact one. */
+static inline float checked_rb(const int tier, float x, uint32_t *low) {
+    if (tier == EXACT) return rb(x);
     *low |= bits_of(x);
     return x;
 }
+
+/* The MXCSR flags that say a SPLIT rounding may be wrong (invalid, denormal operand,
+ * overflow), and the control bits it needs (all exceptions masked, round to nearest,
+ * no flush-to-zero, no denormals-are-zero). */
+#define SPLIT_FLAGS 0x0bu
+#define CONTROL_BITS 0xffc0u
+#define DEFAULT_CONTROL 0x1f80u
+
+#if defined(__x86_64__) && !defined(COLLAGE_NO_SPLIT)
+#define HAVE_SPLIT 1
+/* The "memory" clobbers order them after every store before and before every load
+ * after: a block's arithmetic, which all ends in stores, cannot move across them. */
+static inline uint32_t read_csr(void) {
+    uint32_t csr;
+    __asm__ volatile("stmxcsr %0" : "=m"(csr) : : "memory");
+    return csr;
+}
+static inline void write_csr(uint32_t csr) {
+    __asm__ volatile("ldmxcsr %0" : : "m"(csr) : "memory");
+}
+#else
+#define HAVE_SPLIT 0
+static inline uint32_t read_csr(void) { return 0; }
+static inline void write_csr(uint32_t csr) { (void)csr; }
+#endif
 
 /* Two adjacent bf16 elements as one 32-bit word (any alignment), and back. */
 static inline uint32_t load_pair(const bf16 *p) {
@@ -102,8 +150,11 @@ typedef struct {
 } scalars_t;
 
 /* ------------------------------------------------------------------------------------
- * The arithmetic of one element, shared by both paths. mode: 0 none (bf16), 1 light,
- * 2 plus. fast: 1 checks the roundings of 2. instead of doing them. */
+ * The arithmetic of one element, shared by the tiers. mode: 0 none (bf16), 1 light,
+ * 2 plus. */
+
+/* round_bf16 on the tier of the function it is used in. */
+#define R(x) round_bf16(tier, (x))
 
 /* An MCF (value, remainder) pair. */
 typedef struct {
@@ -111,17 +162,17 @@ typedef struct {
 } mcf_t;
 
 /* mcf.grow((x, dx), y): TwoSum of x and y, its error added to the remainder, and the
- * result renormalised with Fast2Sum (whose two roundings are checked on the fast path). */
-static inline __attribute__((always_inline)) mcf_t grow(const int fast, float x, float dx,
+ * result renormalised with Fast2Sum (whose two roundings are checked on the fast tiers). */
+static inline __attribute__((always_inline)) mcf_t grow(const int tier, float x, float dx,
                                                           float y, uint32_t *low) {
-    const float s = rb(x + y);
-    const float a_approx = rb(s - y);
+    const float s = R(x + y);
+    const float a_approx = R(s - y);
     const float b_approx = s - a_approx; /* exact: 1. */
     const float t = (x - a_approx) + (y - b_approx);
-    const float d = rb(dx + t);
+    const float d = R(dx + t);
     mcf_t r;
-    r.value = rb(s + d);
-    r.remainder = checked_rb(fast, d - checked_rb(fast, r.value - s, low), low);
+    r.value = R(s + d);
+    r.remainder = checked_rb(tier, d - checked_rb(tier, r.value - s, low), low);
     return r;
 }
 
@@ -130,40 +181,40 @@ typedef struct {
 } moments_t;
 
 static inline __attribute__((always_inline)) moments_t
-new_moments(const int mode, const int fast, const int unit_hi, float g, float ea, float x,
+new_moments(const int mode, const int tier, const int unit_hi, float g, float ea, float x,
             float dx, const scalars_t *c, uint32_t *low) {
     moments_t r;
     const float square = g * g; /* exact in fp32 */
-    r.m = rb(ea + c->one_minus_beta1 * (g - ea));
+    r.m = R(ea + c->one_minus_beta1 * (g - ea));
     if (mode == 2) {
         /* mcf.mul((v, dv), (beta2_hi, beta2_lo)). unit_hi: beta2_hi == 1 (beta2 >= 0.998,
          * the usual 0.999), where x * hi and dx * hi are bf16 values, x * hi - p is 0 (or
          * NaN) and adding it leaves a bf16 value: four roundings that are the identity. */
-        const float p = unit_hi ? x * c->beta2_hi : rb(x * c->beta2_hi);
+        const float p = unit_hi ? x * c->beta2_hi : R(x * c->beta2_hi);
         const float error = x * c->beta2_hi - p; /* exact outside the subnormal range */
-        const float e = unit_hi ? error : checked_rb(fast, error, low);
-        const float dx_hi = unit_hi ? dx * c->beta2_hi : rb(dx * c->beta2_hi);
-        const float d_unrounded = rb(dx_hi + rb(x * c->beta2_lo)) + e;
-        const float d = unit_hi ? d_unrounded : rb(d_unrounded);
-        const float s = rb(p + d);
-        const float t = checked_rb(fast, d - checked_rb(fast, s - p, low), low);
+        const float e = unit_hi ? error : checked_rb(tier, error, low);
+        const float dx_hi = unit_hi ? dx * c->beta2_hi : R(dx * c->beta2_hi);
+        const float d_unrounded = R(dx_hi + R(x * c->beta2_lo)) + e;
+        const float d = unit_hi ? d_unrounded : R(d_unrounded);
+        const float s = R(p + d);
+        const float t = checked_rb(tier, d - checked_rb(tier, s - p, low), low);
         /* mcf.grow((s, t), fl(fl(g^2) * (1 - beta2))) */
-        const mcf_t grown = grow(fast, s, t, rb(rb(square) * c->one_minus_beta2), low);
+        const mcf_t grown = grow(tier, s, t, R(R(square) * c->one_minus_beta2), low);
         r.v = grown.value;
         r.dv = grown.remainder;
     } else {
-        r.v = rb(rb(x * c->beta2) + c->one_minus_beta2 * square);
+        r.v = R(R(x * c->beta2) + c->one_minus_beta2 * square);
         r.dv = 0.0f;
     }
     return r;
 }
 
-static inline __attribute__((always_inline)) float intended_update(float m, float v, float th,
-                                                                   const scalars_t *c) {
-    float denom = rb(sqrtf(v));
-    denom = rb(rb(denom * c->inv_sqrt_bias2) + c->eps);
-    const float update = rb(rb(m / denom) * c->step_size);
-    return rb(update + c->decay * th);
+static inline __attribute__((always_inline)) float
+intended_update(const int tier, float m, float v, float th, const scalars_t *c) {
+    float denom = R(sqrtf(v));
+    denom = R(R(denom * c->inv_sqrt_bias2) + c->eps);
+    const float update = R(R(m / denom) * c->step_size);
+    return R(update + c->decay * th);
 }
 
 typedef struct {
@@ -171,13 +222,13 @@ typedef struct {
 } weights_t;
 
 static inline __attribute__((always_inline)) weights_t
-new_weights(const int mode, const int fast, float th, float dth, float update, uint32_t *low) {
+new_weights(const int mode, const int tier, float th, float dth, float update, uint32_t *low) {
     weights_t r = {0.0f, 0.0f};
     if (mode == 0) {
-        r.theta = rb(th + update);
+        r.theta = R(th + update);
         return r;
     }
-    const mcf_t grown = grow(fast, th, dth, update, low); /* (theta, dtheta) + update */
+    const mcf_t grown = grow(tier, th, dth, update, low); /* (theta, dtheta) + update */
     r.theta = grown.value;
     r.dtheta = grown.remainder;
     return r;
@@ -197,8 +248,8 @@ new_weights(const int mode, const int fast, float th, float dth, float update, u
     } while (0)
 
 /* Elements per block: EDQ sums are accumulated in fp32 per block (vectorised), then in
- * double; a block is also the unit the fast path checks and, on failure, recomputes.
- * A block of the six arrays and the fast path's buffers take 26 KB, which stay in L1. */
+ * double; a block is also the unit a tier checks and, on failure, hands on. A block of
+ * the six arrays and the fast tiers' buffers take 26 KB, which stay in L1. */
 #define BLOCK 1024
 
 /* ------------------------------------------------------------------------------------
@@ -215,7 +266,7 @@ static inline __attribute__((always_inline)) void exact_range(
         for (int64_t i = start; i < end; i++) {
             uint32_t unused = 0;
             const moments_t r =
-                new_moments(mode, 0, 0, widen(grad[i]), widen(exp_avg[i]),
+                new_moments(mode, EXACT, 0, widen(grad[i]), widen(exp_avg[i]),
                             widen(exp_avg_sq[i]), mode == 2 ? widen(dv[i]) : 0.0f, c, &unused);
             exp_avg[i] = narrow(r.m);
             exp_avg_sq[i] = narrow(r.v);
@@ -224,7 +275,7 @@ static inline __attribute__((always_inline)) void exact_range(
 #pragma omp simd
         for (int64_t i = start; i < end; i++)
             intended[i - start] =
-                intended_update(widen(exp_avg[i]), widen(exp_avg_sq[i]), widen(theta[i]), c);
+                intended_update(EXACT, widen(exp_avg[i]), widen(exp_avg_sq[i]), widen(theta[i]), c);
         float s0 = 0, s1 = 0, s4 = 0, s5 = 0;
         int32_t n2 = 0, n3 = 0;
 #pragma omp simd reduction(+ : s0, s1, n2, n3, s4, s5)
@@ -232,7 +283,7 @@ static inline __attribute__((always_inline)) void exact_range(
             uint32_t unused = 0;
             const float th = widen(theta[i]), update = intended[i - start];
             const weights_t w =
-                new_weights(mode, 0, th, mode ? widen(dtheta[i]) : 0.0f, update, &unused);
+                new_weights(mode, EXACT, th, mode ? widen(dtheta[i]) : 0.0f, update, &unused);
             if (track) EDQ_ACCUMULATE(th, w, update);
             if (keep_update) update_out[i] = narrow(update);
             theta[i] = narrow(w.theta);
@@ -243,19 +294,26 @@ static inline __attribute__((always_inline)) void exact_range(
 }
 
 /* ------------------------------------------------------------------------------------
- * The fast path on one block of 2 * pairs elements: results into the buffers, then,
- * if every checked rounding was exact, copied out, the block's sums added to acc and 1
- * returned; otherwise 0, with nothing written but update_out (which the exact path
- * overwrites). Mode none, which checks nothing, writes in place. */
+ * A fast tier (CHECKED or SPLIT) on one block of 2 * pairs elements: results into the
+ * buffers, then, if every check passed, copied out, the block's sums added to acc and 1
+ * returned; otherwise 0, with nothing written but update_out (which the next tier
+ * overwrites). Mode none, which checks nothing, writes in place. SPLIT expects the
+ * MXCSR flags clear when it starts. */
 typedef struct {
     bf16 m[BLOCK], v[BLOCK], dv[BLOCK], theta[BLOCK], dtheta[BLOCK];
     float update_low[BLOCK / 2], update_high[BLOCK / 2];
 } buffers_t;
 
+/* Whether a block's checks failed: a checked rounding that was not the identity, or on
+ * SPLIT a flag saying a split rounding may be wrong. */
+static inline int failed(const int tier, uint32_t low) {
+    return (low & 0xffffu) || (tier == SPLIT && (read_csr() & SPLIT_FLAGS));
+}
+
 static inline __attribute__((always_inline)) int fast_block(
-    const int mode, const int unit_hi, const int track, const int keep_update, int64_t pairs,
-    bf16 *theta, bf16 *dtheta, bf16 *exp_avg, bf16 *exp_avg_sq, bf16 *dv, const bf16 *grad,
-    bf16 *update_out, const scalars_t *c, double *acc, buffers_t *b) {
+    const int mode, const int tier, const int unit_hi, const int track, const int keep_update,
+    int64_t pairs, bf16 *theta, bf16 *dtheta, bf16 *exp_avg, bf16 *exp_avg_sq, bf16 *dv,
+    const bf16 *grad, bf16 *update_out, const scalars_t *c, double *acc, buffers_t *b) {
     /* Mode none leaves no rounding out: nothing to check, so it writes in place. */
     const int in_place = mode == 0;
     bf16 *m_to = in_place ? exp_avg : b->m, *v_to = in_place ? exp_avg_sq : b->v,
@@ -267,22 +325,22 @@ static inline __attribute__((always_inline)) int fast_block(
                        v = load_pair(exp_avg_sq + 2 * j),
                        dvw = mode == 2 ? load_pair(dv + 2 * j) : 0;
         uint32_t l = 0;
-        const moments_t lo = new_moments(mode, 1, unit_hi, low_half(g), low_half(m),
+        const moments_t lo = new_moments(mode, tier, unit_hi, low_half(g), low_half(m),
                                          low_half(v), low_half(dvw), c, &l);
-        const moments_t hi = new_moments(mode, 1, unit_hi, high_half(g), high_half(m),
+        const moments_t hi = new_moments(mode, tier, unit_hi, high_half(g), high_half(m),
                                          high_half(v), high_half(dvw), c, &l);
         store_pair(m_to + 2 * j, pack(lo.m, hi.m));
         store_pair(v_to + 2 * j, pack(lo.v, hi.v));
         if (mode == 2) store_pair(b->dv + 2 * j, pack(lo.dv, hi.dv));
         low |= l;
     }
-    if (low & 0xffffu) return 0;
+    if (failed(tier, low)) return 0;
 #pragma omp simd
     for (int64_t j = 0; j < pairs; j++) {
         const uint32_t th = load_pair(theta + 2 * j), m = load_pair(m_to + 2 * j),
                        v = load_pair(v_to + 2 * j);
-        const float ulo = intended_update(low_half(m), low_half(v), low_half(th), c);
-        const float uhi = intended_update(high_half(m), high_half(v), high_half(th), c);
+        const float ulo = intended_update(tier, low_half(m), low_half(v), low_half(th), c);
+        const float uhi = intended_update(tier, high_half(m), high_half(v), high_half(th), c);
         b->update_low[j] = ulo;
         b->update_high[j] = uhi;
         if (keep_update) store_pair(update_out + 2 * j, pack(ulo, uhi));
@@ -294,8 +352,8 @@ static inline __attribute__((always_inline)) int fast_block(
         const uint32_t th = load_pair(theta + 2 * j), dth = mode ? load_pair(dtheta + 2 * j) : 0;
         const float ulo = b->update_low[j], uhi = b->update_high[j];
         uint32_t l = 0;
-        const weights_t wlo = new_weights(mode, 1, low_half(th), low_half(dth), ulo, &l);
-        const weights_t whi = new_weights(mode, 1, high_half(th), high_half(dth), uhi, &l);
+        const weights_t wlo = new_weights(mode, tier, low_half(th), low_half(dth), ulo, &l);
+        const weights_t whi = new_weights(mode, tier, high_half(th), high_half(dth), uhi, &l);
         if (track) {
             EDQ_ACCUMULATE(low_half(th), wlo, ulo);
             EDQ_ACCUMULATE(high_half(th), whi, uhi);
@@ -304,7 +362,7 @@ static inline __attribute__((always_inline)) int fast_block(
         if (mode) store_pair(b->dtheta + 2 * j, pack(wlo.dtheta, whi.dtheta));
         low |= l;
     }
-    if (low & 0xffffu) return 0;
+    if (failed(tier, low)) return 0;
     if (!in_place) {
         const size_t bytes = (size_t)pairs * 4;
         memcpy(exp_avg, b->m, bytes);
@@ -320,28 +378,35 @@ static inline __attribute__((always_inline)) int fast_block(
 /* p + k, or NULL for an array the mode does not have. */
 static inline bf16 *at(bf16 *p, int64_t k) { return p ? p + k : NULL; }
 
-/* The step on n elements: the fast path block by block, the exact path for blocks that
- * fail their check and for an odd last element. Returns how many blocks (of BLOCK
- * elements or fewer) took the exact path. */
-static inline __attribute__((always_inline)) int64_t step_range(
-    const int variant, const int track, const int keep_update, int64_t n, bf16 *theta,
-    bf16 *dtheta, bf16 *exp_avg, bf16 *exp_avg_sq, bf16 *dv, const bf16 *grad,
-    bf16 *update_out, const scalars_t *c, double *sums) {
+/* The step on n elements, block by block: SPLIT where it may run (split), then CHECKED,
+ * then EXACT, each for the blocks the one before fails, and EXACT for an odd last
+ * element. Counts the blocks handed to CHECKED and to EXACT into handed[0] and [1]. */
+static inline __attribute__((always_inline)) void step_range(
+    const int variant, const int track, const int keep_update, const int split, int64_t n,
+    bf16 *theta, bf16 *dtheta, bf16 *exp_avg, bf16 *exp_avg_sq, bf16 *dv, const bf16 *grad,
+    bf16 *update_out, const scalars_t *c, double *sums, int64_t *handed) {
     const int mode = variant == 3 ? 2 : variant, unit_hi = variant == 3;
     double acc[6] = {0, 0, 0, 0, 0, 0};
     buffers_t buffers __attribute__((aligned(64)));
-    int64_t exact_blocks = 0;
     const int64_t even = n & ~(int64_t)1;
     for (int64_t start = 0; start < even; start += BLOCK) {
         const int64_t count = start + BLOCK < even ? BLOCK : even - start;
-        bf16 *dt = at(dtheta, start), *dvs = at(dv, start), *up = at(update_out, start);
-        if (fast_block(mode, unit_hi, track, keep_update, count / 2, theta + start, dt,
-                       exp_avg + start, exp_avg_sq + start, dvs, grad + start, up, c, acc,
-                       &buffers))
+        bf16 *th = theta + start, *dt = at(dtheta, start), *m = exp_avg + start,
+             *v = exp_avg_sq + start, *dvs = at(dv, start), *up = at(update_out, start);
+        const bf16 *g = grad + start;
+        if (split && mode) {
+            const uint32_t csr = read_csr();
+            if (csr & SPLIT_FLAGS) write_csr(csr & ~SPLIT_FLAGS);
+            if (fast_block(mode, SPLIT, unit_hi, track, keep_update, count / 2, th, dt, m, v,
+                           dvs, g, up, c, acc, &buffers))
+                continue;
+            handed[0]++;
+        }
+        if (fast_block(mode, CHECKED, unit_hi, track, keep_update, count / 2, th, dt, m, v,
+                       dvs, g, up, c, acc, &buffers))
             continue;
-        exact_blocks++;
-        exact_range(mode, track, keep_update, count, theta + start, dt, exp_avg + start,
-                    exp_avg_sq + start, dvs, grad + start, up, c, acc);
+        handed[1]++;
+        exact_range(mode, track, keep_update, count, th, dt, m, v, dvs, g, up, c, acc);
     }
     if (n > even) /* the odd last element */
         exact_range(mode, track, keep_update, 1, theta + even, at(dtheta, even),
@@ -349,24 +414,25 @@ static inline __attribute__((always_inline)) int64_t step_range(
                     at(update_out, even), c, acc);
     if (track)
         for (int i = 0; i < 6; i++) sums[i] = acc[i];
-    return exact_blocks;
 }
 
 /* One specialisation per (mode, output): the branches above fold away in each. Mode 3
  * is plus with beta2_hi == 1. */
 #define VARIANT(MODE, TRACK, KEEP)                                                            \
-    static int64_t step_##MODE##TRACK##KEEP(int64_t n, bf16 *theta, bf16 *dtheta, bf16 *m,   \
-                                            bf16 *v, bf16 *dv, const bf16 *g, bf16 *update,  \
-                                            const scalars_t *c, double *sums) {              \
-        return step_range(MODE, TRACK, KEEP, n, theta, dtheta, m, v, dv, g, update, c, sums); \
+    static void step_##MODE##TRACK##KEEP(int split, int64_t n, bf16 *theta, bf16 *dtheta,    \
+                                         bf16 *m, bf16 *v, bf16 *dv, const bf16 *g,          \
+                                         bf16 *update, const scalars_t *c, double *sums,     \
+                                         int64_t *handed) {                                  \
+        step_range(MODE, TRACK, KEEP, split, n, theta, dtheta, m, v, dv, g, update, c, sums, \
+                   handed);                                                                  \
     }
 VARIANT(0, 0, 0) VARIANT(0, 1, 0) VARIANT(0, 0, 1)
 VARIANT(1, 0, 0) VARIANT(1, 1, 0) VARIANT(1, 0, 1)
 VARIANT(2, 0, 0) VARIANT(2, 1, 0) VARIANT(2, 0, 1)
 VARIANT(3, 0, 0) VARIANT(3, 1, 0) VARIANT(3, 0, 1)
 
-typedef int64_t (*variant_t)(int64_t, bf16 *, bf16 *, bf16 *, bf16 *, bf16 *, const bf16 *,
-                             bf16 *, const scalars_t *, double *);
+typedef void (*variant_t)(int, int64_t, bf16 *, bf16 *, bf16 *, bf16 *, bf16 *, const bf16 *,
+                          bf16 *, const scalars_t *, double *, int64_t *);
 static const variant_t VARIANTS[4][3] = {{step_000, step_010, step_001},
                                          {step_100, step_110, step_101},
                                          {step_200, step_210, step_201},
@@ -374,11 +440,17 @@ static const variant_t VARIANTS[4][3] = {{step_000, step_010, step_001},
 
 /* mode: 0 none, 1 light, 2 plus. out: 0 nothing, 1 the six EDQ sums into sums[0..5],
  * 2 the intended update into update (callers that split the sums do it themselves).
- * Returns the number of blocks the exact path recomputed (a diagnostic). */
-int64_t collage_step(int64_t n, int mode, int out, bf16 *theta, bf16 *dtheta, bf16 *exp_avg,
-                     bf16 *exp_avg_sq, bf16 *dv, const bf16 *grad, bf16 *update,
-                     const scalars_t *c, double *sums) {
+ * handed[0] and [1] get the number of blocks handed from SPLIT to CHECKED and to EXACT
+ * (a diagnostic). SPLIT runs only with MXCSR's default control bits (round to nearest,
+ * no flush-to-zero); the kernel leaves MXCSR as it found it. */
+void collage_step(int64_t n, int mode, int out, bf16 *theta, bf16 *dtheta, bf16 *exp_avg,
+                  bf16 *exp_avg_sq, bf16 *dv, const bf16 *grad, bf16 *update,
+                  const scalars_t *c, double *sums, int64_t *handed) {
     const int variant = mode == 2 && c->beta2_hi == 1.0f ? 3 : mode;
-    return VARIANTS[variant][out](n, theta, dtheta, exp_avg, exp_avg_sq, dv, grad, update, c,
-                                  sums);
+    const uint32_t csr = read_csr();
+    const int split = HAVE_SPLIT && (csr & CONTROL_BITS) == DEFAULT_CONTROL;
+    handed[0] = handed[1] = 0;
+    VARIANTS[variant][out](split, n, theta, dtheta, exp_avg, exp_avg_sq, dv, grad, update, c,
+                           sums, handed);
+    if (HAVE_SPLIT) write_csr(csr);
 }

@@ -1,10 +1,12 @@
 """The fused CollageAdamW step on CPU: a small C kernel, built once per machine.
 
 ``collage_cpu.c`` does one pass over each tensor (EDQ sums in the same pass) with the
-arithmetic of ``collage_math.collage_tensor_step``, bitwise. A fast path leaves out
-roundings that are the identity in practice and checks, block by block, that they
-were; a block that fails the check is recomputed on an exact path that rounds
-everything (``exact_blocks`` counts them: a diagnostic). It is compiled on first
+arithmetic of ``collage_math.collage_tensor_step``, bitwise. Its fast tiers leave out
+roundings that are the identity in practice, and on x86 round with three floating-point
+operations whose failures the processor flags; each checks, block by block, that what
+it left out did not matter, and hands a block that fails to the next tier, down to an
+exact one that rounds everything (``checked_blocks`` and ``exact_blocks`` count the
+blocks handed on: a diagnostic). It is compiled on first
 use with the system C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``) for this
 processor (``-march=native``, no FMA contraction) and cached as a shared library under
 ``$COLLAGE_KERNEL_CACHE`` (default ``$XDG_CACHE_HOME/collage_train/kernels``), keyed by
@@ -39,12 +41,14 @@ from pathlib import Path
 import torch
 
 _MODES = {"none": 0, "light": 1, "plus": 2}
-# Blocks the kernel recomputed on its exact path since the process started.
-_exact_blocks = 0
+# Blocks the kernel handed from its fastest tier to the checked one, and to the exact
+# one, since the process started.
+_handed = [0, 0]
 _SOURCE = "collage_cpu.c"
 # Below this many elements one thread does the whole tensor (a thread hand-off costs
 # tens of microseconds); ranges are multiples of 64 elements (a cache line of bf16 x 2).
 _SPLIT_MIN_NUMEL = 1 << 16
+_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 _RANGE_ALIGN = 64
 
 
@@ -79,7 +83,7 @@ def c_compiler() -> str | None:
 
 def _flags() -> list[str]:
     flags = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"]
-    if platform.machine().lower() in ("x86_64", "amd64"):
+    if _X86_64:
         flags.append("-mprefer-vector-width=512")  # AVX-512 where there is one
     return [*flags, "-fPIC", "-shared"]
 
@@ -94,14 +98,29 @@ def _processor_identity() -> str:
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
 
 
-def exact_blocks() -> int:
-    """How many blocks the fast path has handed to the exact path in this process.
+def splits_roundings() -> bool:
+    """Whether the kernel has its split-rounding tier here (x86-64 processors)."""
+    return _X86_64
 
-    Each is a block of 1024 elements where a rounding the fast path leaves out was not
+
+def checked_blocks() -> int:
+    """How many blocks the split-rounding tier (x86) handed on in this process.
+
+    Each is a block of 1024 elements where the processor flagged a rounding of that
+    tier (a subnormal or huge operand); the result is the same either way, only
+    slower. Mostly zero in training.
+    """
+    return _handed[0]
+
+
+def exact_blocks() -> int:
+    """How many blocks went to the exact tier in this process.
+
+    Each is a block of 1024 elements where a rounding the fast tiers leave out was not
     the identity (subnormal second moments, say); the result is the same either way,
     only slower. Mostly zero in training.
     """
-    return _exact_blocks
+    return _handed[1]
 
 
 def cache_dir() -> Path:
@@ -134,7 +153,13 @@ def load_library() -> ctypes.CDLL:
         library = ctypes.CDLL(str(target))
     except OSError as error:
         raise KernelBuildError(f"could not load {target}: {error}") from error
-    library.collage_step.restype = ctypes.c_int64
+    _declare(library)
+    return library
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    """The C signature of ``collage_step``, for ctypes."""
+    library.collage_step.restype = None
     library.collage_step.argtypes = [
         ctypes.c_int64,
         ctypes.c_int,
@@ -142,8 +167,8 @@ def load_library() -> ctypes.CDLL:
         *[ctypes.c_void_p] * 7,
         ctypes.POINTER(_Scalars),
         ctypes.POINTER(ctypes.c_double),
+        ctypes.POINTER(ctypes.c_int64),
     ]
-    return library
 
 
 def _build(compiler: str, flags: list[str], source: bytes, target: Path) -> None:
@@ -230,20 +255,21 @@ def cpu_tensor_step(mode: str) -> Callable[..., torch.Tensor | None]:
         )
         pointers = [t.data_ptr() if t is not None else None for t in (*tensors, update)]
 
-        def run(bounds: tuple[int, int]) -> tuple[list[float], int]:
+        def run(bounds: tuple[int, int]) -> tuple[list[float], list[int]]:
             start, end = bounds
-            sums = (ctypes.c_double * 6)()
+            sums, handed = (ctypes.c_double * 6)(), (ctypes.c_int64 * 2)()
             shifted = [p + 2 * start if p is not None else None for p in pointers]
-            exact = library.collage_step(end - start, mode_id, out, *shifted, scalars, sums)
-            return list(sums), exact
+            library.collage_step(end - start, mode_id, out, *shifted, scalars, sums, handed)
+            return list(sums), list(handed)
 
         ranges = _ranges(theta.numel(), torch.get_num_threads())
         if len(ranges) == 1:
             results = [run(ranges[0])]
         else:
             results = list(_pool(len(ranges)).map(run, ranges))
-        global _exact_blocks
-        _exact_blocks += sum(exact for _, exact in results)
+        for _, handed in results:
+            _handed[0] += handed[0]
+            _handed[1] += handed[1]
         partials = [sums for sums, _ in results]
         if update is not None:
             return update
