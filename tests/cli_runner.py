@@ -64,17 +64,28 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _remove_shm_buffers(port: int) -> None:
+    """DeepSpeed's CPU all-reduce leaves a 69 MB /dev/shm file per rank, named after the
+    master port, when its processes exit; without this the suite fills /dev/shm."""
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        path.unlink(missing_ok=True)
+
+
 def run_deepspeed(*args: str, ranks: int = 2, timeout: float = 900) -> Result:
     """``deepspeed --num_gpus RANKS --no_local_rank --module collage_train ARGS`` on CPU."""
     launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "DS_ACCELERATOR": "cpu"}
+    port = _free_port()
     command = [
-        launcher, "--num_gpus", str(ranks), "--master_port", str(_free_port()),
+        launcher, "--num_gpus", str(ranks), "--master_port", str(port),
         "--no_local_rank", "--module", "collage_train", *args,
     ]  # fmt: skip
-    proc = subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    try:
+        proc = subprocess.run(
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    finally:
+        _remove_shm_buffers(port)
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -82,11 +93,15 @@ def run_torchrun(*args: str, cwd: Path, ranks: int = 2, timeout: float = 900) ->
     """``torchrun --nproc_per_node RANKS -m collage_train ARGS`` on CPU, from ``cwd``."""
     launcher = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "DS_ACCELERATOR": "cpu"}
+    port = _free_port()
     command = [
-        launcher, "--nproc_per_node", str(ranks), "--master_port", str(_free_port()),
+        launcher, "--nproc_per_node", str(ranks), "--master_port", str(port),
         "-m", "collage_train", *args,
     ]  # fmt: skip
-    proc = subprocess.run(
-        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    try:
+        proc = subprocess.run(
+            command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    finally:
+        _remove_shm_buffers(port)
     return Result(proc.returncode, proc.stdout, proc.stderr)
