@@ -100,10 +100,11 @@ def test_kernel_is_bitwise_equal_to_the_eager_reference(mode, n, beta2):
         assert seen_subnormal
 
 
-def build_without_split_tier(tmp_path: Path) -> ctypes.CDLL:
+@pytest.fixture(scope="module")
+def no_split_library(tmp_path_factory) -> ctypes.CDLL:
     """The kernel built as for a processor without the split tier (-DCOLLAGE_NO_SPLIT)."""
     source = resources.files("collage_train.optim").joinpath("collage_cpu.c").read_bytes()
-    target = tmp_path / "collage_cpu-no-split.so"
+    target = tmp_path_factory.mktemp("no-split") / "collage_cpu-no-split.so"
     collage_cpu._build(
         collage_cpu.c_compiler(), [*collage_cpu._flags(), "-DCOLLAGE_NO_SPLIT"], source, target
     )
@@ -113,9 +114,8 @@ def build_without_split_tier(tmp_path: Path) -> ctypes.CDLL:
 
 
 @pytest.fixture
-def without_split_tier(monkeypatch, tmp_path):
-    library = build_without_split_tier(tmp_path)
-    monkeypatch.setattr(collage_cpu, "load_library", lambda: library)
+def without_split_tier(monkeypatch, no_split_library):
+    monkeypatch.setattr(collage_cpu, "load_library", lambda: no_split_library)
 
 
 @pytest.mark.parametrize("mode", ["none", "light", "plus"])
@@ -223,7 +223,7 @@ FE_INVALID, FE_TONEAREST, FE_UPWARD = 0x01, 0x000, 0x800  # x86 <fenv.h>
 
 
 @pytest.mark.skipif(not X86, reason="the split tier and MXCSR are x86-64 only")
-def test_without_round_to_nearest_the_split_tier_is_left_out(monkeypatch, tmp_path):
+def test_without_round_to_nearest_the_split_tier_is_left_out(monkeypatch, no_split_library):
     """Veltkamp's splitting rounds to nearest only in round-to-nearest mode (and needs
     denormals seen, not zeroed): in any other MXCSR mode the kernel does what the build
     without the split tier does, bit for bit."""
@@ -233,7 +233,7 @@ def test_without_round_to_nearest_the_split_tier_is_left_out(monkeypatch, tmp_pa
     with_split = training_like_state("plus", n, 0.95)
     without = [t.clone() for t in with_split]
     split_kernel = collage_cpu.cpu_tensor_step("plus")
-    monkeypatch.setattr(collage_cpu, "load_library", lambda: build_without_split_tier(tmp_path))
+    monkeypatch.setattr(collage_cpu, "load_library", lambda: no_split_library)
     plain_kernel = collage_cpu.cpu_tensor_step("plus")
     before = tier_counts()
     assert LIBM.fesetround(FE_UPWARD) == 0
