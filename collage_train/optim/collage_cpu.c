@@ -26,12 +26,13 @@
  * 3. The remaining roundings are three floating-point operations instead of five
  *    integer ones (SPLIT, x86 only): Veltkamp's splitting, h = c - (c - x) with
  *    c = x * (2^16 + 1), is x rounded to 8 significant bits, ties to even, for every
- *    normal fp32 x below 2^111 (tests/exhaustive_split.c
- *    checks all 2^32 inputs). Where it is not, x is subnormal, or c overflows, or x is
- *    infinite, and the processor says so: x * C raises the denormal-operand flag,
- *    overflow raises the overflow flag, c - x = inf - inf the invalid flag. The kernel
- *    reads those sticky MXCSR flags after a block and hands the block on if any is set.
- *    A NaN x gives h = x, as rb does for the NaNs this kernel sees (see below).
+ *    normal fp32 x below 2^111. Where it is not, x is subnormal, or c overflows, or x
+ *    is infinite, and the processor says so: the product raises the denormal-operand
+ *    flag or the overflow flag, inf - inf the invalid flag (tests/exhaustive_split.c
+ *    checks all 2^32 inputs: rb's bits or a flag). The kernel reads those sticky MXCSR
+ *    flags after a block and hands the block on if any is set. A quiet NaN x gives
+ *    h = x, as rb does for the NaNs this kernel sees (see below); a signalling one
+ *    raises the invalid flag.
  * 4. The fast paths read and write the bf16 arrays as pairs in 32-bit words: the low
  *    half widened by a shift, the high half by a mask, and packed back with a shift and
  *    a select, instead of the widening and narrowing shuffles of one element at a time.

@@ -48,8 +48,9 @@ _SOURCE = "collage_cpu.c"
 # Below this many elements one thread does the whole tensor (a thread hand-off costs
 # tens of microseconds); ranges are multiples of 64 elements (a cache line of bf16 x 2).
 _SPLIT_MIN_NUMEL = 1 << 16
-_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 _RANGE_ALIGN = 64
+# Where the kernel has its split-rounding tier (it reads the x86 MXCSR flags).
+_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 
 
 class KernelBuildError(RuntimeError):
