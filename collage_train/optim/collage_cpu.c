@@ -190,7 +190,8 @@ static inline __attribute__((always_inline)) float new_m(const int tier, float g
 
 /* Plus mode's second moment in two halves, so that a fast tier can run each in its own
  * loop (two shorter dependency chains keep more elements in flight). The first half:
- * (s, t) = mcf.mul((v, dv), (beta2_hi, beta2_lo)) and y = fl(fl(g^2) * (1 - beta2)). */
+ * (s, t) = mcf.mul((v, dv), (beta2_hi, beta2_lo)) and y = fl(fl(g^2) * (1 - beta2));
+ * the second is grow(s, t, y), the new (v, dv). */
 typedef struct {
     float s, t, y;
 } scaled_v_t;
@@ -212,12 +213,6 @@ scaled_v(const int tier, const int unit_hi, float g, float x, float dx, const sc
     r.t = checked_rb(tier, d - checked_rb(tier, r.s - p, low), low);
     r.y = R(R(g * g) * c->one_minus_beta2); /* g * g is exact in fp32 */
     return r;
-}
-
-/* The second half: mcf.grow((s, t), y), the new (v, dv). */
-static inline __attribute__((always_inline)) mcf_t grown_v(const int tier, scaled_v_t h,
-                                                           uint32_t *low) {
-    return grow(tier, h.s, h.t, h.y, low);
 }
 
 /* Light mode's second moment: fl(fl(v * beta2) + (1 - beta2) * g^2). */
@@ -285,8 +280,8 @@ static inline __attribute__((always_inline)) void exact_range(
             const float g = widen(grad[i]), v = widen(exp_avg_sq[i]);
             exp_avg[i] = narrow(new_m(EXACT, g, widen(exp_avg[i]), c));
             if (mode == 2) {
-                const mcf_t r = grown_v(EXACT, scaled_v(EXACT, 0, g, v, widen(dv[i]), c, &unused),
-                                        &unused);
+                const scaled_v_t h = scaled_v(EXACT, 0, g, v, widen(dv[i]), c, &unused);
+                const mcf_t r = grow(EXACT, h.s, h.t, h.y, &unused); /* the new (v, dv) */
                 exp_avg_sq[i] = narrow(r.value);
                 dv[i] = narrow(r.remainder);
             } else {
