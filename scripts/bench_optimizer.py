@@ -14,7 +14,8 @@ slow copies and steps alike. Two ratios are reported: best against best (the fas
 step against the fastest copy of the whole run, which can only raise a ratio), and
 paired (the median over steps of each step against a copy timed just before it, so a
 slow period slows both sides). The EDQ overhead is the median over adjacent pairs of
-one tracked and one untracked step on the same optimizer.
+one tracked and one untracked step on the same optimizer, each after a copy, in
+alternating order.
 
     python scripts/bench_optimizer.py --params 33.6e6 --json optimizer.json
 
@@ -131,21 +132,25 @@ def time_steps(
     """Seconds of each step after two warm-up steps (state allocation, compilation).
 
     Returns (timed steps, untracked partner steps, the copy timed just before each timed
-    step). With ``track`` the steps alternate EDQ tracking on and off on the same
-    optimizer and tensors, so that tracked step i and untracked step i are neighbours in
-    time (a paired comparison, not two runs minutes apart on a noisy host); without it
-    the second list is empty.
+    step). Every step follows a copy. With ``track`` the steps come in pairs, one with
+    EDQ tracking and one without, on the same optimizer and tensors, so that tracked
+    step i and untracked step i are neighbours in time (a paired comparison, not two
+    runs minutes apart on a noisy host); the order within a pair alternates, so that
+    neither side is always the one that follows the copy's cache flush or a drift in
+    the host's speed. Without ``track`` the second list is empty.
     """
     for _ in range(2):
         optimizer.step()
     times: dict[bool, list[float]] = {True: [], False: []}
     copies = []
     for index in range(2 * steps if track else steps):
-        tracked = track and index % 2 == 0
+        pair, second = divmod(index, 2)
+        tracked = track and (second == pair % 2)  # T U, U T, T U, ...
         if track:
             optimizer.track_descent = tracked
+        copy = copier.seconds()
         if tracked or not track:
-            copies.append(copier.seconds())
+            copies.append(copy)
         sync(copier.device)
         start = time.perf_counter()
         optimizer.step()

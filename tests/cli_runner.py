@@ -20,6 +20,8 @@ class Result:
     returncode: int
     stdout: str
     stderr: str
+    # /dev/shm files of DeepSpeed's CPU all-reduce the run left behind (then removed)
+    leftover_shm: tuple[str, ...] = ()
 
     @property
     def error_lines(self) -> list[str]:
@@ -64,11 +66,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _remove_shm_buffers(port: int) -> None:
-    """DeepSpeed's CPU all-reduce leaves a 69 MB /dev/shm file per rank, named after the
-    master port, when its processes exit; without this the suite fills /dev/shm."""
-    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+def _remove_shm_buffers(port: int) -> tuple[str, ...]:
+    """Remove (and name) the /dev/shm files of DeepSpeed's CPU all-reduce, 69 MB per
+    rank and named after the master port, that a run left behind. The trainer removes
+    its own (engine/zero.py); a leak elsewhere would otherwise fill /dev/shm."""
+    left = sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    for path in left:
         path.unlink(missing_ok=True)
+    return tuple(path.name for path in left)
 
 
 def run_deepspeed(*args: str, ranks: int = 2, timeout: float = 900) -> Result:
@@ -85,8 +90,8 @@ def run_deepspeed(*args: str, ranks: int = 2, timeout: float = 900) -> Result:
             command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
         )
     finally:
-        _remove_shm_buffers(port)
-    return Result(proc.returncode, proc.stdout, proc.stderr)
+        left = _remove_shm_buffers(port)
+    return Result(proc.returncode, proc.stdout, proc.stderr, left)
 
 
 def run_torchrun(*args: str, cwd: Path, ranks: int = 2, timeout: float = 900) -> Result:
@@ -103,5 +108,5 @@ def run_torchrun(*args: str, cwd: Path, ranks: int = 2, timeout: float = 900) ->
             command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
         )
     finally:
-        _remove_shm_buffers(port)
-    return Result(proc.returncode, proc.stdout, proc.stderr)
+        left = _remove_shm_buffers(port)
+    return Result(proc.returncode, proc.stdout, proc.stderr, left)

@@ -35,6 +35,31 @@ def test_row_compares_best_with_best_and_pairs_the_edq_steps():
     assert "edq_overhead" not in untracked
 
 
+def test_edq_pairs_alternate_their_order_and_every_step_follows_a_copy():
+    events: list[str] = []
+
+    class Optimizer:
+        track_descent = False
+
+        def step(self) -> None:
+            events.append("T" if self.track_descent else "U")
+
+    class Copier:
+        device = "cpu"
+
+        def seconds(self) -> float:
+            events.append("c")
+            return 1.0
+
+    times, partners, copies = bench_optimizer.time_steps(Optimizer(), 3, Copier(), track=True)
+    assert "".join(events) == "UU" + "cTcU" + "cUcT" + "cTcU"  # two warm-up steps first
+    assert len(times) == len(partners) == len(copies) == 3
+    events.clear()
+    times, partners, copies = bench_optimizer.time_steps(Optimizer(), 2, Copier(), track=False)
+    assert "".join(events) == "UU" + "cUcU"
+    assert len(times) == len(copies) == 2 and partners == []
+
+
 def test_a_tiny_run_writes_the_rows_the_issue_names(tmp_path):
     out = tmp_path / "rows.json"
     only = ["collage_plus (compiled)", "collage_plus (compiled, EDQ every step)"]

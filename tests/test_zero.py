@@ -47,6 +47,7 @@ def runs(corpus_dir, cache_dir, tmp_path_factory):
             ]
             result = run_cli(*args) if distributed == "single" else run_deepspeed(*args)
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            assert not result.leftover_shm, result.leftover_shm  # engine/zero.py unlinks them
             done[key] = (run_dir, result)
         return done[key]
 
@@ -181,6 +182,26 @@ def test_zero2_resume_continues_to_the_same_weights(runs, corpus_dir, cache_dir,
     assert other.returncode == 1
     assert len(other.error_lines) == 1
     assert "2 data-parallel ranks" in other.error_lines[0] and "1" in other.error_lines[0]
+
+
+def test_nan_loss_under_zero_is_one_error_line_and_leaves_no_shm_files(
+    corpus_dir, cache_dir, tmp_path
+):
+    """A ZeRO run that fails mid-training ends like a single-process one, and DeepSpeed's
+    CPU all-reduce files are gone although no rank reached the engine's close()."""
+    args = [
+        *tiny_overrides(corpus_dir, cache_dir, tmp_path / "run"),
+        "train.max_steps=4",
+        "optim.lr=1e38",
+        "precision=collage_plus",
+        "distributed=zero2",
+    ]
+    result = run_deepspeed(*args)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = result.error_lines  # rank 0 reports, once
+    assert "became nan" in line and "optim.lr" in line, line
+    assert not result.leftover_shm, result.leftover_shm
 
 
 def test_export_command_consolidates_zero3_shards(runs, tmp_path):

@@ -40,6 +40,26 @@ def _import_deepspeed(device_type: str) -> Any:
     return deepspeed
 
 
+def _release_shm_buffer_name(rank: int) -> None:
+    """Unlink this rank's /dev/shm file of DeepSpeed's CPU all-reduce, if it has one.
+
+    On CPU, with all ranks on one machine, ``deepspeed.init_distributed`` creates one
+    69 MB file per rank in /dev/shm (named after the user id, master address and port,
+    and rank), every rank maps every rank's file, and nothing ever removes them: each
+    run would leave its files behind, a crashed run too. Call this on every rank once
+    all ranks are past ``init_distributed`` (after a barrier): each file is then mapped
+    by every rank and its name is no longer needed; the memory is freed when the last
+    process exits. Unlinking earlier would leave a slower rank waiting forever for the
+    file to appear.
+    """
+    name = (
+        f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+        f"{os.environ.get('MASTER_PORT', '')}_{rank}"
+    )
+    with contextlib.suppress(FileNotFoundError):
+        (Path("/dev/shm") / name).unlink()
+
+
 def _merge_runs(segments: list[Segment]) -> list[Segment]:
     """Join adjacent segments of the same layer group."""
     merged: list[Segment] = []
@@ -68,6 +88,9 @@ class ZeroEngine:
         )
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        if device.type == "cpu" and hasattr(os, "getuid"):
+            dist.barrier()  # every rank has mapped every rank's all-reduce file
+            _release_shm_buffer_name(self.rank)
         self.device = torch.device("cuda", local_rank()) if device.type == "cuda" else device
         self.ds: Any = None
         self.model: torch.nn.Module | None = None
