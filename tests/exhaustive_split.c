@@ -7,10 +7,14 @@
  * that x's rounding. NaNs whose low 16 bits are set are left out: the kernel never
  * rounds one (see the top of collage_cpu.c). The 2^16 values sharing their high 16 bits
  * are done as one vectorised chunk; a chunk with any difference is redone one value at
- * a time, each with its own flags. Prints the count; exit 0 iff 0.
+ * a time, each with its own flags. Prints the count and the number of chunks done;
+ * exit 0 iff the count is 0. With arguments "k n" it does only the chunks whose high
+ * 16 bits are k modulo n: one of n slices run at once.
  */
 #include <stdio.h>
+#include <stdlib.h>
 
+#define COLLAGE_ROUNDINGS_ONLY
 #include "collage_cpu.c"
 
 /* Values of the chunk whose split rounding differs from rb (vectorised). */
@@ -35,10 +39,13 @@ static int caught(float x) {
     return flags || bits_of(rounded) == bits_of(rb(x));
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    const uint32_t slice = argc > 2 ? (uint32_t)atoi(argv[1]) : 0;
+    const uint32_t slices = argc > 2 ? (uint32_t)atoi(argv[2]) : 1;
     const uint32_t saved = read_csr();
-    unsigned long long wrong = 0;
-    for (uint32_t high = 0; high < 65536; high++) {
+    unsigned long long wrong = 0, chunks = 0;
+    for (uint32_t high = slice; high < 65536; high += slices) {
+        chunks++;
         if (!differences(high)) continue;
         for (uint32_t low = 0; low < 65536; low++) {
             const uint32_t u = high << 16 | low;
@@ -48,6 +55,6 @@ int main(void) {
         }
     }
     write_csr(saved);
-    printf("%llu\n", wrong);
+    printf("%llu %llu\n", wrong, chunks);
     return wrong != 0;
 }

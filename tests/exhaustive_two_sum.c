@@ -5,15 +5,22 @@
  * result rounded to bf16 by the kernel's rb) and as the kernel does (the last four
  * results not rounded), and counts the pairs whose (b', t) differ in any bit. NaN inputs
  * are left out: with two NaN operands the compiler may swap a commutative add and
- * return the other NaN's payload, in both versions alike. Prints the count; exit 0 iff 0.
+ * return the other NaN's payload, in both versions alike. Prints the count and the
+ * number of x done (each with all 2^16 a); exit 0 iff the count is 0. With arguments
+ * "k n" it does only the x whose bits are k modulo n: one of n slices run at once.
  */
 #include <stdio.h>
+#include <stdlib.h>
 
+#define COLLAGE_ROUNDINGS_ONLY
 #include "collage_cpu.c"
 
-int main(void) {
-    unsigned long long differing = 0;
-    for (uint32_t i = 0; i < 65536; i++) {
+int main(int argc, char **argv) {
+    const uint32_t slice = argc > 2 ? (uint32_t)atoi(argv[1]) : 0;
+    const uint32_t slices = argc > 2 ? (uint32_t)atoi(argv[2]) : 1;
+    unsigned long long differing = 0, chunks = 0;
+    for (uint32_t i = slice; i < 65536; i += slices) {
+        chunks++;
         const float x = widen((bf16)i);
         uint32_t count = 0;
 #pragma omp simd reduction(+ : count)
@@ -31,6 +38,6 @@ int main(void) {
         }
         differing += count;
     }
-    printf("%llu\n", differing);
+    printf("%llu %llu\n", differing, chunks);
     return differing != 0;
 }
