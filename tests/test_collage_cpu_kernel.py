@@ -362,7 +362,12 @@ def run_exhaustive_check(name: str, tmp_path: Path) -> None:
         subprocess.Popen([str(binary), str(k), str(slices)], stdout=subprocess.PIPE, text=True)
         for k in range(slices)
     ]
-    outcomes = [(p.communicate(timeout=600)[0].split(), p.returncode) for p in processes]
+    try:
+        outcomes = [(p.communicate(timeout=600)[0].split(), p.returncode) for p in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    assert all(len(words) == 2 for words, _ in outcomes), outcomes
     assert [(words[0], code) for words, code in outcomes] == [("0", 0)] * slices
     assert sum(int(words[1]) for words, _ in outcomes) == 65536
 

@@ -188,7 +188,7 @@ def test_nan_loss_under_zero_is_one_error_line_and_leaves_no_shm_files(
     corpus_dir, cache_dir, tmp_path
 ):
     """A ZeRO run that fails mid-training ends like a single-process one, and DeepSpeed's
-    CPU all-reduce files are gone although no rank reached the engine's close()."""
+    CPU all-reduce files are gone although the run failed."""
     args = [
         *tiny_overrides(corpus_dir, cache_dir, tmp_path / "run"),
         "train.max_steps=4",
@@ -200,7 +200,7 @@ def test_nan_loss_under_zero_is_one_error_line_and_leaves_no_shm_files(
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     (line,) = result.error_lines  # rank 0 reports, once
-    assert "became nan" in line and "optim.lr" in line, line
+    assert "became" in line and "at step" in line and "optim.lr" in line, line
     assert not result.leftover_shm, result.leftover_shm
 
 

@@ -43,14 +43,14 @@ def _import_deepspeed(device_type: str) -> Any:
 def _release_shm_buffer_name(rank: int) -> None:
     """Unlink this rank's /dev/shm file of DeepSpeed's CPU all-reduce, if it has one.
 
-    On CPU, with all ranks on one machine, ``deepspeed.init_distributed`` creates one
-    69 MB file per rank in /dev/shm (named after the user id, master address and port,
-    and rank), every rank maps every rank's file, and nothing ever removes them: each
-    run would leave its files behind, a crashed run too. Call this on every rank once
-    all ranks are past ``init_distributed`` (after a barrier): each file is then mapped
-    by every rank and its name is no longer needed; the memory is freed when the last
-    process exits. Unlinking earlier would leave a slower rank waiting forever for the
-    file to appear.
+    On CPU, with all ranks on one machine under the deepspeed launcher (LOCAL_SIZE equal
+    to the world size), ``deepspeed.init_distributed`` creates one 69 MB file per rank
+    in /dev/shm (named after the user id, master address and port, and rank), every
+    rank maps every rank's file, and nothing ever removes them: each run would leave
+    its files behind, a failed run too. Call this on every rank once all ranks are past
+    ``init_distributed`` (after a barrier): each file is then mapped by every rank and
+    its name is no longer needed; the memory is freed when the last process exits.
+    Unlinking earlier would leave a slower rank waiting forever for the file to appear.
     """
     name = (
         f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
