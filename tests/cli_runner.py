@@ -76,33 +76,16 @@ def _remove_shm_buffers(port: int) -> tuple[str, ...]:
     return tuple(path.name for path in left)
 
 
-def run_deepspeed(*args: str, ranks: int = 2, timeout: float = 900) -> Result:
-    """``deepspeed --num_gpus RANKS --no_local_rank --module collage_train ARGS`` on CPU."""
-    launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+def _launch(
+    name: str, options: list[str], args: tuple[str, ...], cwd: Path, timeout: float
+) -> Result:
+    """``NAME --master_port PORT OPTIONS ARGS`` (a launcher of this environment) on CPU,
+    on a free port; then removes the run's DeepSpeed /dev/shm files, naming them in the
+    result."""
+    launcher = shutil.which(name) or str(Path(sys.executable).parent / name)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "DS_ACCELERATOR": "cpu"}
     port = _free_port()
-    command = [
-        launcher, "--num_gpus", str(ranks), "--master_port", str(port),
-        "--no_local_rank", "--module", "collage_train", *args,
-    ]  # fmt: skip
-    try:
-        proc = subprocess.run(
-            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-        )
-    finally:
-        left = _remove_shm_buffers(port)
-    return Result(proc.returncode, proc.stdout, proc.stderr, left)
-
-
-def run_torchrun(*args: str, cwd: Path, ranks: int = 2, timeout: float = 900) -> Result:
-    """``torchrun --nproc_per_node RANKS -m collage_train ARGS`` on CPU, from ``cwd``."""
-    launcher = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "DS_ACCELERATOR": "cpu"}
-    port = _free_port()
-    command = [
-        launcher, "--nproc_per_node", str(ranks), "--master_port", str(port),
-        "-m", "collage_train", *args,
-    ]  # fmt: skip
+    command = [launcher, "--master_port", str(port), *options, *args]
     try:
         proc = subprocess.run(
             command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
@@ -110,3 +93,16 @@ def run_torchrun(*args: str, cwd: Path, ranks: int = 2, timeout: float = 900) ->
     finally:
         left = _remove_shm_buffers(port)
     return Result(proc.returncode, proc.stdout, proc.stderr, left)
+
+
+def run_deepspeed(*args: str, ranks: int = 2, timeout: float = 900) -> Result:
+    """``deepspeed --num_gpus RANKS --no_local_rank --module collage_train ARGS`` on CPU."""
+    options = ["--num_gpus", str(ranks), "--no_local_rank", "--module", "collage_train"]
+    return _launch("deepspeed", options, args, REPO, timeout)
+
+
+def run_torchrun(*args: str, cwd: Path, ranks: int = 2, timeout: float = 900) -> Result:
+    """``torchrun --nproc_per_node RANKS -m collage_train ARGS`` on CPU, from ``cwd``."""
+    return _launch(
+        "torchrun", ["--nproc_per_node", str(ranks), "-m", "collage_train"], args, cwd, timeout
+    )
