@@ -98,6 +98,9 @@ class TrainConfig:
     export_hf: bool = True
     compile: bool = False  # torch.compile the model's forward (and so its backward)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # CPU only: bf16 matrix products as native kernels, as fp32 GEMMs rounded to bf16, or
+    # whichever a start-up probe finds faster (collage_train/cpu_bf16.py)
+    cpu_bf16_gemm: str = "auto"  # auto | native | fp32
 
 
 @dataclass

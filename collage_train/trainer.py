@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from collage_train import checkpoint
 from collage_train.comm.settings import check_schedule, comm_name, uses_replicas
+from collage_train.cpu_bf16 import choose_cpu_bf16_gemm
 from collage_train.data import build_data
 from collage_train.engine import build_engine
 from collage_train.engine.launch import local_world_size
@@ -156,6 +157,9 @@ class Trainer:
         )
         self.model = model.to(device=self.device, dtype=self.strategy.param_dtype)
         self.model = self.strategy.prepare_model(self.model)  # e.g. Scalify's module swap
+        self.cpu_bf16_gemm = choose_cpu_bf16_gemm(
+            train.cpu_bf16_gemm, self.device, self.strategy.computes_in_bf16
+        )
         if train.activation_checkpointing:
             # transformers' own switch: each block's input is kept, the rest recomputed
             # (renamed activation_checkpointing_enable in transformers 5.x).
@@ -163,8 +167,8 @@ class Trainer:
                 self.model.activation_checkpointing_enable({"use_reentrant": False})
             else:
                 self.model.gradient_checkpointing_enable({"use_reentrant": False})
-        if train.compile:
-            self.model.compile()  # in place: parameters, state-dict keys and hooks unchanged
+        if train.compile:  # in place: parameters, state-dict keys and hooks unchanged
+            self.model.compile(backend=self.cpu_bf16_gemm.compile_backend())
         self.num_params = count_parameters(self.model)
         self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
         group_of = {p: layer_group(n) for n, p in self.model.named_parameters()}
@@ -352,8 +356,9 @@ class Trainer:
             fetch_start = time.perf_counter()
             batch = self.data.train_loader.next_batch().to(self.device, non_blocking=True)
             data_time += time.perf_counter() - fetch_start
-            loss = self._loss(batch)
-            self.engine.backward(loss)
+            with self.cpu_bf16_gemm.context(compiled=self.cfg.train.compile):
+                loss = self._loss(batch)
+                self.engine.backward(loss)
             loss_sum += loss.detach()
         loss_sum /= self.accum_steps * self.engine.world_size
         loss_value = self.engine.all_reduce_sum(loss_sum).item()  # mean over all ranks
@@ -424,7 +429,8 @@ class Trainer:
             self.cfg.train.micro_batch_size,
             max(1, self.cfg.train.eval_batches // self.engine.world_size),
         ):
-            totals[0] += self._loss(batch.to(self.device))
+            with self.cpu_bf16_gemm.context(compiled=self.cfg.train.compile):
+                totals[0] += self._loss(batch.to(self.device))
             totals[1] += 1
         self.forward_module.train()
         loss_sum, batches = self.engine.all_reduce_sum(totals).tolist()
@@ -525,7 +531,7 @@ class Trainer:
             f"{self.tokens_per_step:,} tokens (micro-batch {train.micro_batch_size} x "
             f"{self.accum_steps} accumulation x {self.engine.world_size} rank) | "
             f"distributed={self.cfg.distributed.name} | {self._describe_comm()} | "
-            f"{train.max_steps} steps"
+            f"{train.max_steps} steps | {self.cpu_bf16_gemm.describe()}"
         )
 
     def _describe_comm(self) -> str:
@@ -581,6 +587,7 @@ class Trainer:
             **self._scale_metrics(),
             "world_size": self.engine.world_size,
             "optimizer_kernel": self.optimizer_kernel,
+            **self.cpu_bf16_gemm.summary(),
             "skipped_steps": self.skipped_steps,
             "wall_time_s": wall_time,
             "device": str(self.device),

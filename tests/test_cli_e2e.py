@@ -98,10 +98,14 @@ def _final_state(run_dir, step):
     return load_checkpoint_file(ckpt, "model"), load_checkpoint_file(ckpt, "optimizer")
 
 
-@pytest.mark.parametrize("precision", ["mixed_fp32", "bf16", "collage_light", "collage_plus"])
-def test_stop_and_resume_is_bitwise_identical(tiny, tmp_path, precision):
-    # Dropout makes the RNG state part of what a resume must restore.
-    common = [f"precision={precision}", "model.dropout=0.1"]
+@pytest.mark.parametrize(
+    ("precision", "gemm"),
+    [("mixed_fp32", "auto"), ("bf16", "auto"), ("collage_light", "auto"), ("collage_plus", "fp32")],
+)
+def test_stop_and_resume_is_bitwise_identical(tiny, tmp_path, precision, gemm):
+    # Dropout makes the RNG state part of what a resume must restore; collage_plus runs
+    # its bf16 products as fp32 GEMMs on every CPU (the others as auto chooses).
+    common = [f"precision={precision}", "model.dropout=0.1", f"train.cpu_bf16_gemm={gemm}"]
     straight = tiny(*common, run_dir=tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr
     first = tiny(*common, "train.stop_at_step=4", run_dir=tmp_path / "chunked")
@@ -136,6 +140,9 @@ def test_stop_and_resume_is_bitwise_identical(tiny, tmp_path, precision):
     summary = json.loads((tmp_path / "chunked" / "summary.json").read_text())
     expected_bytes = {"mixed_fp32": 16, "bf16": 8, "collage_light": 10, "collage_plus": 12}
     assert summary["state_bytes_per_param"] == expected_bytes[precision]
+    if gemm == "fp32":
+        assert summary["cpu_bf16_gemm"] == "fp32"
+    assert f"bf16 GEMMs: {summary['cpu_bf16_gemm']}" in second.stdout
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

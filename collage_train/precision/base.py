@@ -58,6 +58,11 @@ class PrecisionStrategy:
                 )
         return self
 
+    @property
+    def computes_in_bf16(self) -> bool:
+        """Whether the model's matrix products run in bf16 (see ``collage_train.cpu_bf16``)."""
+        return torch.bfloat16 in (self.param_dtype, self.autocast_dtype)
+
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Adapt the model after it is cast to ``param_dtype`` (module replacement); no-op."""
         return model

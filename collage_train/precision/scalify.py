@@ -99,6 +99,10 @@ class ScalifyStrategy(PrecisionStrategy):
             tuple(p for p in RESCALE_POINTS if p in rescale),
         )
 
+    @property
+    def computes_in_bf16(self) -> bool:
+        return self.matmul == "bf16"  # fp32 parameters; the scaled modules' matmul format
+
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Swap Linear/Conv1D, LayerNorm and attention for scaled forms; hook gradient rescaling."""
         from collage_train.scalify.attention import use_scaled_attention  # needs transformers
