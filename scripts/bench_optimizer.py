@@ -105,6 +105,8 @@ def candidates(device: str) -> dict[str, tuple[torch.dtype, Callable]]:
                     p, mode=mode, kernel=kernel, **hyper
                 ),
             )
+    # What a drop-in user gets: CollageAdamW(params, lr=...) (mode plus, kernel auto).
+    rows["collage_plus (default)"] = (torch.bfloat16, lambda p: CollageAdamW(p, **hyper))
     try:
         import optimi
 

@@ -74,3 +74,11 @@ def test_a_tiny_run_writes_the_rows_the_issue_names(tmp_path):
             assert r[key] > 0, key
     assert "edq_overhead" in rows[1]
     assert "| collage_plus (compiled) | 22 |" in result.stdout
+
+
+def test_the_default_constructed_drop_in_is_a_row():
+    import torch
+
+    dtype, factory = bench_optimizer.candidates("cpu")["collage_plus (default)"]
+    optimizer = factory([torch.nn.Parameter(torch.zeros(4, dtype=dtype))])
+    assert (optimizer.mode, optimizer.kernel) == ("plus", "auto")  # what CollageAdamW(p) gives

@@ -94,6 +94,34 @@ def test_kernel_choice(monkeypatch):
         kernels.choose_kernel("fast", cpu, 10, "plus")
 
 
+def _steps(optimizer, params, steps=4):
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).bfloat16()
+        optimizer.step()
+
+
+def test_default_drop_in_chooses_the_fused_kernel_like_the_trainer(monkeypatch):
+    """CollageAdamW(params) with no kernel argument: "auto", resolved at the first step
+    (fused at and above the trainer's size threshold, eager below), the same bits."""
+    from collage_train.optim import kernels
+
+    eager_params = make_params("cpu", 3)
+    eager = CollageAdamW(eager_params, lr=1e-3, weight_decay=0.1, kernel="eager")
+    _steps(eager, eager_params)
+    numel = sum(p.numel() for p in eager_params)
+    for threshold, expected in ((numel, "compiled"), (numel + 1, "eager")):
+        monkeypatch.setattr(kernels, "AUTO_COMPILE_MIN_PARAMS", threshold)
+        params = make_params("cpu", 3)
+        default = CollageAdamW(params, lr=1e-3, weight_decay=0.1)
+        assert default.kernel == "auto"
+        _steps(default, params)
+        assert default.kernel == expected
+        for a, b in zip(eager_params, params, strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 @pytest.mark.parametrize("mode", ["none", "plus"])
 def test_probe_accepts_this_torch(mode):
     """CI's torch (the pinned CPU build) compiles a bitwise-exact step on CPU."""

@@ -15,8 +15,12 @@ the host; the beta2 remainder is computed in float64 whatever the default dtype.
 decay is part of u, so it is compensated too. The model always computes with theta (the
 bf16 parameter). The arithmetic lives in ``collage_math.collage_tensor_step``, one
 tensor at a time with every rounding explicit; ``kernel="compiled"`` runs it as one
-TorchInductor kernel per tensor (one pass over the data, EDQ sums included), bitwise
-identical to ``kernel="eager"``. A drop-in for ``torch.optim.AdamW`` on bf16 parameters::
+fused kernel per tensor (the C kernel on CPU, Triton on CUDA: one pass over the data,
+EDQ sums included), bitwise identical to ``kernel="eager"``. The default, ``"auto"``,
+decides at the first step as the trainer's ``optim.kernel=auto`` does
+(``kernels.choose_kernel``): the fused kernel for models of 20M parameters and more once
+its parity probe passes, the eager step otherwise. A drop-in for ``torch.optim.AdamW``
+on bf16 parameters::
 
     model = model.to(torch.bfloat16)
     optimizer = CollageAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, mode="plus")
@@ -36,9 +40,10 @@ from collage_train.optim.collage_math import (
     min_fused_numel,
     step_scalars,
 )
+from collage_train.optim.kernels import choose_kernel
 
 MODES = ("none", "light", "plus")
-KERNELS = ("eager", "compiled")
+KERNELS = ("auto", "eager", "compiled")
 
 
 class CollageAdamW(TrackingOptimizer):
@@ -52,13 +57,13 @@ class CollageAdamW(TrackingOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         mode: str = "plus",
-        kernel: str = "eager",
+        kernel: str = "auto",
     ) -> None:
         mode, kernel = str(mode), str(kernel)
         if mode not in MODES:
             raise ValueError(f"CollageAdamW mode must be one of {', '.join(MODES)}, got {mode!r}")
         if kernel not in KERNELS:
-            raise ValueError(f"CollageAdamW kernel must be eager or compiled, got {kernel!r}")
+            raise ValueError(f"CollageAdamW kernel must be auto, eager or compiled, got {kernel!r}")
         super().__init__(params, lr, betas, eps, weight_decay)
         self.mode = mode
         self.kernel = kernel
@@ -99,7 +104,16 @@ class CollageAdamW(TrackingOptimizer):
             and all(t is None or t.is_contiguous() for t in tensors)
         )
 
+    def _resolve_kernel(self) -> None:
+        """``kernel="auto"`` becomes eager or compiled, once, where the parameters now are."""
+        if self.kernel != "auto":
+            return
+        params = self.ordered_params()
+        device = params[0].device if params else torch.device("cpu")
+        self.kernel = choose_kernel("auto", device, sum(p.numel() for p in params), self.mode)
+
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        self._resolve_kernel()
         beta1, beta2 = group["betas"]
         track = self.track_descent
         for param in params:
