@@ -16,13 +16,18 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "RESULTS.md"
 
 
-def run_training(overrides: list[str], run_dir: Path) -> tuple[dict, list[dict]]:
+def run_training(
+    overrides: list[str], run_dir: Path, env: dict[str, str] | None = None
+) -> tuple[dict, list[dict]]:
     """Run ``python -m collage_train`` with ``overrides`` in ``run_dir``.
 
-    Returns the summary and the metric records; raises with the CLI's error on failure.
+    ``env`` adds to (or replaces in) this process's environment. Returns the summary and
+    the metric records; raises with the CLI's error on failure.
     """
     command = [sys.executable, "-m", "collage_train", *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})}
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stderr[-2000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
