@@ -196,9 +196,9 @@ def choose_cpu_bf16_gemm(
     setting: str,
     device: torch.device,
     computes_in_bf16: bool,
-    probe: Callable[[], tuple[float, float]] = probe_gflops,
+    probe: Callable[[], tuple[float, float]] | None = None,
 ) -> CpuBf16Gemm:
-    """Resolve ``train.cpu_bf16_gemm`` for a run on ``device``."""
+    """Resolve ``train.cpu_bf16_gemm`` for a run on ``device`` (``probe``: ``probe_gflops``)."""
     setting = str(setting)
     if setting not in SETTINGS:
         raise ConfigError(
@@ -210,7 +210,7 @@ def choose_cpu_bf16_gemm(
         return CpuBf16Gemm(setting, "n/a", "this precision computes no bf16 products")
     if setting != "auto":
         return CpuBf16Gemm(setting, setting, f"train.cpu_bf16_gemm={setting}")
-    native, emulated = probe()
+    native, emulated = (probe or probe_gflops)()
     mode = "fp32" if emulated > native else "native"
     reason = f"auto: native bf16 {native:.1f} GFLOP/s, as fp32 {emulated:.1f} GFLOP/s"
     return CpuBf16Gemm(setting, mode, reason, native, emulated)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from collage_train.cpu_bf16 import choose_cpu_bf16_gemm
 from collage_train.data import Tokenizer
 from collage_train.export import load_checkpoint_model, resolve_checkpoint
 
@@ -36,19 +37,25 @@ def generate(
     top_k: int,
     seed: int,
 ) -> str:
-    """Continue ``prompt``; temperature 0 decodes greedily."""
+    """Continue ``prompt``; temperature 0 decodes greedily.
+
+    A bf16 model on a CPU whose bf16 GEMM is slow computes its products as fp32 GEMMs
+    (``collage_train.cpu_bf16``, chosen as ``train.cpu_bf16_gemm=auto`` would).
+    """
     torch.manual_seed(seed)
     ids = [tokenizer.eot_id, *tokenizer.encode(prompt)]
     input_ids = torch.tensor([ids], device=model.device)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k}
-    output = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.eot_id,
-        eos_token_id=tokenizer.eot_id,
-        **(sampling if temperature > 0 else {"do_sample": False}),
-    )
+    gemm = choose_cpu_bf16_gemm("auto", model.device, model.dtype == torch.bfloat16)
+    with gemm.context(compiled=False):
+        output = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.eot_id,
+            eos_token_id=tokenizer.eot_id,
+            **(sampling if temperature > 0 else {"do_sample": False}),
+        )
     return prompt + tokenizer.decode(output[0, len(ids) :].tolist())
 
 
