@@ -137,14 +137,23 @@ def _best_seconds(fn: Callable[[], Any]) -> float:
 
 @functools.cache
 def probe_gflops() -> tuple[float, float]:
-    """(native bf16, emulated) GFLOP/s of one n x n x n GEMM on this CPU, best of three."""
+    """(native bf16, emulated) GFLOP/s of one n x n x n GEMM on one core, best of three.
+
+    One thread: ranks that share a host probe at the same moment, and a multi-threaded
+    GEMM on oversubscribed cores can run 100x slower than it would alone.
+    """
     gen = torch.Generator().manual_seed(0)
     a, b = (
         torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=gen).to(torch.bfloat16) for _ in range(2)
     )
     flops = 2 * _PROBE_SIZE**3 / 1e9
-    native = _best_seconds(lambda: torch.mm(a, b))
-    emulated = _best_seconds(lambda: torch.mm(a.float(), b.float()).to(torch.bfloat16))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        native = _best_seconds(lambda: torch.mm(a, b))
+        emulated = _best_seconds(lambda: torch.mm(a.float(), b.float()).to(torch.bfloat16))
+    finally:
+        torch.set_num_threads(threads)
     return flops / native, flops / emulated
 
 

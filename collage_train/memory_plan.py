@@ -209,8 +209,14 @@ def estimate(
     micro_batch: int,
     accum_steps: int,
     checkpointing: bool,
+    fp32_gemms: bool = False,
 ) -> MemoryEstimate:
-    """The step's peak bytes per GPU for ``setting`` at ``micro_batch`` sequences."""
+    """The step's peak bytes per GPU for ``setting`` at ``micro_batch`` sequences.
+
+    ``fp32_gemms``: a CPU run whose bf16 products are fp32 GEMMs (``cpu_bf16``): each
+    product also holds fp32 copies of its operands and result, the widest the output
+    layer's up-cast logits gradient and, in a block, an FFN-wide activation.
+    """
     plan = model_state(shape, setting)
     strategy = setting.strategy
     elem = activation_dtype_bytes(strategy)
@@ -220,11 +226,16 @@ def estimate(
     plan.activations = saved_activation_bytes(shape, micro_batch, elem, checkpointing)
 
     loss_backward = 8 * tokens * shape.vocab  # fp32 grads of the log-softmax and the logits
+    widest_product = 4 * tokens * shape.ffn if fp32_gemms else 0.0
+    if fp32_gemms:
+        loss_backward += 4 * tokens * shape.vocab
     head_gradient = shape.vocab * shape.hidden * param
     recompute = tokens * block_bytes_per_token(shape, elem) if checkpointing else 0.0
     earlier_gradients = plan.gradients if accum_steps > 1 else 0.0
     # The loss's temporaries are freed before the first checkpointed block is recomputed.
-    live_at_backward = plan.activations + head_gradient + max(loss_backward, recompute)
+    live_at_backward = (
+        plan.activations + head_gradient + max(loss_backward, recompute + widest_product)
+    )
     plan.backward_peak = plan.persistent + plan.buffers + earlier_gradients + live_at_backward
 
     updated = shape.num_params / (setting.gpus if setting.stage else 1)

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from collage_train import checkpoint
 from collage_train.comm.settings import check_schedule, comm_name, uses_replicas
-from collage_train.cpu_bf16 import choose_cpu_bf16_gemm
+from collage_train.cpu_bf16 import choose_cpu_bf16_gemm, probe_gflops
 from collage_train.data import build_data
 from collage_train.engine import build_engine
 from collage_train.engine.launch import local_world_size
@@ -158,7 +158,10 @@ class Trainer:
         self.model = model.to(device=self.device, dtype=self.strategy.param_dtype)
         self.model = self.strategy.prepare_model(self.model)  # e.g. Scalify's module swap
         self.cpu_bf16_gemm = choose_cpu_bf16_gemm(
-            train.cpu_bf16_gemm, self.device, self.strategy.computes_in_bf16
+            train.cpu_bf16_gemm,
+            self.device,
+            self.strategy.computes_in_bf16,
+            probe=self._probe_gemms_on_every_rank,
         )
         if train.activation_checkpointing:
             # transformers' own switch: each block's input is kept, the rest recomputed
@@ -197,6 +200,15 @@ class Trainer:
         self.edq_every = cfg.logging.log_every if edq_every is None else edq_every
         self.step = 0
         self.skipped_steps = 0
+
+    def _probe_gemms_on_every_rank(self) -> tuple[float, float]:
+        """The bf16 GEMM probe averaged over ranks, so that every rank chooses alike."""
+        native, emulated = probe_gflops()
+        if self.engine.world_size == 1:
+            return native, emulated
+        sums = self.engine.all_reduce_sum(torch.tensor([native, emulated], device=self.device))
+        mean_native, mean_emulated = (sums / self.engine.world_size).tolist()
+        return mean_native, mean_emulated
 
     def _check_memory(self, num_params: int) -> None:
         """Refuse a model whose state cannot fit, before the kernel's OOM killer would.

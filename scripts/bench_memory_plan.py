@@ -91,6 +91,7 @@ def bench_row(args: argparse.Namespace, precision: str, checkpointing: bool) -> 
             micro_batch=train.micro_batch_size,
             accum_steps=accumulation_steps(train.global_batch_size, train.micro_batch_size, 1),
             checkpointing=checkpointing,
+            fp32_gemms=trainer.cpu_bf16_gemm.emulates,
         )
         kernel = trainer.optimizer_kernel
         del trainer

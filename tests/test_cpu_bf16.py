@@ -303,3 +303,27 @@ def test_sampling_a_bf16_model_follows_the_probe(monkeypatch, probe, emulated):
     text = generate(model, tokenizer, "ab", max_new_tokens=3, temperature=0.0, top_k=1, seed=0)
     assert text == "abx"
     assert bool(seen) is emulated
+
+
+def test_ranks_choose_alike_from_the_probe_averaged_over_ranks(monkeypatch):
+    """Ranks sharing a host time the GEMMs while disturbing each other: each rank's own
+    numbers could pick differently, so the trainer averages them over ranks first."""
+    from types import SimpleNamespace
+
+    from collage_train import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "probe_gflops", lambda: (30.0, 10.0))  # this rank
+    reduced = []
+
+    def all_reduce_sum(tensor):
+        reduced.append(tensor.clone())
+        return tensor + torch.tensor([0.0, 90.0])  # the other rank saw (0, 90)
+
+    fake = SimpleNamespace(
+        engine=SimpleNamespace(world_size=2, all_reduce_sum=all_reduce_sum),
+        device=torch.device("cpu"),
+    )
+    assert Trainer._probe_gemms_on_every_rank(fake) == (15.0, 50.0)
+    assert reduced[0].tolist() == [30.0, 10.0]
+    fake.engine.world_size = 1
+    assert Trainer._probe_gemms_on_every_rank(fake) == (30.0, 10.0)

@@ -51,6 +51,7 @@ def planned_step_peak(trainer: Trainer, cfg) -> float:
         micro_batch=train.micro_batch_size,
         accum_steps=accumulation_steps(train.global_batch_size, train.micro_batch_size, 1),
         checkpointing=train.activation_checkpointing,
+        fp32_gemms=trainer.cpu_bf16_gemm.emulates,
     )
     return plan.peak
 
@@ -67,13 +68,26 @@ CASES = [
 ]
 
 
+# auto: this CPU's choice; fp32: bf16 products as fp32 GEMMs (cpu_bf16) on every CPU
+@pytest.mark.parametrize("gemm", ["auto", "fp32"])
 @pytest.mark.parametrize(
     "family,precision,hidden,layers,heads,seq,micro,global_batch,ckpt",
     CASES,
     ids=[f"{c[0]}-{c[1]}-{'ckpt' if c[-1] else 'plain'}" for c in CASES],
 )
 def test_planned_peak_within_ten_percent_of_measured(
-    make_cfg, tmp_path, family, precision, hidden, layers, heads, seq, micro, global_batch, ckpt
+    make_cfg,
+    tmp_path,
+    family,
+    precision,
+    hidden,
+    layers,
+    heads,
+    seq,
+    micro,
+    global_batch,
+    ckpt,
+    gemm,
 ):
     cfg = make_cfg(
         f"model={'gpt_tiny' if family == 'gpt' else 'opt_125m'}",
@@ -86,6 +100,7 @@ def test_planned_peak_within_ten_percent_of_measured(
         f"train.global_batch_size={global_batch}",
         f"train.activation_checkpointing={str(ckpt).lower()}",
         "optim.kernel=eager",  # a dispatch mode cannot look inside compiled kernels
+        f"train.cpu_bf16_gemm={gemm}",
     )
     trainer = Trainer(cfg, tmp_path, sinks=[])
     measured = measured_step_peak(trainer)
