@@ -77,13 +77,19 @@ def optimizer_shards(run_dir: Path, step: int) -> list[dict]:
 
 
 def assert_matches_single_process(
-    zero_dir: Path, single_dir: Path, descent_keys: tuple[str, ...], descent_rtol: float = RTOL
+    zero_dir: Path,
+    single_dir: Path,
+    descent_keys: tuple[str, ...],
+    descent_rtol: float = RTOL,
+    grad_norm_rtol: float = RTOL,
 ) -> None:
     zero, single = train_records(zero_dir), train_records(single_dir)
     assert sorted(zero) == sorted(single) == list(range(1, 9))
     for step in single:
-        for key in ("loss", "grad_norm"):
-            assert zero[step][key] == pytest.approx(single[step][key], rel=RTOL), (step, key)
+        assert zero[step]["loss"] == pytest.approx(single[step]["loss"], rel=RTOL), step
+        assert zero[step]["grad_norm"] == pytest.approx(
+            single[step]["grad_norm"], rel=grad_norm_rtol
+        ), step
         for key in descent_keys:
             assert zero[step][key] == pytest.approx(single[step][key], rel=descent_rtol), (
                 step,
@@ -132,8 +138,13 @@ def test_mixed_fp32_under_zero2_keeps_fp32_masters_and_matches(runs):
     # DeepSpeed clips the fp32 copy of the gradient; one process clips the bf16 gradient
     # and then widens it. The updates differ by about one fp32 rounding, which moves EDQ
     # by up to ~2e-3 and flips the bf16 rounding of ~1% of the weights that barely move
-    # (so lost_update_frac is not compared), while the loss still agrees to ~1e-5.
-    assert_matches_single_process(zero_dir, single_dir, ("edq", "edq_normalized"), 1e-2)
+    # (so lost_update_frac is not compared), while the loss still agrees to ~1e-5. The
+    # gradient norm of the two slightly different trajectories then differs by up to
+    # 4e-4 (native bf16 GEMMs) or 1.2e-3 (fp32 GEMMs, cpu_bf16) relative: 3e-3 still
+    # catches a wrong reduction, which moves it by a factor.
+    assert_matches_single_process(
+        zero_dir, single_dir, ("edq", "edq_normalized"), 1e-2, grad_norm_rtol=3e-3
+    )
     for shard in optimizer_shards(zero_dir, 8):
         assert all(m.dtype == torch.float32 for m in shard["masters"])
         assert all(
