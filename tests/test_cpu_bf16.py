@@ -280,25 +280,13 @@ def test_compiled_model_gets_the_emulation_from_inductor(make_cfg, tmp_path, mon
 def test_sampling_a_bf16_model_follows_the_probe(monkeypatch, probe, emulated):
     from types import SimpleNamespace
 
+    from tiny_config import tiny_transformer
+
     from collage_train.generate import generate
-    from collage_train.models import build_model
 
     monkeypatch.setattr(cpu_bf16, "probe_gflops", lambda: probe)
     seen = _count_emulated(monkeypatch)
-    model_cfg = SimpleNamespace(
-        family="gpt",
-        name="t",
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        ffn_hidden_size=None,
-        init_std=0.02,
-        dropout=0.0,
-        vocab_size=None,
-        attn_implementation="sdpa",
-        extra={},
-    )
-    model = build_model(model_cfg, vocab_size=64, seq_len=32, eot_id=0, seed=0).to(BF16)
+    model = tiny_transformer("gpt", layers=1).to(BF16)
     tokenizer = SimpleNamespace(eot_id=0, encode=lambda text: [5, 6], decode=lambda ids: "x")
     text = generate(model, tokenizer, "ab", max_new_tokens=3, temperature=0.0, top_k=1, seed=0)
     assert text == "abx"
