@@ -190,3 +190,21 @@ def test_launched_ranks_share_rank_zeros_run_stamp():
     results = mp.get_context("spawn").Manager().dict()
     mp.start_processes(_agree, args=(port, results), nprocs=2, start_method="spawn")
     assert dict(results) == {0: "clock-of-rank-0", 1: "clock-of-rank-0"}
+
+
+def test_device_auto_warns_when_a_driver_is_there_but_torch_sees_no_gpu(monkeypatch, caplog):
+    from collage_train.engine import single
+
+    monkeypatch.setattr(single.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(single.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    with caplog.at_level("WARNING", logger=single.__name__):
+        assert single.resolve_device("auto") == torch.device("cpu")
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "nvidia-smi is present" in warning and torch.__version__ in warning
+    assert "train.device=cpu" in warning and "\n" not in warning
+
+    caplog.clear()
+    monkeypatch.setattr(single.shutil, "which", lambda name: None)  # no driver: no warning
+    with caplog.at_level("WARNING", logger=single.__name__):
+        assert single.resolve_device("auto") == torch.device("cpu")
+    assert caplog.records == []

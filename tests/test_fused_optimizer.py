@@ -187,3 +187,37 @@ def test_triton_kernel_arithmetic_is_bitwise_equal_in_the_interpreter():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "bitwise equal" in done.stdout
+
+
+class _TritonCompilationError(Exception):
+    """Stands in for triton.compiler.errors.CompilationError (no dependency on Triton here)."""
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        RuntimeError("CUDA error: no kernel image is available\nfor execution on the device"),
+        _TritonCompilationError("at 12:4:\n    x = tl.load(ptr)\n    ^\nunsupported"),
+        OSError("Python.h: No such file or directory"),  # Triton's launcher build
+    ],
+)
+def test_any_failure_of_the_fused_kernel_falls_back_or_refuses_in_one_line(
+    monkeypatch, caplog, failure
+):
+    from collage_train.errors import ConfigError
+    from collage_train.optim import kernels
+
+    def fails(mode, device_type):
+        raise failure
+
+    monkeypatch.setattr(kernels, "compiler_available", lambda device: True)
+    monkeypatch.setattr(kernels, "compiled_matches_eager", fails)
+    cuda = torch.device("cuda")  # the decision only: nothing runs on the device
+    with caplog.at_level("WARNING", logger=kernels.__name__):
+        assert kernels.choose_kernel("auto", cuda, 125_000_000, "plus") == "eager"
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "\n" not in warning and type(failure).__name__ in warning
+    assert str(failure).splitlines()[0] in warning and "eager reference step instead" in warning
+    with pytest.raises(ConfigError) as refused:
+        kernels.choose_kernel("compiled", cuda, 125_000_000, "plus")
+    assert "\n" not in str(refused.value) and "optim.kernel=eager" in str(refused.value)

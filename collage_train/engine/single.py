@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,11 +18,30 @@ from collage_train.metrics import model_state_bytes
 from collage_train.optim import clip_grad_norm
 from collage_train.precision.base import PrecisionStrategy
 
+log = logging.getLogger(__name__)
+
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when available, else CPU; ``cuda`` without a GPU is an error."""
+    """``auto`` picks CUDA when available, else CPU; ``cuda`` without a GPU is an error.
+
+    ``auto`` on a machine with an NVIDIA driver (``nvidia-smi``) whose torch sees no CUDA
+    device warns before training on the CPU: a CPU build of torch, or a CUDA build the
+    driver is too old for, would otherwise go unnoticed for hours.
+    """
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if shutil.which("nvidia-smi"):
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            log.warning(
+                "train.device=auto: nvidia-smi is present but torch %s (%s) sees no CUDA "
+                "device, so this run trains on the CPU; install a torch build that matches "
+                "the NVIDIA driver (nvidia-smi shows its CUDA version), or set "
+                "train.device=cpu to train on the CPU knowingly",
+                torch.__version__,
+                build,
+            )
+        return torch.device("cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=auto")
     if name not in ("cpu", "cuda"):

@@ -6,7 +6,9 @@ compiler is there (a C compiler on CPU, Triton on GPU), the model is large enoug
 the one-off build to pay for itself, and the fused kernel reproduces the eager
 reference bit for bit on this device (checked once per process by
 ``compiled_matches_eager``: compilers and torch versions differ in their roundings).
-``compiled`` insists, and fails with one line where the check or the build fails;
+Any failure of the probe (a build error, a Triton compile or launch error, a driver
+error) makes ``auto`` fall back to the eager step with one warning line; ``compiled``
+insists, and fails with one error line where the check, the build or the launch fails;
 ``eager`` forces the reference.
 Strategies without a Collage step (fp32 masters) always run eagerly.
 """
@@ -87,6 +89,12 @@ def compiled_matches_eager(mode: str, device_type: str) -> bool:
     )
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (compiler errors run to pages)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
 def choose_kernel(setting: str, device: torch.device, num_params: int, mode: str | None) -> str:
     """``eager`` or ``compiled`` for ``optim.kernel=setting`` and Collage ``mode``.
 
@@ -120,7 +128,9 @@ def choose_kernel(setting: str, device: torch.device, num_params: int, mode: str
             f"bit for bit on {device.type}"
         )
     except KernelBuildError as error:
-        reason = f"{fused} could not be built: {error}"
+        reason = f"{fused} could not be built: {first_line(error)}"
+    except Exception as error:  # Triton compile/launch, driver or runtime errors alike
+        reason = f"{fused} failed its start-up check ({type(error).__name__}: {first_line(error)})"
     if setting == "compiled":
         raise ConfigError(f"optim.kernel=compiled: {reason}; use optim.kernel=eager or auto")
     log.warning("%s: running the eager reference step instead", reason)
