@@ -45,6 +45,12 @@ def test_global_batch_not_divisible(tiny):
     assert_clean_error(tiny("train.global_batch_size=10"), "not divisible")
 
 
+def test_unknown_cpu_bf16_gemm_setting(tiny):
+    assert_clean_error(
+        tiny("train.cpu_bf16_gemm=fast"), "train.cpu_bf16_gemm", "auto, native, fp32"
+    )
+
+
 def test_out_of_memory_is_reported_with_a_hint(tiny):
     # Each block's matrices would need terabytes: the allocator refuses at once.
     result = tiny("model.hidden_size=1048576", "model.num_heads=1", "model.num_layers=1")
