@@ -169,10 +169,13 @@ def test_trainer_runs_the_compiled_step(make_cfg, tmp_path):
 
 
 def test_triton_kernel_arithmetic_is_bitwise_equal_in_the_interpreter():
-    """The Triton kernel's arithmetic, run by Triton's CPU interpreter: bitwise equal.
+    """The Triton kernel, run by Triton's CPU interpreter: bitwise equal, both branches.
 
-    The interpreter truncates bf16 conversions, so the kernel rounds on the bits there;
-    on a GPU, test_compiled_kernel_is_bitwise_equal_to_eager[cuda] runs the real kernel.
+    The interpreter truncates bf16 conversions, so the kernel's interpreter branch rounds
+    on the bits; the branch GPUs run is checked with the interpreter's cast patched to
+    round to nearest even (tests/triton_interpreted.py). tests/test_triton_ptx.py checks
+    the compiled PTX; on a GPU, test_compiled_kernel_is_bitwise_equal_to_eager[cuda] runs
+    the real kernel.
     """
     import os
     import subprocess

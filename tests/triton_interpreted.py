@@ -2,14 +2,23 @@
 
 Called by tests/test_fused_optimizer.py in a subprocess (the interpreter is chosen when
 Triton kernels are defined, so it needs a fresh interpreter). Exits non-zero with a
-message on the first mismatch.
+message on the first mismatch. Two passes, both bitwise:
+
+1. the kernel's interpreter branch (``bit_rounding``: bf16 rounding done on the bits),
+   under the stock interpreter, whose fp32 -> bf16 cast truncates;
+2. the branch GPUs run (the conversion instruction rounds), under the interpreter with
+   its cast patched to round to nearest even as GPUs do; and, to show that pass 2
+   depends on that rounding, the same branch under the truncating cast must differ.
 """
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
+import triton.language as tl
+from triton.runtime import interpreter
 
 from collage_train.metrics.descent import partials_close
 from collage_train.optim.collage_math import collage_tensor_step, step_scalars
@@ -19,12 +28,27 @@ SIZES = (1, BLOCK - 1, BLOCK + 1, 2 * BLOCK + 3)
 STEPS = 5
 
 
-def check(mode: str, numel: int) -> None:
+_TRUNCATING_CAST = interpreter.InterpreterBuilder.cast_impl
+
+
+def _nearest_even_cast(self, src, dst_type):
+    """The interpreter's cast, with fp32 -> bf16 rounded to nearest even (by torch)."""
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+        rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+        bits = rounded.view(torch.int16).numpy().view(np.uint16)
+        return interpreter.TensorHandle(bits, dst_type.scalar)
+    return _TRUNCATING_CAST(self, src, dst_type)
+
+
+def check(mode: str, numel: int, bit_rounding: bool = True) -> None:
     gen = torch.Generator().manual_seed(numel)
     theta = (torch.randn(numel, generator=gen) * 0.05).bfloat16()
     # theta, dtheta, exp_avg, exp_avg_sq, dv for the eager and the Triton step
     runs = [[theta.clone()] + [torch.zeros_like(theta) for _ in range(4)] for _ in range(2)]
-    steps = (functools.partial(collage_tensor_step, mode=mode), triton_tensor_step(mode))
+    steps = (
+        functools.partial(collage_tensor_step, mode=mode),
+        triton_tensor_step(mode, bit_rounding=bit_rounding),
+    )
     for t in range(1, STEPS + 1):
         grad = (torch.randn(numel, generator=gen) * 1e-2).bfloat16()
         scalars = step_scalars(3e-3 * 0.97**t, 0.9, 0.999, 1e-8, 0.1, t)
@@ -49,8 +73,18 @@ def check(mode: str, numel: int) -> None:
 def main() -> None:
     for mode in ("none", "light", "plus"):
         for numel in SIZES:
-            check(mode, numel)
-    print("bitwise equal")
+            check(mode, numel, bit_rounding=True)
+    try:
+        check("plus", BLOCK + 1, bit_rounding=False)
+    except AssertionError:
+        pass  # truncating conversions: the GPU branch cannot match here
+    else:
+        raise AssertionError("the GPU branch matched under a truncating cast: not checked")
+    interpreter.InterpreterBuilder.cast_impl = _nearest_even_cast
+    for mode in ("none", "light", "plus"):
+        for numel in SIZES:
+            check(mode, numel, bit_rounding=False)
+    print("bitwise equal: interpreter branch, and GPU branch with round-to-nearest-even casts")
 
 
 if __name__ == "__main__":
