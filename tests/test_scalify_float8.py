@@ -163,3 +163,37 @@ def test_gpu_path_matches_the_emulation(dtypes):
         assert hardware_scaled_mm_available(a8_gpu, b8_gpu)
     # a wrong layout or scale would be off by far more than the order of the sums
     assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+
+
+def test_the_gpu_branch_passes_torchs_own_argument_checks_for_a_tiny_model(monkeypatch):
+    """Every float8 matmul of a forward and backward of a tiny fp8 GPT that the GPU kernel
+    would take is replayed through the hardware branch on meta tensors, where
+    ``torch._scaled_mm`` checks layouts, alignment and scale dtypes as on the GPU."""
+    from tiny_config import logits_and_grads, tiny_transformer
+
+    from collage_train.scalify import float8, modules
+
+    calls = []
+
+    def recording(a8, b8, scale_a, scale_b, out_dtype=torch.bfloat16):
+        calls.append((a8, b8, scale_a, scale_b, out_dtype))
+        return float8.scaled_mm(a8, b8, scale_a, scale_b, out_dtype)
+
+    monkeypatch.setattr(modules, "scaled_mm", recording)
+    model = tiny_transformer("gpt")  # 32 wide, FFN 128, 48 tokens: multiples of 16
+    modules.scalify_linears(model, fmt="float8", skip=("lm_head",))
+    logits_and_grads(model)
+    eligible = [c for c in calls if float8.hardware_shapes_supported(c[0], c[1])]
+    assert len(eligible) >= 3 * 4 * 2  # forward, input and weight gradients, 4 linears x 2 blocks
+    assert {c[0].dtype for c in eligible} == {E4M3, E5M2}  # forward and backward operands
+    for a8, b8, scale_a, scale_b, out_dtype in eligible:
+        meta = [t.to("meta") for t in (a8, b8, scale_a, scale_b)]
+        out = float8.hardware_scaled_mm(*meta, out_dtype)
+        assert out.shape == (a8.shape[0], b8.shape[1]) and out.dtype == out_dtype
+
+    # and the meta checks do check: the layout the kernel refuses is refused
+    a8, b8, scale_a, scale_b, out_dtype = (
+        t.to("meta") if torch.is_tensor(t) else t for t in eligible[0]
+    )
+    with pytest.raises(RuntimeError, match="col_major"):
+        torch._scaled_mm(a8.contiguous(), b8.contiguous(), scale_a, scale_b, out_dtype=out_dtype)

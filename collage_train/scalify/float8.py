@@ -64,20 +64,45 @@ def scaled_mm_emulated(
     return (a @ b).to(out_dtype)
 
 
-def hardware_scaled_mm_available(a8: torch.Tensor, b8: torch.Tensor) -> bool:
-    """True when ``torch._scaled_mm`` runs these operands on a float8 GPU.
+def hardware_shapes_supported(a8: torch.Tensor, b8: torch.Tensor) -> bool:
+    """Whether the float8 GPU kernel takes these operands, wherever they are.
 
-    Needs 2-D operands, CUDA compute capability >= 8.9 (Ada, Hopper and later), both
-    dimensions of each operand multiples of 16, and not both operands E5M2 (cuBLASLt has no
-    E5M2 x E5M2 kernel).
+    2-D operands (batched ones, attention's, take the emulation), both dimensions of each a
+    multiple of 16, and not both E5M2 (cuBLASLt has no E5M2 x E5M2 kernel).
     """
-    if not (a8.is_cuda and b8.is_cuda) or a8.dim() != 2 or b8.dim() != 2:
-        return False  # batched operands (attention) take the emulation
-    if torch.cuda.get_device_capability(a8.device) < (8, 9):
+    if a8.dim() != 2 or b8.dim() != 2:
         return False
     if a8.dtype == FLOAT8_BACKWARD and b8.dtype == FLOAT8_BACKWARD:
         return False
     return all(size % 16 == 0 for size in (*a8.shape, *b8.shape))
+
+
+def hardware_scaled_mm_available(a8: torch.Tensor, b8: torch.Tensor) -> bool:
+    """True when ``torch._scaled_mm`` runs these operands on a float8 GPU: CUDA tensors
+    on compute capability >= 8.9 (Ada, Hopper and later) and supported shapes."""
+    if not (a8.is_cuda and b8.is_cuda) or not hardware_shapes_supported(a8, b8):
+        return False
+    return torch.cuda.get_device_capability(a8.device) >= (8, 9)
+
+
+def hardware_scaled_mm(
+    a8: torch.Tensor,
+    b8: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``torch._scaled_mm`` with the layouts and scales it requires: ``a8`` row-major,
+    ``b8`` column-major, fp32 scales. Runs on meta tensors too, where torch checks the
+    arguments as the CUDA kernel would (tests/test_scalify_float8.py)."""
+    column_major_b = b8.t().contiguous().t()
+    return torch._scaled_mm(
+        a8.contiguous(),
+        column_major_b,
+        scale_a=scale_a.to(torch.float32),
+        scale_b=scale_b.to(torch.float32),
+        out_dtype=out_dtype,
+    )
 
 
 def scaled_mm(
@@ -96,14 +121,7 @@ def scaled_mm(
     """
     if not hardware_scaled_mm_available(a8, b8):
         return scaled_mm_emulated(a8, b8, scale_a, scale_b, out_dtype)
-    column_major_b = b8.t().contiguous().t()
-    return torch._scaled_mm(
-        a8.contiguous(),
-        column_major_b,
-        scale_a=scale_a.to(torch.float32),
-        scale_b=scale_b.to(torch.float32),
-        out_dtype=out_dtype,
-    )
+    return hardware_scaled_mm(a8, b8, scale_a, scale_b, out_dtype)
 
 
 def float8_matmul(
