@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, in one command (under 10 minutes on one H100), with one
+# JSON file of results:
+#
+#   scripts/gpu_check.sh [OUT_DIR]        # default: gpu_check/
+#
+# 1. the CUDA tests (the Triton kernel's bitwise parity with the eager step, float8
+#    _scaled_mm against its emulation, ...), 2. the optimizer benchmark with its
+#    memory-bandwidth floor ratios, 3. a 1-GPU ZeRO-2 run launched with `deepspeed`,
+#    4. a Scalify fp8 run, 5. a short gpt_125m training benchmark of mixed_fp32 against
+#    collage_plus. Each step's exit status, time and log are kept and the script goes on
+#    after a failure; OUT_DIR/gpu_check.json gathers them with the benchmarks' rows and the
+#    runs' summaries; the exit status is non-zero when any step failed.
+# Needs the project installed (`pip install -e ".[dev]"`); on a machine without network,
+# WHEELS=DIR installs it from a folder of wheels first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-gpu_check}"
+mkdir -p "$out"
+python=${PYTHON:-python}
+
+if [[ -n "${WHEELS:-}" ]]; then
+    "$python" -m pip install --quiet --no-index --find-links "$WHEELS" -e ".[dev]" || exit 1
+fi
+if ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "error: scripts/gpu_check.sh needs a CUDA GPU, and torch sees none; run it on a GPU machine" >&2
+    exit 2
+fi
+
+: > "$out/steps.jsonl"
+step() {  # step NAME COMMAND...: run it, log it, record its status and time
+    local name=$1 start status ms
+    shift
+    echo "== $name: $*"
+    start=$(date +%s%N)
+    "$@" > "$out/$name.log" 2>&1
+    status=$?
+    ms=$(( ($(date +%s%N) - start) / 1000000 ))
+    printf '{"step": "%s", "exit_status": %d, "seconds": %d.%03d, "log": "%s"}\n' \
+        "$name" "$status" $((ms / 1000)) $((ms % 1000)) "$name.log" >> "$out/steps.jsonl"
+    echo "   exit status $status"
+}
+
+quiet=(logging.console=plain logging.wandb.mode=disabled logging.plots=false)
+step cuda_tests "$python" -m pytest -q -rs -k "cuda or gpu" tests/
+step optimizer_bench "$python" scripts/bench_optimizer.py --steps 10 --no-append \
+    --json "$out/optimizer.json"
+step zero2_1gpu deepspeed --num_gpus 1 --no_local_rank --module collage_train \
+    model=gpt_125m precision=collage_plus distributed=zero2 train.max_steps=30 \
+    train.eval_every=30 "hydra.run.dir=$out/zero2" "${quiet[@]}"
+step scalify_fp8 "$python" -m collage_train model=gpt_125m precision=scalify \
+    precision.matmul=fp8 train.max_steps=30 train.eval_every=30 "hydra.run.dir=$out/scalify" \
+    "${quiet[@]}"
+step train_bench "$python" scripts/bench_train.py --model gpt_125m \
+    --strategies mixed_fp32 collage_plus --steps 20 --no-search --no-append \
+    --json "$out/train.json"
+
+"$python" - "$out" <<'EOF'
+import json, sys
+from pathlib import Path
+
+import torch
+
+out = Path(sys.argv[1])
+def load(name):
+    path = out / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+result = {
+    "device": torch.cuda.get_device_name(),
+    "torch": torch.__version__,
+    "cuda": torch.version.cuda,
+    "steps": steps,
+    "optimizer_bench": load("optimizer.json"),
+    "train_bench": load("train.json"),
+    "zero2_1gpu_summary": load("zero2/summary.json"),
+    "scalify_fp8_summary": load("scalify/summary.json"),
+}
+(out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+failed = [s["step"] for s in steps if s["exit_status"]]
+print(f"wrote {out / 'gpu_check.json'}; failed steps: {', '.join(failed) or 'none'}")
+sys.exit(1 if failed else 0)
+EOF

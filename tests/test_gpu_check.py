@@ -1,0 +1,56 @@
+"""scripts/gpu_check.sh: on a machine without a GPU it says so in one line and stops.
+
+On a GPU machine it is run by hand (its results go to docs/RESULTS.md), not by the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from cli_runner import REPO
+
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: run the script itself")
+def test_without_a_gpu_it_stops_with_one_error_line(tmp_path):
+    done = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out")],
+        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: scripts/gpu_check.sh needs a CUDA GPU, and torch sees none; run it on a GPU machine"
+    ]
+    assert not (tmp_path / "out" / "steps.jsonl").exists()  # nothing ran
+
+
+def test_the_summary_step_gathers_every_step(tmp_path):
+    """The JSON-writing tail of the script, run on recorded steps of a fake check."""
+    text = SCRIPT.read_text()
+    tail = text[text.index("<<'EOF'\n") + len("<<'EOF'\n") : text.rindex("EOF")]
+    out = tmp_path / "out"
+    (out / "zero2").mkdir(parents=True)
+    (out / "steps.jsonl").write_text(
+        '{"step": "cuda_tests", "exit_status": 0, "seconds": 1.5, "log": "cuda_tests.log"}\n'
+        '{"step": "zero2_1gpu", "exit_status": 1, "seconds": 9.0, "log": "zero2_1gpu.log"}\n'
+    )
+    (out / "zero2" / "summary.json").write_text('{"tokens_per_s": 123.0}')
+    script = tmp_path / "tail.py"
+    script.write_text(tail.replace("torch.cuda.get_device_name()", "'fake GPU'"))
+    done = subprocess.run(
+        [sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1  # a step failed
+    assert "failed steps: zero2_1gpu" in done.stdout
+    result = json.loads((out / "gpu_check.json").read_text())
+    assert [s["step"] for s in result["steps"]] == ["cuda_tests", "zero2_1gpu"]
+    assert result["zero2_1gpu_summary"] == {"tokens_per_s": 123.0}
+    assert result["train_bench"] is None and result["device"] == "fake GPU"
