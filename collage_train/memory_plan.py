@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from collage_train.engine.zero_memory import zero_state_bytes
+from collage_train.optim.collage_adamw import chunk_numel_for
 from collage_train.precision.base import PrecisionStrategy
 
 # Saved activation elements per token of one block: (per hidden unit, per ffn unit).
@@ -50,14 +51,18 @@ STEP_TRANSIENT = {
     "adamw_fp32": (8.0, 9.0),  # fp32 params: denominators and updates, all tensors at once
     "adamw_master": (12.0, 8.5),  # bf16 params, fp32 masters: + the widened gradients
     "split_master": (16.0, 8.6),  # + the rebuilt fp32 masters
-    "collage_none": (0.0, 31.0),  # eager Collage: fp32 temporaries, one tensor at a time
+    # Collage steps a chunk at a time (CollageAdamW.step_chunk_numel): the second number
+    # is per element of a chunk (+ TRACKED_FLAT_BYTES under ZeRO).
+    "collage_none": (0.0, 31.0),  # eager: fp32 temporaries
     "collage_light": (0.0, 37.0),
     "collage_plus": (0.0, 39.0),
-    "fused": (0.0, 0.0),  # one in-place kernel per tensor
+    "fused": (0.0, 0.0),  # one in-place kernel per chunk
     # Scalify's ScaledAdamW, scaled-fp16 master: fp32 loads and stores of the largest
     # tensor (fp32 master 39, fp32 master and state 27), plus each update kept for descent.
     "scaled_adamw": (4.0, 47.0),
 }
+
+TRACKED_FLAT_BYTES = 4.0  # per element of a chunk: bf16 weight before the step, bf16 update
 
 DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's reduce_bucket_size default
 
@@ -232,15 +237,27 @@ def estimate(
     head_gradient = shape.vocab * shape.hidden * param
     recompute = tokens * block_bytes_per_token(shape, elem) if checkpointing else 0.0
     earlier_gradients = plan.gradients if accum_steps > 1 else 0.0
-    # The loss's temporaries are freed before the first checkpointed block is recomputed.
-    live_at_backward = (
-        plan.activations + head_gradient + max(loss_backward, recompute + widest_product)
+    # The loss's temporaries are freed before the first checkpointed block is recomputed;
+    # by the time the first block is, every other block's gradients exist (this
+    # micro-batch's: with accumulation, earlier_gradients already counts them).
+    later_gradients = 0.0
+    if checkpointing and not earlier_gradients:
+        later_gradients = max(0.0, plan.gradients - shape.block_params * param)
+    live_at_backward = plan.activations + max(
+        head_gradient + loss_backward, later_gradients + recompute + widest_product
     )
     plan.backward_peak = plan.persistent + plan.buffers + earlier_gradients + live_at_backward
 
     updated = shape.num_params / (setting.gpus if setting.stage else 1)
     largest = updated if setting.stage else shape.largest_tensor  # ZeRO: one flat partition
-    per_param, per_largest = STEP_TRANSIENT[step_transient_kind(setting)]
+    kind = step_transient_kind(setting)
+    per_param, per_largest = STEP_TRANSIENT[kind]
+    if kind == "fused" or kind.startswith("collage_"):
+        # CollageAdamW steps a chunk at a time; EDQ tracked on a flat partition (ZeRO)
+        # also copies the chunk's weights and keeps its update.
+        largest = min(largest, chunk_numel_for(plan.persistent + plan.gradients))
+        if setting.stage:
+            per_largest += TRACKED_FLAT_BYTES
     transient = per_param * updated + per_largest * largest
     plan.step_peak = plan.persistent + plan.buffers + plan.gradients + transient
     return plan

@@ -224,3 +224,68 @@ def test_any_failure_of_the_fused_kernel_falls_back_or_refuses_in_one_line(
     with pytest.raises(ConfigError) as refused:
         kernels.choose_kernel("compiled", cuda, 125_000_000, "plus")
     assert "\n" not in str(refused.value) and "optim.kernel=eager" in str(refused.value)
+
+
+def _flat_partition(seed: int) -> torch.nn.Parameter:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.nn.Parameter((torch.randn(5000, generator=gen) * 0.05).bfloat16())
+
+
+@pytest.mark.parametrize("kernel", ["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["none", "plus"])
+def test_stepping_in_chunks_changes_no_bit(mode, kernel):
+    """Chunks of 97 elements (no divisor of any size) against one pass: the same weights
+    and state bitwise, the same EDQ sums to fp32 rounding, for whole tensors and for a
+    flat partition with layer-group segments and an unsegmented (padding) tail."""
+    results = []
+    for chunk in (1 << 22, 97):
+        params = [*make_params("cpu", 5), _flat_partition(6)]
+        optimizer = CollageAdamW(params, lr=1e-3, weight_decay=0.1, mode=mode, kernel=kernel)
+        optimizer.step_chunk_numel = chunk
+        optimizer.descent_segments = {params[-1]: [("a", 0, 1200), ("b", 1200, 4900)]}
+        gen = torch.Generator().manual_seed(2)
+        sums = []
+        for step in range(4):
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).bfloat16()
+            optimizer.track_descent = step % 2 == 1
+            optimizer.step()
+            if optimizer.track_descent:
+                sums.append([optimizer.last_descent[p] for p in params if p.numel()])
+        results.append((params, optimizer, sums))
+    (whole, whole_opt, whole_sums), (chunked, chunked_opt, chunked_sums) = results
+    for a, b in zip(whole, chunked, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        for key, value in whole_opt.state[a].items():
+            other = chunked_opt.state[b][key]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other, key
+    assert chunked_sums[-1][-1].shape == (2, 6)  # one row per segment
+    for step_a, step_b in zip(whole_sums, chunked_sums, strict=True):
+        for a, b in zip(step_a, step_b, strict=True):
+            for row_a, row_b in zip(a.reshape(-1, 6), b.reshape(-1, 6), strict=True):
+                assert partials_close(row_a, row_b)
+
+
+def test_tracking_a_flat_partition_allocates_one_chunk_not_the_partition():
+    """Under ZeRO the optimizer steps one flat partition: tracking EDQ used to copy it
+    and its update whole; now the extra live bytes of a tracked step are one chunk's."""
+    from collage_train.metrics.live_memory import LiveTensorBytes
+
+    numel, chunk = 1 << 20, 1 << 14
+    gen = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter((torch.randn(numel, generator=gen) * 0.05).bfloat16())
+    optimizer = CollageAdamW([param], lr=1e-3, mode="plus", kernel="eager")
+    optimizer.step_chunk_numel = chunk
+    optimizer.descent_segments = {param: [("block_0", 0, numel // 2), ("head", numel // 2, numel)]}
+    peaks = {}
+    for track in (False, True, False, True):
+        param.grad = (torch.randn(numel, generator=gen) * 1e-2).bfloat16()
+        optimizer.track_descent = track
+        with LiveTensorBytes() as live:
+            live.track_training_state([param], optimizer)
+            before = live.current
+            optimizer.step()
+        peaks[track] = live.peak - before
+    state_bytes = numel * 12  # collage_plus: theta, grad, dtheta, m, v, dv
+    assert peaks[True] - peaks[False] <= 40 * chunk  # bytes per tracked element, bounded
+    assert peaks[True] < 0.02 * state_bytes + peaks[False]

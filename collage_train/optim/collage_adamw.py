@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from collage_train.metrics.descent import FIELDS, descent_partials
 from collage_train.optim.base import TrackingOptimizer
 from collage_train.optim.collage_math import (
     collage_tensor_step,
@@ -44,10 +45,29 @@ from collage_train.optim.kernels import choose_kernel
 
 MODES = ("none", "light", "plus")
 KERNELS = ("auto", "eager", "compiled")
+# What one element of a chunk may cost during a step: the eager step's fp32 temporaries
+# (memory_plan.STEP_TRANSIENT: up to 39 bytes in mode plus) and, with EDQ tracked on a
+# flat partition, the copy of the weight and the intended update (2 + 2).
+STEP_BYTES_PER_ELEMENT = 43
+MIN_CHUNK_NUMEL, MAX_CHUNK_NUMEL = 1 << 14, 1 << 22
+
+
+def chunk_numel_for(state_bytes: float) -> int:
+    """Elements stepped at a time so that a step's transients stay within 2% of
+    ``state_bytes`` (the model state this rank holds), kept within [2^14, 2^22]."""
+    budget = int(0.02 * state_bytes / STEP_BYTES_PER_ELEMENT)
+    return min(MAX_CHUNK_NUMEL, max(MIN_CHUNK_NUMEL, budget))
 
 
 class CollageAdamW(TrackingOptimizer):
-    """AdamW on bf16 parameters with bf16 state; ``mode`` is "none", "light" or "plus"."""
+    """AdamW on bf16 parameters with bf16 state; ``mode`` is "none", "light" or "plus".
+
+    ``step_chunk_numel`` bounds what one step allocates beyond the state: tensors are
+    stepped that many elements at a time (see ``_step_in_chunks``); the trainer sizes it
+    from the model (``chunk_numel_for``).
+    """
+
+    step_chunk_numel: int = MAX_CHUNK_NUMEL
 
     def __init__(
         self,
@@ -122,8 +142,6 @@ class CollageAdamW(TrackingOptimizer):
             t = state["step"]  # an integer: the bias corrections are exact in float64
             if param.numel() == 0:
                 continue
-            segments = self.descent_segments.get(param)
-            before = param.detach().clone() if track and segments is not None else None
             tensors = [
                 param.detach(),
                 state.get("dtheta"),
@@ -135,19 +153,68 @@ class CollageAdamW(TrackingOptimizer):
             scalars = step_scalars(
                 group["lr"], beta1, beta2, group["eps"], group["weight_decay"], t
             )
-            flags = {"track": track, "return_update": segments is not None}
-            if self._runs_fused(tensors):
-                flat = [t.view(-1) if t is not None else None for t in tensors]
-                step = fused_tensor_step(self.mode, param.device.type)
-                result = step(*flat, *scalars, **flags)
-                if track and segments is not None:  # the update, flattened above
-                    result = result.view_as(param)
-            else:
-                result = collage_tensor_step(*tensors, *scalars, mode=self.mode, **flags)
-            if not track:
+            partials = self._step_in_chunks(tensors, scalars, self.descent_segments.get(param))
+            if track:
+                self.last_descent[param] = partials
+
+    def _step_in_chunks(
+        self,
+        tensors: list[torch.Tensor | None],
+        scalars: tuple[float, ...],
+        segments: list[tuple[str, int, int]] | None,
+    ) -> torch.Tensor | None:
+        """One tensor's step, ``step_chunk_numel`` elements at a time; its EDQ partials.
+
+        Elementwise, so the result is the same bits as one pass; but the eager step's fp32
+        temporaries, and under EDQ tracking of a flat partition (``segments``) the copy of
+        the weights before the step and the intended update, exist for one chunk at a time
+        instead of for the whole tensor. Returns the partial sums (one row per segment for
+        a flat partition) when descent is tracked, else None.
+        """
+        track = self.track_descent
+        if not all(t is None or t.is_contiguous() for t in tensors):
+            chunks, flat = [(0, tensors[0].numel())], None  # as it is, in one piece
+        else:
+            flat = [t.view(-1) if t is not None else None for t in tensors]
+            numel, chunk = tensors[0].numel(), max(1, self.step_chunk_numel)
+            chunks = [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
+        rows = len(segments) if segments is not None else 1
+        sums = torch.zeros(rows, len(FIELDS), device=tensors[0].device) if track else None
+        for start, stop in chunks:
+            piece = (
+                tensors
+                if flat is None
+                else [t[start:stop] if t is not None else None for t in flat]
+            )
+            if not (track and segments is not None):
+                result = self._step_piece(piece, scalars, track=track, return_update=False)
+                if track:
+                    sums[0] += result
                 continue
-            if segments is None:
-                self.last_descent[param] = result
-            else:  # a flat partition: sums per layer-group range
-                dthetas = [state["dtheta"]] if "dtheta" in state else None
-                self._record_descent([param], [before], [result], dthetas)
+            before = piece[0].clone()  # a flat partition: sums per layer-group range
+            update = self._step_piece(piece, scalars, track=True, return_update=True)
+            for row, (_, seg_start, seg_stop) in enumerate(segments):
+                low, high = max(seg_start, start) - start, min(seg_stop, stop) - start
+                if low < high:
+                    dtheta = piece[1][low:high] if piece[1] is not None else None
+                    sums[row] += descent_partials(
+                        before[low:high], piece[0][low:high], update[low:high], dtheta
+                    )
+        if sums is None or segments is not None:
+            return sums
+        return sums[0]
+
+    def _step_piece(
+        self,
+        tensors: list[torch.Tensor | None],
+        scalars: tuple[float, ...],
+        *,
+        track: bool,
+        return_update: bool,
+    ) -> torch.Tensor | None:
+        """The fused kernel where it runs (contiguous pieces), else the eager step."""
+        flags = {"track": track, "return_update": return_update}
+        if self._runs_fused(tensors):
+            step = fused_tensor_step(self.mode, tensors[0].device.type)
+            return step(*tensors, *scalars, **flags)
+        return collage_tensor_step(*tensors, *scalars, mode=self.mode, **flags)
