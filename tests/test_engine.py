@@ -60,6 +60,15 @@ def test_precision_strategies_map_to_deepspeed_bf16_flags(precision, bf16):
     assert render(precision=precision)["bf16"] == bf16
 
 
+def test_fp32_gradient_accumulation_under_zero1_is_refused_in_one_line():
+    """DeepSpeed would switch to its BF16_Optimizer, and the engine failed inside it."""
+    fp32_accum = "+distributed.deepspeed.data_types={grad_accum_dtype: fp32}"
+    with pytest.raises(ConfigError, match="use distributed=zero2"):
+        render("distributed=zero1", fp32_accum, precision="mixed_fp32")
+    config = render(fp32_accum, precision="mixed_fp32")  # ZeRO-2 takes it (it ran)
+    assert config["data_types"] == {"grad_accum_dtype": "fp32"}
+
+
 def test_pass_through_keys_merge_into_the_rendered_config():
     config = render(
         "+distributed.deepspeed.zero_optimization.overlap_comm=true",

@@ -116,4 +116,22 @@ def render_deepspeed_config(
         if not isinstance(extra, dict):
             extra = OmegaConf.to_container(extra, resolve=True)
         _deep_merge(config, dict(extra))
+    _refuse_bf16_optimizer_wrapper(config, stage)
     return config
+
+
+_FP32_NAMES = ("fp32", "float32", "float", "torch.float32")
+
+
+def _refuse_bf16_optimizer_wrapper(config: dict[str, Any], stage: int) -> None:
+    """bf16 weights with fp32 gradient accumulation under ZeRO-1 (without offload) make
+    DeepSpeed wrap the optimizer in its BF16_Optimizer instead of its ZeRO optimizer,
+    whose partitions the ZeRO engine reads; say so instead of failing inside it."""
+    accum = str((config.get("data_types") or {}).get("grad_accum_dtype", "")).lower()
+    offload = "offload_optimizer" in config["zero_optimization"]
+    if stage == 1 and config["bf16"].get("enabled") and accum in _FP32_NAMES and not offload:
+        raise ConfigError(
+            "distributed.deepspeed.data_types.grad_accum_dtype=fp32 with bf16 weights under "
+            "ZeRO stage 1 makes DeepSpeed use its BF16_Optimizer, which this trainer does not "
+            "drive; use distributed=zero2 (or zero3) for fp32 gradient accumulation"
+        )
