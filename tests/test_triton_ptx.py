@@ -33,17 +33,6 @@ from collage_train.optim.collage_triton import (  # noqa: E402
     _collage_step_kernel,
 )
 
-_SCALARS = (
-    "one_minus_beta1",
-    "beta2",
-    "beta2_hi",
-    "beta2_lo",
-    "one_minus_beta2",
-    "inv_sqrt_bias2",
-    "eps",
-    "step_size",
-    "decay",
-)
 # (track, return_update) as the optimizer calls it -> the kernel's TRACK, WRITE_UPDATE
 _CALLS = {(False, False): (False, False), (True, False): (True, False), (True, True): (False, True)}
 _FORBIDDEN = {
@@ -59,9 +48,6 @@ def compile_ptx(
     mode: str, track: bool, write_update: bool, capability: int, n_type: str = "i32", **options
 ) -> str:
     """PTX of one variant of the kernel for ``sm_<capability>``."""
-    signature = {name: "*bf16" for name in _collage_step_kernel.arg_names[:7]}
-    signature.update({"partials_ptr": "*fp32", "n": n_type})
-    signature.update(dict.fromkeys(_SCALARS, "fp32"))
     constexprs = {
         "MODE": _MODES[mode],
         "TRACK": track,
@@ -69,8 +55,17 @@ def compile_ptx(
         "BLOCK": BLOCK,
         "R": False,  # the branch GPUs run: the conversion instruction rounds
     }
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    assert list(signature) == list(_collage_step_kernel.arg_names)
+
+    def kind(name: str) -> str:  # as the launcher's arguments specialise
+        if name in constexprs:
+            return "constexpr"
+        if name == "partials_ptr":
+            return "*fp32"
+        if name.endswith("_ptr"):
+            return "*bf16"
+        return n_type if name == "n" else "fp32"  # the step's scalars
+
+    signature = {name: kind(name) for name in _collage_step_kernel.arg_names}
     source = ASTSource(fn=_collage_step_kernel, signature=signature, constexprs=constexprs)
     compiled = triton.compile(
         source,
