@@ -195,6 +195,9 @@ class Trainer:
             grad_clip=cfg.optim.grad_clip,
         )
         self.optimizer.descent_segments = self.engine.descent_segments(group_of)
+        rendered = getattr(self.engine, "deepspeed_config", None)  # ZeRO runs only
+        if rendered is not None and self.engine.is_main:
+            write_json_atomic(run_dir / "deepspeed_config.json", rendered)
         if isinstance(self.optimizer, CollageAdamW):  # bound the step's transients
             self.optimizer.step_chunk_numel = chunk_numel_for(
                 self.num_params * self.engine.peak_state_bytes_per_param(self.strategy)

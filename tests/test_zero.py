@@ -110,6 +110,9 @@ def test_collage_plus_under_zero_matches_single_process_with_half_the_state(runs
 
     summary = json.loads((zero_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["distributed"] == f"zero{stage}"
+    rendered = json.loads((zero_dir / "deepspeed_config.json").read_text())  # what DS was told
+    assert rendered["zero_optimization"]["stage"] == stage
+    assert rendered["bf16"]["bf16_optimizer_states"] is True
     assert summary["skipped_steps"] == 0
     # Only rank 0 logs: one describe line, one summary, one metrics stream.
     assert result.stdout.count("precision=collage_plus (") == 1

@@ -96,6 +96,9 @@ class ZeroEngine:
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._state_bytes: int | None = None
+        # The DeepSpeed config this run rendered (prepare); the trainer keeps a copy in
+        # the run directory, so that what DeepSpeed was told is on record.
+        self.deepspeed_config: dict[str, Any] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -121,6 +124,7 @@ class ZeroEngine:
             world_size=self.world_size,
             grad_clip=grad_clip,
         )
+        self.deepspeed_config = config
         self.ds, _, _, _ = self.deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, dist_init_required=False
         )
