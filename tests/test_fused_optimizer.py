@@ -259,7 +259,11 @@ def test_stepping_in_chunks_changes_no_bit(mode, kernel):
         for key, value in whole_opt.state[a].items():
             other = chunked_opt.state[b][key]
             assert torch.equal(value, other) if torch.is_tensor(value) else value == other, key
-    assert chunked_sums[-1][-1].shape == (2, 6)  # one row per segment
+    rows = chunked_sums[-1][-1]
+    assert rows.shape == (2, 6)  # one row per segment
+    dot, _, nonzero, lost = rows[:, :4].unbind(dim=1)
+    assert bool((dot > 0).all()) and bool((lost < nonzero).all())  # against the weights before
+    assert nonzero.tolist() == [1200.0, 3700.0]  # the padding tail is stepped, not counted
     for step_a, step_b in zip(whole_sums, chunked_sums, strict=True):
         for a, b in zip(step_a, step_b, strict=True):
             for row_a, row_b in zip(a.reshape(-1, 6), b.reshape(-1, 6), strict=True):

@@ -191,14 +191,16 @@ class CollageAdamW(TrackingOptimizer):
                 if track:
                     sums[0] += result
                 continue
-            before = piece[0].clone()  # a flat partition: sums per layer-group range
+            before = piece[0].reshape(-1).clone()  # sums per layer-group range, flattened
             update = self._step_piece(piece, scalars, track=True, return_update=True)
+            after, update = piece[0].reshape(-1), update.reshape(-1)
+            low_part = piece[1].reshape(-1) if piece[1] is not None else None
             for row, (_, seg_start, seg_stop) in enumerate(segments):
                 low, high = max(seg_start, start) - start, min(seg_stop, stop) - start
                 if low < high:
-                    dtheta = piece[1][low:high] if piece[1] is not None else None
+                    dtheta = low_part[low:high] if low_part is not None else None
                     sums[row] += descent_partials(
-                        before[low:high], piece[0][low:high], update[low:high], dtheta
+                        before[low:high], after[low:high], update[low:high], dtheta
                     )
         if sums is None or segments is not None:
             return sums
