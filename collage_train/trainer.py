@@ -195,9 +195,6 @@ class Trainer:
             grad_clip=cfg.optim.grad_clip,
         )
         self.optimizer.descent_segments = self.engine.descent_segments(group_of)
-        rendered = getattr(self.engine, "deepspeed_config", None)  # ZeRO runs only
-        if rendered is not None and self.engine.is_main:
-            write_json_atomic(run_dir / "deepspeed_config.json", rendered)
         if isinstance(self.optimizer, CollageAdamW):  # bound the step's transients
             self.optimizer.step_chunk_numel = chunk_numel_for(
                 self.num_params * self.engine.peak_state_bytes_per_param(self.strategy)
@@ -498,6 +495,10 @@ class Trainer:
         """Train to ``max_steps`` (or ``stop_at_step``); return the summary, None if stopped."""
         train = self.cfg.train
         end = train.stop_at_step or train.max_steps
+        # Written once a resume has been accepted, so a refused one leaves the run as it was.
+        rendered = getattr(self.engine, "deepspeed_config", None)  # ZeRO runs only
+        if rendered is not None and self.engine.is_main:
+            write_json_atomic(self.run_dir / "deepspeed_config.json", rendered)
         start_step, wall_start = self.step, time.perf_counter()
         reset_peak_memory(self.device)
         self.forward_module.train()

@@ -191,11 +191,14 @@ def test_zero2_resume_continues_to_the_same_weights(runs, corpus_dir, cache_dir,
     assert all(torch.equal(resumed[k], full[k]) for k in full)
     assert train_records(run_dir)[8]["loss"] == train_records(full_dir)[8]["loss"]
 
-    # Resuming on another data-parallel size is refused with one clear line.
+    # Resuming on another data-parallel size is refused with one clear line, and the run
+    # directory's record of the DeepSpeed config is left as the 2-rank run wrote it.
+    rendered = (run_dir / "deepspeed_config.json").read_text()
     other = run_cli(*args, "train.resume=true")  # one process: a world of one
     assert other.returncode == 1
     assert len(other.error_lines) == 1
     assert "2 data-parallel ranks" in other.error_lines[0] and "1" in other.error_lines[0]
+    assert (run_dir / "deepspeed_config.json").read_text() == rendered
 
 
 def test_nan_loss_under_zero_is_one_error_line_and_leaves_no_shm_files(
