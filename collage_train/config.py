@@ -146,6 +146,10 @@ class DistributedConfig:
     offload_optimizer: bool = False  # optimizer state and master weights in host memory
     offload_param: bool = False  # ZeRO-3 only: parameters in host memory
     timeout_minutes: int = 30  # collective-operation timeout
+    # ZeRO only: dtype of the gradient reduce-scatter/all-reduce and of gradient
+    # accumulation; auto follows the strategy (engine/deepspeed_config.GradientDtypes)
+    reduce_dtype: str = "auto"  # auto | fp32 | bf16
+    grad_accum_dtype: str = "auto"  # auto | fp32 | bf16
     deepspeed: dict[str, Any] = field(default_factory=dict)  # extra DeepSpeed config keys
 
 

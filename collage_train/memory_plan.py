@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from collage_train.engine.deepspeed_config import GradientDtypes
 from collage_train.engine.zero_memory import zero_state_bytes
 from collage_train.optim.collage_adamw import chunk_numel_for
 from collage_train.precision.base import PrecisionStrategy
@@ -120,6 +121,8 @@ class Setting:
     fused_optimizer: bool = True  # the fused Collage kernel (GPU default) or the eager step
     offload_optimizer: bool = False  # ZeRO: master weights and optimizer state on the host
     offload_param: bool = False  # ZeRO-3: weights on the host
+    # ZeRO: the gradient reduce and accumulation dtypes (None: the weights' dtype)
+    gradient_dtypes: GradientDtypes | None = None
 
 
 @dataclass
@@ -190,7 +193,8 @@ def model_state(shape: ModelShape, setting: Setting) -> MemoryEstimate:
         master = n * master_dtype.itemsize if master_dtype is not None else 0.0
         shard = 1
     else:
-        per_param = zero_state_bytes(strategy, setting.stage, setting.gpus)
+        accumulate = setting.gradient_dtypes.accumulate if setting.gradient_dtypes else None
+        per_param = zero_state_bytes(strategy, setting.stage, setting.gpus, accumulate)
         weights, grads = n * per_param.weights, n * per_param.gradients
         master = n * per_param.master
         shard = setting.gpus
@@ -201,7 +205,11 @@ def model_state(shape: ModelShape, setting: Setting) -> MemoryEstimate:
         weights = 0.0
     buffers = 0.0
     if setting.stage >= 2:
-        buffers += min(DEEPSPEED_REDUCE_BUCKET, n) * param
+        bucket = min(DEEPSPEED_REDUCE_BUCKET, n)
+        buffers += bucket * param
+        reduce = setting.gradient_dtypes.reduce if setting.gradient_dtypes else None
+        if reduce is not None and reduce != strategy.param_dtype:
+            buffers += bucket * reduce.itemsize  # the bucket cast for the collective
     if setting.stage == 3:
         buffers += 2 * shape.block_params * param
     return MemoryEstimate(weights, grads, master, optimizer, buffers)
@@ -259,6 +267,11 @@ def estimate(
         if setting.stage:
             per_largest += TRACKED_FLAT_BYTES
     transient = per_param * updated + per_largest * largest
+    if setting.stage and setting.gradient_dtypes:
+        # DeepSpeed casts the accumulated gradient partition to the master dtype at the step.
+        master = strategy.master_dtype or strategy.param_dtype
+        if setting.gradient_dtypes.accumulate != master:
+            transient += updated * master.itemsize
     plan.step_peak = plan.persistent + plan.buffers + plan.gradients + transient
     return plan
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
+from collage_train.engine.deepspeed_config import GradientDtypes, gradient_dtypes
 from collage_train.errors import CollageError, ConfigError
 from collage_train.memory_plan import (
     GIB,
@@ -128,13 +130,15 @@ def make_plan(cfg: Any) -> Plan:
     for name in available():
         for row_stage in stages:
             is_chosen = name == chosen and row_stage == stage
+            strategy = configured if name == chosen else get_strategy(name)
             setting = Setting(
-                configured if name == chosen else get_strategy(name),
+                strategy,
                 row_stage,
                 gpus=plan_cfg.gpus,
                 fused_optimizer=fused,
                 offload_optimizer=is_chosen and bool(cfg.distributed.offload_optimizer),
                 offload_param=is_chosen and bool(cfg.distributed.offload_param),
+                gradient_dtypes=_gradient_dtypes(cfg.distributed, strategy, row_stage, is_chosen),
             )
             rows.append(_row(setting, shape, train, budget=budget, chosen=is_chosen, name=name))
     return Plan(
@@ -150,6 +154,22 @@ def make_plan(cfg: Any) -> Plan:
         fused_optimizer=fused,
         rows=rows,
     )
+
+
+def _gradient_dtypes(
+    dist_cfg: Any, strategy: Any, stage: int, chosen: bool
+) -> GradientDtypes | None:
+    """The configured gradient dtypes at ZeRO ``stage``; where another row's strategy or
+    stage cannot take them, that row's ``auto`` (only the chosen row must accept them)."""
+    if stage == 0:
+        return None
+    try:
+        return gradient_dtypes(dist_cfg, strategy, stage)
+    except ConfigError:
+        if chosen:
+            raise
+        auto = {"reduce_dtype": "auto", "grad_accum_dtype": "auto"}
+        return gradient_dtypes(SimpleNamespace(**auto), strategy, stage)
 
 
 def _row(

@@ -60,22 +60,66 @@ def test_precision_strategies_map_to_deepspeed_bf16_flags(precision, bf16):
     assert render(precision=precision)["bf16"] == bf16
 
 
-def test_fp32_gradient_accumulation_under_zero1_is_refused_in_one_line():
-    """DeepSpeed would switch to its BF16_Optimizer, and the engine failed inside it."""
-    fp32_accum = "+distributed.deepspeed.data_types={grad_accum_dtype: fp32}"
-    with pytest.raises(ConfigError, match="use distributed=zero2"):
-        render("distributed=zero1", fp32_accum, precision="mixed_fp32")
-    config = render(fp32_accum, precision="mixed_fp32")  # ZeRO-2 takes it (it ran)
+@pytest.mark.parametrize(
+    ("precision", "distributed", "reduce", "accumulate"),
+    [
+        ("mixed_fp32", "zero1", "fp32", "bf16"),  # fp32 accumulation needs BF16_Optimizer
+        ("mixed_fp32", "zero2", "fp32", "fp32"),
+        ("mixed_fp32", "zero3", "fp32", "fp32"),
+        ("fp32", "zero1", "fp32", "fp32"),
+        ("bf16", "zero2", "bf16", "bf16"),
+        ("collage_light", "zero3", "bf16", "bf16"),
+        ("collage_plus", "zero1", "bf16", "bf16"),
+        ("collage_plus", "zero2", "bf16", "bf16"),
+    ],
+)
+def test_auto_gradient_dtypes_follow_the_strategy(precision, distributed, reduce, accumulate):
+    config = render(f"distributed={distributed}", precision=precision)
+    assert config["communication_data_type"] == reduce
+    assert config["data_types"] == {"grad_accum_dtype": accumulate}
+
+
+def test_explicit_gradient_dtypes_are_written_for_deepspeed():
+    config = render("distributed.reduce_dtype=fp32", "distributed.grad_accum_dtype=fp32")
+    assert config["communication_data_type"] == "fp32"
+    assert config["data_types"] == {"grad_accum_dtype": "fp32"}
+    config = render("distributed.reduce_dtype=bf16", precision="mixed_fp32")
+    assert config["communication_data_type"] == "bf16"
     assert config["data_types"] == {"grad_accum_dtype": "fp32"}
 
 
-def test_pass_through_keys_merge_into_the_rendered_config():
-    config = render(
-        "+distributed.deepspeed.zero_optimization.overlap_comm=true",
-        "+distributed.deepspeed.communication_data_type=fp32",
-    )
-    assert config["zero_optimization"] == {"stage": 2, "overlap_comm": True}
-    assert config["communication_data_type"] == "fp32"
+@pytest.mark.parametrize(
+    ("overrides", "precision", "message"),
+    [
+        # DeepSpeed would switch to its BF16_Optimizer, and the engine failed inside it.
+        (
+            ("distributed=zero1", "distributed.grad_accum_dtype=fp32"),
+            "mixed_fp32",
+            "use distributed=zero2",
+        ),
+        (("distributed.grad_accum_dtype=bf16",), "fp32", "gradients are fp32"),
+        (("distributed.reduce_dtype=fp16",), "collage_plus", "choose one of: auto, fp32, bf16"),
+        (
+            ("+distributed.deepspeed.communication_data_type=fp32",),
+            "collage_plus",
+            "distributed.reduce_dtype",
+        ),
+        (
+            ("+distributed.deepspeed.data_types={grad_accum_dtype: fp32}",),
+            "collage_plus",
+            "distributed.grad_accum_dtype",
+        ),
+    ],
+)
+def test_gradient_dtype_mistakes_are_one_line(overrides, precision, message):
+    with pytest.raises(ConfigError, match=message):
+        render(*overrides, precision=precision)
+
+
+def test_gradient_dtypes_on_the_single_engine_are_refused():
+    cfg = compose_cfg("distributed.reduce_dtype=fp32")
+    with pytest.raises(ConfigError, match="applies to the ZeRO engines"):
+        build_engine(cfg.distributed, cfg.comm, device="cpu")
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from collage_train.engine.deepspeed_config import GradientDtypes
 from collage_train.memory_plan import (
+    DEEPSPEED_REDUCE_BUCKET,
     STEP_TRANSIENT,
     ModelShape,
     Setting,
@@ -184,6 +186,52 @@ def test_zero_stages_shard_what_deepspeed_shards():
         shape, Setting(get_strategy("mixed_fp32"), 2, gpus=8, offload_optimizer=True)
     )
     assert mixed.master == 0 and sum(mixed.optimizer.values()) == 0
+
+
+def test_gradient_dtypes_change_what_a_zero_rank_holds():
+    """fp32 accumulation doubles the gradient partition, an fp32 reduce adds the cast
+    bucket, and a partition accumulated in another dtype than the master is cast at the step."""
+    shape, n = _shape(), _shape().num_params
+    mixed, plus = get_strategy("mixed_fp32"), get_strategy("collage_plus")
+    fp32, bf16 = torch.float32, torch.bfloat16
+
+    def plan(strategy, reduce, accumulate, stage=2):
+        setting = Setting(
+            strategy, stage, gpus=8, gradient_dtypes=GradientDtypes(reduce, accumulate)
+        )
+        return estimate(shape, setting, micro_batch=1, accum_steps=1, checkpointing=True)
+
+    plain = plan(plus, bf16, bf16)
+    widened = plan(plus, fp32, fp32)
+    assert plain.gradients == 2 * n / 8 and widened.gradients == 4 * n / 8
+    assert widened.buffers - plain.buffers == 4 * min(DEEPSPEED_REDUCE_BUCKET, n)
+    # the fp32 partition cast to Collage's bf16 master: 2 more bytes per updated element
+    # (and a step chunk, 2% of the state, a little larger: the state grew)
+    cast = widened.step_peak - plain.step_peak - (widened.gradients - plain.gradients)
+    assert cast - (widened.buffers - plain.buffers) == pytest.approx(2 * n / 8, rel=0.01)
+    # mixed_fp32: a bf16 partition (2) is widened at the step (+4), fp32 (4) is read as is
+    narrow, wide = plan(mixed, fp32, bf16), plan(mixed, fp32, fp32)
+    assert narrow.gradients == 2 * n / 8 and wide.gradients == 4 * n / 8
+    assert narrow.step_peak - wide.step_peak == pytest.approx(2 * n / 8, rel=0.01)
+    assert plan(mixed, fp32, bf16, stage=1).gradients == 2 * n
+
+
+def test_the_plan_uses_the_configured_gradient_dtypes(make_cfg):
+    from collage_train.plan import make_plan
+
+    rows = {
+        (row.strategy, row.stage): row
+        for row in make_plan(make_cfg("distributed=zero2", "plan.gpus=2")).rows
+    }
+    n = rows[("mixed_fp32", 2)].plain.gradients / 2  # fp32 partition: 4 bytes / 2 ranks
+    assert rows[("collage_plus", 2)].plain.gradients == n  # bf16 / 2
+    assert rows[("mixed_fp32", 1)].plain.gradients == 2 * n  # whole, in bf16
+    forced = make_plan(
+        make_cfg("distributed=zero2", "plan.gpus=2", "distributed.grad_accum_dtype=fp32")
+    )
+    assert {(r.strategy, r.stage): r for r in forced.rows}[
+        ("collage_plus", 2)
+    ].plain.gradients == 2 * n
 
 
 def test_checkpointing_trades_activations_for_recompute():

@@ -113,6 +113,9 @@ def test_collage_plus_under_zero_matches_single_process_with_half_the_state(runs
     rendered = json.loads((zero_dir / "deepspeed_config.json").read_text())  # what DS was told
     assert rendered["zero_optimization"]["stage"] == stage
     assert rendered["bf16"]["bf16_optimizer_states"] is True
+    # auto: a strategy without fp32 copies reduces and accumulates its gradients in bf16
+    assert rendered["communication_data_type"] == summary["reduce_dtype"] == "bf16"
+    assert rendered["data_types"]["grad_accum_dtype"] == summary["grad_accum_dtype"] == "bf16"
     assert summary["skipped_steps"] == 0
     # Only rank 0 logs: one describe line, one summary, one metrics stream.
     assert result.stdout.count("precision=collage_plus (") == 1
@@ -148,6 +151,9 @@ def test_mixed_fp32_under_zero2_keeps_fp32_masters_and_matches(runs):
     assert_matches_single_process(
         zero_dir, single_dir, ("edq", "edq_normalized"), 1e-2, grad_norm_rtol=3e-3
     )
+    # auto: the fp32 baseline reduces and accumulates in fp32 (DeepSpeed's fp32 partition)
+    summary = json.loads((zero_dir / "summary.json").read_text())
+    assert (summary["reduce_dtype"], summary["grad_accum_dtype"]) == ("fp32", "fp32")
     for shard in optimizer_shards(zero_dir, 8):
         assert all(m.dtype == torch.float32 for m in shard["masters"])
         assert all(

@@ -8,8 +8,10 @@ value is an error that names the setting to change instead.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 
 from collage_train.errors import ConfigError
@@ -26,7 +28,73 @@ _DERIVED = {
     "bf16": "precision",
     "fp16": "precision",
     "zero_optimization.stage": "distributed=zero1|zero2|zero3",
+    "communication_data_type": "distributed.reduce_dtype",
+    "data_types.grad_accum_dtype": "distributed.grad_accum_dtype",
 }
+
+GRADIENT_DTYPE_CHOICES = ("auto", "fp32", "bf16")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class GradientDtypes:
+    """The dtypes DeepSpeed reduces gradients across ranks in and accumulates them in.
+
+    ``auto`` follows the strategy. A strategy with fp32 master weights (``mixed_fp32``,
+    ``fp32``) is the fp32 baseline, so its gradients are summed in fp32 as Megatron-LM
+    and PyTorch FSDP setups for bf16 do: a bf16 sum over N ranks or K micro-batches
+    loses about log2(N*K) of bf16's 8 significant bits on small components. A strategy
+    without fp32 copies (``bf16``, ``collage_*``) keeps gradients in bf16 as well: that
+    halves the reduce-scatter traffic and the gradient partition, and its optimizer
+    reads bf16 gradients in any case. One exception: at ZeRO stage 1 DeepSpeed
+    accumulates bf16 weights' gradients in fp32 only by replacing its ZeRO optimizer
+    with its BF16_Optimizer, so ``auto`` accumulates in bf16 there (reduction in fp32
+    still applies) and an explicit ``fp32`` is refused.
+    """
+
+    reduce: torch.dtype
+    accumulate: torch.dtype
+
+    def summary(self) -> dict[str, str]:
+        return {"reduce_dtype": _NAMES[self.reduce], "grad_accum_dtype": _NAMES[self.accumulate]}
+
+
+def _gradient_dtype_setting(dist_cfg: Any, key: str) -> str:
+    value = str(getattr(dist_cfg, key, "auto") or "auto").lower()
+    if value not in GRADIENT_DTYPE_CHOICES:
+        raise ConfigError(
+            f"distributed.{key}={value!r} is not a gradient dtype; choose one of: "
+            f"{', '.join(GRADIENT_DTYPE_CHOICES)}"
+        )
+    return value
+
+
+def gradient_dtypes(dist_cfg: Any, strategy: PrecisionStrategy, stage: int) -> GradientDtypes:
+    """Resolve ``distributed.reduce_dtype`` and ``distributed.grad_accum_dtype`` for a run."""
+    reduce = _gradient_dtype_setting(dist_cfg, "reduce_dtype")
+    accumulate = _gradient_dtype_setting(dist_cfg, "grad_accum_dtype")
+    bf16_weights = strategy.param_dtype == torch.bfloat16
+    fp32_baseline = not bf16_weights or strategy.master_dtype == torch.float32
+    offload = bool(getattr(dist_cfg, "offload_optimizer", False))
+    if reduce == "auto":
+        reduce = "fp32" if fp32_baseline else "bf16"
+    if accumulate == "auto":
+        accumulate = (
+            "fp32" if fp32_baseline and (stage > 1 or offload or not bf16_weights) else "bf16"
+        )
+    if accumulate == "bf16" and not bf16_weights:
+        raise ConfigError(
+            f"distributed.grad_accum_dtype=bf16 with precision={strategy.name}, whose weights "
+            "and gradients are fp32; DeepSpeed accumulates fp32 gradients in fp32 (use auto)"
+        )
+    if accumulate == "fp32" and bf16_weights and stage == 1 and not offload:
+        raise ConfigError(
+            "distributed.grad_accum_dtype=fp32 with bf16 weights under ZeRO stage 1 makes "
+            "DeepSpeed use its BF16_Optimizer, which this trainer does not drive; use "
+            "distributed=zero2 (or zero3) for fp32 gradient accumulation"
+        )
+    return GradientDtypes(reduce=_DTYPES[reduce], accumulate=_DTYPES[accumulate])
 
 
 def precision_section(strategy: PrecisionStrategy) -> dict[str, Any]:
@@ -36,8 +104,6 @@ def precision_section(strategy: PrecisionStrategy) -> dict[str, Any]:
     without masters (bf16, collage_*) keep bf16 master weights and bf16 optimizer state,
     so the project's optimizer owns every state component and nothing is fp32.
     """
-    import torch
-
     if strategy.param_dtype != torch.bfloat16:
         return {"enabled": False}
     if strategy.master_dtype is not None:
@@ -87,6 +153,7 @@ def render_deepspeed_config(
             "use distributed=zero3"
         )
     bf16 = precision_section(strategy)
+    grads = gradient_dtypes(dist_cfg, strategy, stage)
     if dist_cfg.offload_optimizer and bf16.get("bf16_master_weights_and_grads"):
         raise ConfigError(
             f"distributed.offload_optimizer=true with precision={strategy.name}: DeepSpeed "
@@ -104,6 +171,8 @@ def render_deepspeed_config(
         "train_batch_size": micro_batch_size * accum_steps * world_size,
         "gradient_clipping": grad_clip,
         "bf16": bf16,
+        "communication_data_type": grads.summary()["reduce_dtype"],
+        "data_types": {"grad_accum_dtype": grads.summary()["grad_accum_dtype"]},
         "zero_optimization": zero,
         # The optimizer is the project's (CollageAdamW / AdamW), not one DeepSpeed knows.
         "zero_allow_untested_optimizer": True,
@@ -116,22 +185,4 @@ def render_deepspeed_config(
         if not isinstance(extra, dict):
             extra = OmegaConf.to_container(extra, resolve=True)
         _deep_merge(config, dict(extra))
-    _refuse_bf16_optimizer_wrapper(config, stage)
     return config
-
-
-_FP32_NAMES = ("fp32", "float32", "float", "torch.float32")
-
-
-def _refuse_bf16_optimizer_wrapper(config: dict[str, Any], stage: int) -> None:
-    """bf16 weights with fp32 gradient accumulation under ZeRO-1 (without offload) make
-    DeepSpeed wrap the optimizer in its BF16_Optimizer instead of its ZeRO optimizer,
-    whose partitions the ZeRO engine reads; say so instead of failing inside it."""
-    accum = str((config.get("data_types") or {}).get("grad_accum_dtype", "")).lower()
-    offload = "offload_optimizer" in config["zero_optimization"]
-    if stage == 1 and config["bf16"].get("enabled") and accum in _FP32_NAMES and not offload:
-        raise ConfigError(
-            "distributed.deepspeed.data_types.grad_accum_dtype=fp32 with bf16 weights under "
-            "ZeRO stage 1 makes DeepSpeed use its BF16_Optimizer, which this trainer does not "
-            "drive; use distributed=zero2 (or zero3) for fp32 gradient accumulation"
-        )

@@ -19,9 +19,13 @@ import torch
 import torch.distributed as dist
 
 from collage_train.engine.base import Segment, StepOutcome, unchanged
-from collage_train.engine.deepspeed_config import render_deepspeed_config
+from collage_train.engine.deepspeed_config import (
+    GradientDtypes,
+    gradient_dtypes,
+    render_deepspeed_config,
+)
 from collage_train.engine.launch import init_process_group, local_rank
-from collage_train.engine.zero_memory import zero_state_bytes
+from collage_train.engine.zero_memory import ZeroStateBytes, zero_state_bytes
 from collage_train.errors import ConfigError
 from collage_train.metrics.memory import storage_bytes
 from collage_train.precision.base import PrecisionStrategy
@@ -99,6 +103,7 @@ class ZeroEngine:
         # The DeepSpeed config this run rendered (prepare); the trainer keeps a copy in
         # the run directory, so that what DeepSpeed was told is on record.
         self.deepspeed_config: dict[str, Any] | None = None
+        self.gradient_dtypes: GradientDtypes | None = None
 
     @property
     def is_main(self) -> bool:
@@ -125,6 +130,7 @@ class ZeroEngine:
             grad_clip=grad_clip,
         )
         self.deepspeed_config = config
+        self.gradient_dtypes = gradient_dtypes(self.dist_cfg, strategy, self.stage)
         self.ds, _, _, _ = self.deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, dist_init_required=False
         )
@@ -223,10 +229,14 @@ class ZeroEngine:
         return self._state_bytes or 0
 
     def expected_state_bytes_per_param(self, strategy: PrecisionStrategy) -> float:
-        return zero_state_bytes(strategy, self.stage, self.world_size).persistent
+        return self._analytic_bytes(strategy).persistent
 
     def peak_state_bytes_per_param(self, strategy: PrecisionStrategy) -> float:
-        return zero_state_bytes(strategy, self.stage, self.world_size).total
+        return self._analytic_bytes(strategy).total
+
+    def _analytic_bytes(self, strategy: PrecisionStrategy) -> ZeroStateBytes:
+        dtypes = self.gradient_dtypes or gradient_dtypes(self.dist_cfg, strategy, self.stage)
+        return zero_state_bytes(strategy, self.stage, self.world_size, dtypes.accumulate)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -265,8 +275,9 @@ class ZeroEngine:
         return client_state["trainer"]
 
     def comm_metrics(self) -> dict[str, Any]:
-        """DeepSpeed's collectives are not counted here."""
-        return {}
+        """The gradient reduction and accumulation dtypes (DeepSpeed's collectives are
+        not counted here)."""
+        return self.gradient_dtypes.summary() if self.gradient_dtypes else {}
 
     def full_weights(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
         """Gather ZeRO-3's partitioned weights on every rank for the duration of the block."""

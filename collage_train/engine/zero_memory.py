@@ -5,7 +5,7 @@ What one rank of N holds, per parameter, for a precision strategy (DeepSpeed 0.1
 | component                           | stage 1 | stage 2 | stage 3         |
 |-------------------------------------|---------|---------|-----------------|
 | weights (param dtype)               | full    | full    | 1/N             |
-| gradients at the step (param dtype) | full    | 1/N     | 1/N             |
+| gradients at the step (accum dtype) | full    | 1/N     | 1/N             |
 | master partition (master dtype)     | 1/N     | 1/N     | 1/N*            |
 | optimizer state (its components)    | 1/N     | 1/N     | 1/N             |
 
@@ -14,6 +14,10 @@ dtypes match (bf16 masters), but DeepSpeed 0.19.8 decides this by comparing a
 ``torch.device`` with a device-name string, which is never equal, so it always keeps
 a separate copy of the partition (measured by scripts/bench_zero_memory.py).
 
+Gradients are held in ``distributed.grad_accum_dtype`` (DeepSpeed's fp32 gradient
+partition at stages 2 and 3, its ``grad_accum`` copies at stage 1 with offload), in the
+weights' dtype when it is not given.
+
 ``persistent`` (weights + master + optimizer state) is what survives between steps
 and what ``ZeroEngine.state_bytes`` measures; gradients live only during a step.
 """
@@ -21,6 +25,8 @@ and what ``ZeroEngine.state_bytes`` measures; gradients live only during a step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from collage_train.precision.base import PrecisionStrategy
 
@@ -48,13 +54,19 @@ def optimizer_state_bytes(strategy: PrecisionStrategy) -> float:
     return float(sum(nbytes for _, nbytes in strategy.optimizer_state))
 
 
-def zero_state_bytes(strategy: PrecisionStrategy, stage: int, world_size: int) -> ZeroStateBytes:
+def zero_state_bytes(
+    strategy: PrecisionStrategy,
+    stage: int,
+    world_size: int,
+    grad_accum_dtype: torch.dtype | None = None,
+) -> ZeroStateBytes:
     """Analytic bytes per parameter on one of ``world_size`` ranks at ZeRO ``stage``."""
     param = strategy.param_dtype.itemsize
+    grad = (grad_accum_dtype or strategy.param_dtype).itemsize
     master_dtype = strategy.master_dtype or strategy.param_dtype
     return ZeroStateBytes(
         weights=param if stage < 3 else param / world_size,
-        gradients=param if stage == 1 else param / world_size,
+        gradients=grad if stage == 1 else grad / world_size,
         master=master_dtype.itemsize / world_size,
         optimizer=optimizer_state_bytes(strategy) / world_size,
     )
