@@ -4,18 +4,27 @@ A checkpoint is written into a hidden temporary directory next to its final plac
 flushed to disk, and renamed into place in one step: a crash mid-write leaves only a
 hidden ``.step-N.tmp`` directory, never a ``step-N`` that looks complete. Only
 directories holding ``meta.json`` (written last) count as checkpoints.
+
+No checkpoint file is ever unpickled with code execution allowed: our own files load
+with ``weights_only=True``, and every ``.pt`` file of a checkpoint, DeepSpeed's shards
+included (DeepSpeed 0.19.8 opens them with ``weights_only=False``), is first verified
+with the same restricted unpickler, which admits tensors, plain containers and only the
+three record classes DeepSpeed writes (``verify_checkpoint_files``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from collage_train.errors import CheckpointError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "meta.json"
@@ -135,9 +144,72 @@ def save_checkpoint(
     return commit_checkpoint(run_dir, step, tmp, meta, keep, extra_files)
 
 
+def remove_temporary_dirs(run_dir: Path) -> None:
+    """Delete the hidden directories of unfinished checkpoint writes (never a complete one)."""
+    root = checkpoint_dir(run_dir)
+    if root.is_dir():
+        for partial in root.glob(".step-*.tmp*"):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+# The only objects besides tensors and plain containers that DeepSpeed 0.19.8 pickles into
+# a ZeRO checkpoint (stages 1-3, bf16 or fp32 masters; found by listing the globals of its
+# files). While a file is verified each is read into a ``_Record``, so verifying neither
+# imports DeepSpeed nor runs any of its code.
+DEEPSPEED_RECORDS = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+class _Record:
+    """Inert stand-in for one of DEEPSPEED_RECORDS: keeps its arguments and state, runs nothing."""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+
+def _refusal(file: Path, err: BaseException) -> CheckpointError:
+    """The one-line reason why ``file`` was not loaded."""
+    text = str(err)
+    found = re.search(r"Unsupported (?:global|operand): (?:GLOBAL )?(\S+)", text)
+    if found or "Weights only load failed" in text:
+        detail = f" ({found.group(1)})" if found else ""
+        return CheckpointError(
+            f"refusing to load {file}: it holds an object that is not a tensor or a plain "
+            f"container{detail}, and checkpoint files are never allowed to run code while "
+            "they are read; restore the checkpoint from a trusted copy or delete it"
+        )
+    if "mmap can only be used" in text:
+        return CheckpointError(f"{file} is not a checkpoint file written by torch.save")
+    first = (text.strip().splitlines() or [type(err).__name__])[0]
+    return CheckpointError(f"{file} is not a readable checkpoint file ({first})")
+
+
+def verify_checkpoint_files(path: Path) -> None:
+    """Refuse checkpoint ``path`` unless every ``.pt`` file in it unpickles safely.
+
+    Each file is read with ``weights_only=True`` and its storages memory-mapped, so this
+    parses the pickles without reading the tensor data. Call it before anything that
+    loads the files less strictly (DeepSpeed's engine and ``zero_to_fp32``) opens them.
+    """
+    allowed = [(_Record, name) for name in DEEPSPEED_RECORDS]
+    for file in sorted(path.rglob("*.pt")):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, OSError) as err:
+            raise _refusal(file, err) from None
+
+
 def load_checkpoint_file(path: Path, name: str, map_location: str | torch.device = "cpu") -> Any:
     """Load ``NAME.pt`` from a checkpoint directory (tensors and plain containers only)."""
-    return torch.load(path / f"{name}.pt", map_location=map_location, weights_only=True)
+    file = path / f"{name}.pt"
+    try:
+        return torch.load(file, map_location=map_location, weights_only=True)
+    except (pickle.UnpicklingError, EOFError) as err:
+        raise _refusal(file, err) from None
 
 
 def read_meta(path: Path) -> dict[str, Any]:

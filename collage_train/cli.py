@@ -1,12 +1,15 @@
 """The Hydra application behind ``python -m collage_train``.
 
-``train`` prepares the run directory (refusing to overwrite a finished or running
-one unless resuming), builds the trainer and the sinks, and runs it. ``hydra_main``
-wraps it so that bad input ends in one ``error:`` line and a non-zero exit.
+``train`` prepares the run directory (refusing to overwrite a finished run unless
+resuming), builds the trainer and the sinks, and runs it. ``hydra_main`` wraps it so
+that bad input ends in one ``error:`` line and a non-zero exit. Before ``hydra_main``
+runs, the Hydra callback of ``collage_train/rundir.py`` has validated the configuration
+and locked the run directory against a second launch.
 """
 
 from __future__ import annotations
 
+import errno
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ from collage_train.config import register_schemas
 from collage_train.engine.launch import launched_rank
 from collage_train.errors import CollageError, ConfigError, OutOfMemory
 from collage_train.metrics import ConsoleSink, JsonlSink, Sink, WandbSink
+from collage_train.rundir import write_hydra_record
 from collage_train.trainer import Trainer
 
 
@@ -68,6 +72,8 @@ def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None)
         )
     if cfg.train.resume and existing is None:
         print(f"no checkpoint in {run_dir} yet: starting from step 0", flush=True)
+    if existing is not None:  # before data preparation, and before DeepSpeed opens them
+        checkpoint.verify_checkpoint_files(existing)
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, run_dir, sinks=[])
     try:
@@ -78,6 +84,8 @@ def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None)
             trainer.resume_from(existing)
             if main:
                 print(f"resumed from {existing} at step {trainer.step}", flush=True)
+        if main:  # the run is accepted: record what it runs
+            write_hydra_record(cfg, run_dir)
         sinks: list[Sink] = []
         if main:  # only rank 0 logs
             sinks = build_sinks(
@@ -107,6 +115,28 @@ def _is_out_of_memory(err: BaseException) -> bool:
     )
 
 
+def _disk_full(err: BaseException) -> bool:
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(err, RuntimeError) and "file write failed" in str(err)  # torch.save
+
+
+def _disk_full_message(err: BaseException, run_dir: Path) -> str:
+    """Remove the unfinished checkpoint and say which complete one a resume would use."""
+    checkpoint.remove_temporary_dirs(run_dir)
+    where = getattr(err, "filename", None) or run_dir
+    latest = checkpoint.latest_checkpoint(run_dir)
+    kept = (
+        f"the newest complete checkpoint, {latest}, is intact"
+        if latest is not None
+        else "no checkpoint had been completed"
+    )
+    return (
+        f"no space left on the device while writing {where}; the unfinished checkpoint was "
+        f"removed and {kept}: free some space, then continue with train.resume=true"
+    )
+
+
 def run(cfg: DictConfig, run_dir: Path) -> int:
     """``train`` with bad input turned into one error line; returns the exit status."""
     rank = launched_rank()
@@ -119,7 +149,10 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
         return 1
-    except (RuntimeError, MemoryError) as err:
+    except (OSError, RuntimeError, MemoryError) as err:
+        if _disk_full(err):
+            print(f"error: {_rank_prefix(rank)}{_disk_full_message(err, run_dir)}", file=sys.stderr)
+            return 1
         if not _is_out_of_memory(err):
             raise
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -19,3 +19,11 @@ class OutOfMemory(CollageError):
 
 class ReplicasDiverged(CollageError):
     """Replicas that must hold bit-identical shared weights no longer do."""
+
+
+class CheckpointError(CollageError):
+    """A checkpoint that cannot or must not be loaded (unsafe, unreadable, not ours)."""
+
+
+class RunDirectoryBusy(CollageError):
+    """Another live process holds the run directory's lock."""

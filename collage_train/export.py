@@ -6,6 +6,8 @@ DiLoCo/SparseLoCo replicas (rank 0's replica; the shared model at an outer step)
 shards are consolidated on the CPU (no launcher or GPU needed) and the weights are
 written in the run's parameter dtype (bf16 for every strategy but fp32). The output,
 ``<run dir>/hf-step-N`` by default, loads with ``AutoModelForCausalLM.from_pretrained``.
+Every ``.pt`` file of the checkpoint is verified to unpickle without running code before
+any of it is loaded, whatever its ``meta.json`` claims (``checkpoint.verify_checkpoint_files``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from collage_train import checkpoint
 from collage_train.data import Tokenizer
+from collage_train.errors import CollageError
 from collage_train.precision import get_strategy
 from collage_train.trainer import export_model
 
@@ -38,6 +41,7 @@ def resolve_checkpoint(path: Path) -> Path:
 
 def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
     """The whole model's weights from checkpoint ``path``, in the run's parameter dtype."""
+    checkpoint.verify_checkpoint_files(path)  # before DeepSpeed's unrestricted torch.load
     meta = checkpoint.read_meta(path)
     if (path / "replica-0").is_dir():  # comm=diloco|sparseloco: rank 0's replica
         return checkpoint.load_checkpoint_file(path / "replica-0", "model")
@@ -62,6 +66,11 @@ def load_checkpoint_model(path: Path) -> tuple[PreTrainedModel, Tokenizer]:
     return model, Tokenizer.load(path / "tokenizer.model")
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (its type's name if it has none)."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m collage_train.export", description=__doc__)
     parser.add_argument("path", type=Path, help="run directory or checkpoints/step-N directory")
@@ -70,9 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = resolve_checkpoint(args.path)
         model, tokenizer = load_checkpoint_model(path)
-    except (FileNotFoundError, KeyError, RuntimeError, ValueError) as err:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        print(f"error: cannot export {args.path}: {first}", file=sys.stderr)
+    except (CollageError, FileNotFoundError, KeyError, RuntimeError, ValueError) as err:
+        print(f"error: cannot export {args.path}: {first_line(err)}", file=sys.stderr)
         return 1
     target = args.out or path.parent.parent / f"hf-{path.name}"
     export_model(model, tokenizer, target)

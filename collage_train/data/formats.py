@@ -48,19 +48,25 @@ def read_parquet(path: Path, text_field: str) -> Iterator[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(path)
-    schema = parquet.schema_arrow
-    if text_field not in schema.names:
+    try:
+        parquet = pq.ParquetFile(path)
+        schema = parquet.schema_arrow
+        if text_field not in schema.names:
+            raise DataError(
+                f"{path}: no column {text_field!r} (columns: {schema.names}); set data.text_field"
+            )
+        column_type = schema.field(text_field).type
+        if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+            raise DataError(f"{path}: column {text_field!r} has type {column_type}, not string")
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
+            for text in batch.column(0).to_pylist():
+                if text is not None:
+                    yield text
+    except (pa.ArrowException, OSError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise DataError(
-            f"{path}: no column {text_field!r} (columns: {schema.names}); set data.text_field"
-        )
-    column_type = schema.field(text_field).type
-    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-        raise DataError(f"{path}: column {text_field!r} has type {column_type}, not string")
-    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
-        for text in batch.column(0).to_pylist():
-            if text is not None:
-                yield text
+            f"{path} is not a readable parquet file ({first}); fix or remove it from data.paths"
+        ) from None
 
 
 READERS: dict[str, Callable[[Path, str], Iterator[str]]] = {

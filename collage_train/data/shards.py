@@ -13,7 +13,7 @@ from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 
-from collage_train.data.cache import cache_key, staged_directory
+from collage_train.data.cache import cache_key, remove_stale_staging, staged_directory
 from collage_train.data.errors import DataError
 from collage_train.data.settings import DataSettings
 from collage_train.data.sources import Source, open_source
@@ -62,6 +62,8 @@ def validation_spans(total: int, fraction: float) -> list[tuple[int, int]]:
 
 def prepare_shards(settings: DataSettings) -> Path:
     """Return the cache directory holding the shards for ``settings``, building it if needed."""
+    for stale in remove_stale_staging(settings.cache_dir):
+        logger.info("removed %s, left by a preparation that was killed", stale)
     source = open_source(settings)
     fingerprint = source.fingerprint()
     tokenizer_settings = TokenizerSettings(settings.vocab_size, settings.tokenizer_train_chars)

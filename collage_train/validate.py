@@ -1,0 +1,134 @@
+"""Start-up checks of the composed configuration, before anything is prepared or written.
+
+Hydra's schema (``collage_train/config.py``) already refuses misspelt keys and wrongly
+typed values; this module refuses what it lets through: keys added with ``+`` under the
+project's own groups, values of the right type that cannot work (a negative learning
+rate, a cadence of 0 steps, betas outside [0, 1)), ``model.extra`` keys that the
+transformers config does not know or that the model builder already sets, and W&B
+``online`` without credentials (which would otherwise hang in ``wandb.init``).
+``validate`` runs once per launch, in the Hydra callback that also locks the run
+directory (``collage_train/rundir.py``), so a refused run has prepared no data and
+touched no run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import netrc
+import os
+import typing
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from omegaconf import DictConfig
+
+from collage_train.config import JobConfig
+from collage_train.errors import ConfigError
+from collage_train.models import check_model_extra
+
+WANDB_DEFAULT_HOST = "https://api.wandb.ai"
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError, with one actionable sentence, for the first setting that cannot work."""
+    check_known_keys(cfg)
+    check_optim(cfg.optim)
+    check_train(cfg.train)
+    check_positive("logging.log_every", cfg.logging.log_every, "step")
+    if cfg.metrics.edq_every is not None and cfg.metrics.edq_every < 0:
+        raise ConfigError(f"metrics.edq_every must be 0 (off) or more, got {cfg.metrics.edq_every}")
+    check_model_extra(cfg.model)
+    check_wandb(cfg.logging.wandb)
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Refuse keys the schema does not define (Hydra admits them when added with ``+``)."""
+    unknown = _unknown_keys(cfg, JobConfig, "")
+    if unknown:
+        path, known = unknown[0]
+        key = path.rsplit(".", 1)[-1]
+        guess = difflib.get_close_matches(key, known, n=1)
+        hint = f" (did you mean {guess[0]}?)" if guess else ""
+        group = path.rsplit(".", 1)[0] if "." in path else "the root config"
+        raise ConfigError(
+            f"unknown setting {path}{hint}: {group} has no key {key!r}; remove it or fix its "
+            "spelling (python -m collage_train --cfg job prints every setting)"
+        )
+
+
+def _unknown_keys(node: DictConfig, schema: type, prefix: str) -> list[tuple[str, list[str]]]:
+    hints = typing.get_type_hints(schema)
+    names = [field.name for field in dataclasses.fields(schema)]
+    found: list[tuple[str, list[str]]] = []
+    for key in node:
+        path = f"{prefix}{key}"
+        if key == "hydra" and not prefix:
+            continue  # Hydra's own node, present in the config callbacks see
+        if key not in names:
+            found.append((path, names))
+            continue
+        child = node._get_node(key)  # free-form dict fields (model.extra) are not dataclasses
+        if dataclasses.is_dataclass(hints[key]) and isinstance(child, DictConfig):
+            found += _unknown_keys(child, hints[key], f"{path}.")
+    return found
+
+
+def check_positive(name: str, value: Any, unit: str) -> None:
+    if value is None or value < 1:
+        raise ConfigError(f"{name} must be at least 1 {unit}, got {value}")
+
+
+def check_optim(optim: DictConfig) -> None:
+    """AdamW's hyper-parameters: each in the range where the update is defined."""
+    for key in ("lr", "min_lr", "weight_decay", "warmup_steps", "grad_clip"):
+        if optim[key] < 0:
+            raise ConfigError(f"optim.{key} must not be negative, got {optim[key]}")
+    if optim.eps <= 0:
+        raise ConfigError(
+            f"optim.eps must be positive (it keeps AdamW's division finite), got {optim.eps}"
+        )
+    betas = list(optim.betas)
+    if len(betas) != 2:
+        raise ConfigError(
+            f"optim.betas must hold two values (beta1, beta2), got {len(betas)}: {betas}"
+        )
+    for index, beta in enumerate(betas, start=1):
+        if not 0 <= beta < 1:
+            raise ConfigError(f"optim.betas: beta{index}={beta} must lie in [0, 1)")
+
+
+def check_train(train: DictConfig) -> None:
+    """Cadences and batch sizes that are counts of at least one."""
+    for key in ("checkpoint_every", "eval_every"):
+        check_positive(f"train.{key}", train[key], "step")
+    check_positive("train.eval_batches", train.eval_batches, "micro-batch")
+    for key in ("micro_batch_size", "global_batch_size"):
+        check_positive(f"train.{key}", train[key], "sequence")
+
+
+def check_wandb(wandb_cfg: DictConfig) -> None:
+    """``online`` needs credentials; without them wandb.init would wait about 100 s, then fail.
+
+    Looked up as W&B does, without the network: WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE,
+    else an entry for the W&B host (WANDB_BASE_URL) in the netrc file (NETRC, ~/.netrc).
+    """
+    if wandb_cfg.mode != "online" or wandb_credentials_found():
+        return
+    raise ConfigError(
+        "logging.wandb.mode=online needs W&B credentials and none were found "
+        "(WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE or a netrc entry from `wandb login`); "
+        "log in, export WANDB_API_KEY, or use logging.wandb.mode=offline and `wandb sync` later"
+    )
+
+
+def wandb_credentials_found() -> bool:
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or WANDB_DEFAULT_HOST).netloc
+    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+    try:
+        return bool(host) and netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
