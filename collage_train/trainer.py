@@ -261,17 +261,18 @@ class Trainer:
         if "cuda" in state["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
 
-    def _all_ranks_agree(self, ok: bool) -> bool:
-        """True when ``ok`` holds on every rank."""
-        if self.engine.world_size == 1:
-            return ok
-        failures = torch.tensor([0.0 if ok else 1.0], device=self.device)
-        return self.engine.all_reduce_sum(failures).item() == 0
+    def _all_weights_finite(self) -> bool:
+        """True when every rank's weights are finite (one collective, one transfer)."""
+        weights = self.engine.local_weights()
+        finite = torch.stack([torch.isfinite(w).all() for w in weights]).all()
+        failures = (~finite).to(self.device, torch.float32).reshape(1)
+        if self.engine.world_size > 1:
+            self.engine.all_reduce_sum(failures)
+        return failures.item() == 0
 
     def save_checkpoint(self) -> Path:
         """Checkpoint the current step on every rank, refusing to store non-finite weights."""
-        finite = all(bool(torch.isfinite(w).all()) for w in self.engine.local_weights())
-        if not self._all_ranks_agree(finite):
+        if not self._all_weights_finite():
             raise TrainingDiverged(
                 f"the weights became NaN or infinite at step {self.step}; nothing was saved "
                 "over the last good checkpoint. Lower optim.lr or use a more precise strategy"
@@ -365,8 +366,19 @@ class Trainer:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def train_step(self) -> dict[str, Any]:
-        """One optimizer step over ``accum_steps`` micro-batches."""
-        start = time.perf_counter()
+        """One optimizer step, its statistics settled as host numbers (``_settle``)."""
+        since = time.perf_counter()
+        stats = self._step()
+        self._settle([stats], stop_requested=False, since=since)
+        return stats
+
+    def _step(self) -> dict[str, Any]:
+        """One optimizer step over ``accum_steps`` micro-batches, without waiting for it.
+
+        Nothing here makes the host wait for the device: the loss, the gradient norm and
+        the EDQ partials stay device tensors (this rank's share) until ``_settle`` turns a
+        whole window of steps into numbers with one collective and one transfer.
+        """
         data_time = 0.0
         loss_sum = torch.zeros((), device=self.device)
         for _ in range(self.accum_steps):
@@ -377,13 +389,7 @@ class Trainer:
                 loss = self._loss(batch)
                 self.engine.backward(loss)
             loss_sum += loss.detach()
-        loss_sum /= self.accum_steps * self.engine.world_size
-        loss_value = self.engine.all_reduce_sum(loss_sum).item()  # mean over all ranks
-        if not math.isfinite(loss_value):
-            raise TrainingDiverged(
-                f"the loss became {loss_value} at step {self.step + 1}; the last good checkpoint "
-                "is kept. Lower optim.lr, raise optim.warmup_steps, or use precision=mixed_fp32"
-            )
+        loss_sum /= self.accum_steps * self.engine.world_size  # summed over ranks: the mean
         lr = warmup_cosine_lr(
             self.step,
             peak_lr=self.cfg.optim.lr,
@@ -396,28 +402,63 @@ class Trainer:
         track = self.edq_every > 0 and (self.step + 1) % self.edq_every == 0
         self.optimizer.track_descent = track
         outcome = self.engine.step()  # clips, steps, clears gradients
-        descent = self._descent() if track and outcome.applied else None
+        descent = self._descent_partials() if track and outcome.applied else None
         self.optimizer.track_descent = False
         if not outcome.applied:
             self.skipped_steps += 1
         self.step += 1
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - start
         return {
-            "loss": loss_value,
+            "step": self.step,
+            "loss": loss_sum,
             "lr": lr,
             "grad_norm": outcome.grad_norm,
-            "time": elapsed,
             "data_time": data_time,
             "descent": descent,
         }
 
-    def _descent(self) -> dict[str, float]:
-        """Effective-descent metrics of the last step, for the model and per layer group.
+    def _settle(self, window: list[dict[str, Any]], *, stop_requested: bool, since: float) -> bool:
+        """Turn the device statistics of ``window`` (the steps since the last settle) into
+        host numbers, in place; return whether any rank was asked to stop.
 
-        Each rank sums the partials of the elements it updated, per layer group; the
-        all-reduce makes them the global sums (under ZeRO a rank updates a partition).
+        One all-reduce sums every rank's loss shares, EDQ partials and stop flag, and one
+        transfer brings them (with this rank's gradient norms) to the host: the only
+        point where the loop waits for the device, so it also times the window. A
+        non-finite loss raises here, naming its step, before anything is checkpointed.
+        """
+        reduced = [stats["loss"].reshape(1) for stats in window]
+        reduced.append(torch.tensor([float(stop_requested)]))
+        descents = [stats for stats in window if stats["descent"] is not None]
+        reduced += [stats["descent"].flatten() for stats in descents]
+        local = [torch.as_tensor(s["grad_norm"], dtype=torch.float64).reshape(1) for s in window]
+        flat = torch.cat([t.to(self.device, torch.float64) for t in reduced + local])
+        count = sum(t.numel() for t in reduced)
+        self.engine.all_reduce_sum(flat[:count])
+        values = flat.tolist()
+        elapsed = time.perf_counter() - since
+        size = len(window)
+        groups = len(self.layer_groups) * len(FIELDS)
+        for index, stats in enumerate(window):
+            stats["loss"] = values[index]
+            stats["grad_norm"] = values[count + index]
+            stats["time"] = elapsed / size
+        offset = size + 1
+        for stats in descents:
+            stats["descent"] = self._descent_metrics(values[offset : offset + groups])
+            offset += groups
+        for stats in window:
+            if not math.isfinite(stats["loss"]):
+                raise TrainingDiverged(
+                    f"the loss became {stats['loss']} at step {stats['step']}; the last good "
+                    "checkpoint is kept. Lower optim.lr, raise optim.warmup_steps, or use "
+                    "precision=mixed_fp32"
+                )
+        return values[size] > 0
+
+    def _descent_partials(self) -> torch.Tensor:
+        """This rank's effective-descent partial sums of the last step, per layer group.
+
+        Each rank sums the partials of the elements it updated (under ZeRO a rank
+        updates a partition); ``_settle`` all-reduces them into the global sums.
         """
         index = {group: i for i, group in enumerate(self.layer_groups)}
         sums = torch.zeros(len(self.layer_groups), len(FIELDS), device=self.device)
@@ -425,10 +466,16 @@ class Trainer:
             segments = self.optimizer.descent_segments[param]
             for (group, _, _), row in zip(segments, partials.reshape(-1, len(FIELDS)), strict=True):
                 sums[index[group]] += row.to(self.device)
-        self.engine.all_reduce_sum(sums)
+        return sums
+
+    def _descent_metrics(self, sums: list[float]) -> dict[str, float]:
+        """Effective-descent metrics for the model and per layer group from the global
+        sums (row-major, one row of ``FIELDS`` per layer group)."""
         with_dtheta = self.strategy.collage_mode in ("light", "plus")
-        metrics = descent_metrics(sums.sum(dim=0), with_dtheta)
-        for group, partials in zip(self.layer_groups, sums, strict=True):
+        width = len(FIELDS)
+        rows = [sums[i : i + width] for i in range(0, len(sums), width)]
+        metrics = descent_metrics([sum(column) for column in zip(*rows, strict=True)], with_dtheta)
+        for group, partials in zip(self.layer_groups, rows, strict=True):
             for key, value in descent_metrics(partials, with_dtheta).items():
                 metrics[f"{key}.{group}"] = value
         return metrics
@@ -506,17 +553,31 @@ class Trainer:
         logged = 0
         last_record: dict[str, Any] | None = None
         val: dict[str, float] | None = None
+        settled = 0  # steps of history whose statistics are host numbers
+        window_start = time.perf_counter()
         with _StopRequest().installed() as stop:
             while self.step < end:
-                history.append(self.train_step())
-                if self.step % self.cfg.logging.log_every == 0 or self.step == end:
+                history.append(self._step())
+                log = self.step % self.cfg.logging.log_every == 0 or self.step == end
+                validate = self.step % train.eval_every == 0 or self.step == train.max_steps
+                save = self.step % train.checkpoint_every == 0 or self.step == end
+                first = self.step == start_step + 1  # settled alone: it pays for warm-up
+                if not (log or validate or save or first):
+                    continue  # the host runs ahead; nothing waits for the device
+                stopped = self._settle(
+                    history[settled:],
+                    stop_requested=stop.signal_name is not None,
+                    since=window_start,
+                )
+                settled = len(history)
+                if log:
                     last_record = self._train_record(history[logged:])
                     self._emit(last_record)
                     logged = len(history)
-                if self.step % train.eval_every == 0 or self.step == train.max_steps:
+                if validate:
                     val = self.evaluate()
                     self._emit({"step": self.step, **val})
-                if not self._all_ranks_agree(stop.signal_name is None):  # any rank signalled
+                if stopped:  # any rank signalled
                     self.save_checkpoint()
                     self._emit_notice(
                         f"{stop.signal_name or 'a stop signal'} received: checkpoint saved at "
@@ -524,8 +585,9 @@ class Trainer:
                         "continue with train.resume=true"
                     )
                     return None
-                if self.step % train.checkpoint_every == 0 or self.step == end:
+                if save:
                     self.save_checkpoint()
+                window_start = time.perf_counter()
         if self.step < train.max_steps:
             self._emit_notice(
                 f"stopped at step {self.step} of {train.max_steps} (train.stop_at_step); "

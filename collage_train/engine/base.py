@@ -23,9 +23,13 @@ Segment = tuple[str, int, int]
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """What one optimizer step did: the pre-clipping gradient norm and whether it was applied."""
+    """What one optimizer step did: the pre-clipping gradient norm and whether it was applied.
 
-    grad_norm: float
+    The norm may be a device tensor: the trainer reads it at its next settle, so that a
+    step never waits for the device just to report it.
+    """
+
+    grad_norm: torch.Tensor | float
     applied: bool
 
 

@@ -86,7 +86,7 @@ class SingleProcessEngine:
         (loss / self.accum_steps).backward()
 
     def step(self) -> StepOutcome:
-        grad_norm = clip_grad_norm(self.model.parameters(), self.grad_clip).item()
+        grad_norm = clip_grad_norm(self.model.parameters(), self.grad_clip)  # stays on device
         self.optimizer.step()
         if self._state_bytes is None:  # gradients are still present here
             self._state_bytes = model_state_bytes(self.model, self.optimizer)

@@ -24,7 +24,7 @@ from collage_train.engine.deepspeed_config import (
     gradient_dtypes,
     render_deepspeed_config,
 )
-from collage_train.engine.launch import init_process_group, local_rank
+from collage_train.engine.launch import check_process_group, init_process_group, local_rank
 from collage_train.engine.zero_memory import ZeroStateBytes, zero_state_bytes
 from collage_train.errors import ConfigError
 from collage_train.metrics.memory import storage_bytes
@@ -86,7 +86,8 @@ class ZeroEngine:
         self.dist_cfg = dist_cfg
         self.stage = int(dist_cfg.zero_stage)
         self.deepspeed = _import_deepspeed(device.type)
-        init_process_group(dist_cfg.timeout_minutes)
+        init_process_group(dist_cfg.timeout_minutes, device.type)
+        check_process_group(device)
         self.deepspeed.init_distributed(
             dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False
         )
@@ -149,8 +150,8 @@ class ZeroEngine:
         self.ds.step()
         if self._state_bytes is None:
             self._state_bytes = self._measure_state_bytes()
-        grad_norm = self.ds.get_global_grad_norm()
-        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        grad_norm = self.ds.get_global_grad_norm()  # a device tensor: left to the trainer
+        grad_norm = grad_norm if grad_norm is not None else float("nan")
         return StepOutcome(grad_norm=grad_norm, applied=bool(self.ds.was_step_applied()))
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 import torch
 
@@ -72,9 +73,13 @@ def partials_close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> bool
     return bool(((a - b).abs() <= rtol * scale + 1e-30).all())
 
 
-def descent_metrics(partials: torch.Tensor, with_dtheta: bool) -> dict[str, float]:
-    """EDQ, normalised EDQ, lost-update fraction (and dtheta norms) from summed partials."""
-    dot, update_sq, nonzero, lost, dtheta_sq, dtheta_dot = partials.tolist()
+def descent_metrics(
+    partials: torch.Tensor | Sequence[float], with_dtheta: bool
+) -> dict[str, float]:
+    """EDQ, normalised EDQ, lost-update fraction (and dtheta norms) from summed partials
+    (a tensor, or the host numbers the trainer already holds)."""
+    values = partials.tolist() if torch.is_tensor(partials) else list(partials)
+    dot, update_sq, nonzero, lost, dtheta_sq, dtheta_dot = values
     metrics = {
         "edq": dot / math.sqrt(update_sq) if update_sq > 0 else 0.0,
         "edq_normalized": dot / update_sq if update_sq > 0 else 0.0,
