@@ -261,3 +261,32 @@ def test_device_auto_warns_when_a_driver_is_there_but_torch_sees_no_gpu(monkeypa
     with caplog.at_level("WARNING", logger=single.__name__):
         assert single.resolve_device("auto") == torch.device("cpu")
     assert caplog.records == []
+
+
+def test_cuda_runs_have_no_gloo_backend(monkeypatch):
+    """Barriers and object broadcasts of a CUDA run go through NCCL on the rank's GPU:
+    gloo picks its network interface from the host name, a classic multi-node hang."""
+    calls: dict = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.update(kwargs))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.update(set_device=device))
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="1", LOCAL_RANK="3").items():
+        monkeypatch.setenv(key, value)
+    launch.init_process_group(5)  # before the configuration: CUDA when CUDA is usable
+    assert calls["backend"] == "nccl"
+    assert calls["device_id"] == calls["set_device"] == torch.device("cuda", 3)
+    calls.clear()
+    launch.init_process_group(5, "cuda")
+    assert calls["backend"] == "nccl"
+    calls.clear()
+    launch.init_process_group(5, "cpu")  # train.device=cpu
+    assert calls["backend"] == "gloo" and "set_device" not in calls
+
+
+def test_a_cpu_run_in_an_nccl_group_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES="):
+        launch.check_process_group(torch.device("cpu"))
+    launch.check_process_group(torch.device("cuda", 0))  # what the group is for

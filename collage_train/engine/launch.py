@@ -15,6 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from collage_train.errors import ConfigError
+
 RUN_STAMP_VARIABLE = "COLLAGE_RUN_STAMP"
 
 
@@ -41,10 +43,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_process_group(timeout_minutes: int = 30) -> None:
-    """Join the launch's process group (once): NCCL for CUDA tensors, gloo for CPU ones.
+def init_process_group(timeout_minutes: int = 30, device_type: str | None = None) -> None:
+    """Join the launch's process group (once): NCCL on CUDA runs, gloo on CPU runs.
 
-    A process started without a launcher becomes rank 0 of a world of one.
+    ``device_type`` is the run's device ("cuda" or "cpu"); before the configuration is
+    known (``share_run_stamp``) it is CUDA whenever CUDA is usable. A CUDA run has no
+    gloo backend at all: barriers and object broadcasts go through NCCL on this rank's
+    GPU, so gloo's choice of network interface (from the host name) cannot hang a
+    multi-node job. A process started without a launcher becomes rank 0 of a world of one.
     """
     if dist.is_initialized():
         return
@@ -53,11 +59,29 @@ def init_process_group(timeout_minutes: int = 30) -> None:
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(_free_port()),
         )  # fmt: skip
-    backend = "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank())
-        backend = "cpu:gloo,cuda:nccl"
-    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    use_cuda = torch.cuda.is_available() if device_type is None else device_type == "cuda"
+    if use_cuda:
+        device = torch.device("cuda", local_rank())
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl", timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group(backend="gloo", timeout=timeout)
+
+
+def check_process_group(device: torch.device) -> None:
+    """Refuse a CPU run in a process group that can only move CUDA tensors.
+
+    Happens when several ranks are launched on a machine with CUDA and
+    ``train.device=cpu``: the group was created (for the run directory's time stamp)
+    before the configuration said so.
+    """
+    if device.type == "cpu" and dist.get_backend() == "nccl":
+        raise ConfigError(
+            f"train.device=cpu with {dist.get_world_size()} launched ranks on a machine with "
+            "CUDA: their process group uses NCCL, which moves CUDA tensors only; hide the "
+            "GPUs (CUDA_VISIBLE_DEVICES=) to train on CPU, or use train.device=cuda"
+        )
 
 
 def share_run_stamp() -> None:

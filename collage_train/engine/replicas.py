@@ -43,7 +43,7 @@ from collage_train.comm.outer import (
 )
 from collage_train.comm.settings import outer_settings
 from collage_train.engine.base import StepOutcome
-from collage_train.engine.launch import init_process_group, local_rank
+from collage_train.engine.launch import check_process_group, init_process_group, local_rank
 from collage_train.engine.single import SingleProcessEngine
 from collage_train.errors import ConfigError, ReplicasDiverged
 from collage_train.precision.base import PrecisionStrategy
@@ -64,7 +64,8 @@ class ReplicaEngine(SingleProcessEngine):
         self.method = self.settings.method
         self.sync_every = int(comm_cfg.sync_every)
         self.checksum_every = int(comm_cfg.checksum_every)
-        init_process_group(timeout_minutes)
+        init_process_group(timeout_minutes, device.type)
+        check_process_group(device)
         if device.type == "cuda":
             device = torch.device("cuda", local_rank())
         super().__init__(
