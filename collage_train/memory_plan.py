@@ -40,7 +40,7 @@ import torch
 
 from collage_train.engine.deepspeed_config import GradientDtypes
 from collage_train.engine.zero_memory import zero_state_bytes
-from collage_train.optim.collage_adamw import chunk_numel_for
+from collage_train.optim.base import chunk_numel_for
 from collage_train.precision.base import PrecisionStrategy
 
 # Saved activation elements per token of one block: (per hidden unit, per ffn unit).

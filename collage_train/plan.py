@@ -124,7 +124,10 @@ def make_plan(cfg: Any) -> Plan:
     chosen = configured.name
     vocab = cfg.model.vocab_size or cfg.data.vocab_size
     shape = ModelShape.from_config(cfg.model, vocab_size=vocab, seq_len=cfg.data.seq_len)
-    fused = cfg.optim.kernel != "eager"
+    # optim.kernel=auto may fall back to the eager step at its start-up probe (a kernel
+    # that fails to build or to match): plan for the eager step's chunk, so a fallback
+    # still fits; only compiled is certain to run fused.
+    fused = cfg.optim.kernel == "compiled"
     stages = ([0] if plan_cfg.gpus == 1 else []) + [1, 2, 3]
     rows = []
     for name in available():
@@ -219,7 +222,7 @@ def render(plan: Plan) -> str:
         f"global batch {plan.global_batch}, activation checkpointing {ckpt_word}",
         f"{plan.gpus} GPU(s) x {plan.gpu_mem_gb:g} GiB, {plan.reserve_gb:g} GiB reserved: "
         f"{_gib(plan.budget)} GiB usable per GPU; optimizer step "
-        f"{'fused' if plan.fused_optimizer else 'eager'}",
+        f"{'fused' if plan.fused_optimizer else 'eager (what optim.kernel=auto may fall back to)'}",
         "",
         f"{row.strategy} with {_stage_name(row.stage)}, GiB per GPU:",
     ]

@@ -49,8 +49,8 @@ from collage_train.models import (
     flops_per_token,
     planned_parameter_count,
 )
-from collage_train.optim import CollageAdamW, decay_param_groups, warmup_cosine_lr
-from collage_train.optim.collage_adamw import chunk_numel_for
+from collage_train.optim import decay_param_groups, warmup_cosine_lr
+from collage_train.optim.base import TrackingOptimizer, chunk_numel_for
 from collage_train.optim.kernels import choose_kernel
 from collage_train.precision import strategy_for
 
@@ -195,7 +195,7 @@ class Trainer:
             grad_clip=cfg.optim.grad_clip,
         )
         self.optimizer.descent_segments = self.engine.descent_segments(group_of)
-        if isinstance(self.optimizer, CollageAdamW):  # bound the step's transients
+        if isinstance(self.optimizer, TrackingOptimizer):  # bound the step's transients
             self.optimizer.step_chunk_numel = chunk_numel_for(
                 self.num_params * self.engine.peak_state_bytes_per_param(self.strategy)
             )

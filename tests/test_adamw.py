@@ -126,3 +126,79 @@ def test_invalid_hyperparameters_are_rejected(optimizer):
         optimizer([param], lr=-1.0)
     with pytest.raises(ValueError, match="betas"):
         optimizer([param], betas=(0.9, 1.0))
+
+
+def _adamw_run(chunk: int, *, master: bool, view: bool):
+    """Four steps (two tracked) of AdamW on two whole tensors and one flat partition."""
+    gen = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16 if master else torch.float32
+    params = [
+        torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.05).to(dtype))
+        for shape in ((40, 30), (700,), (5000,))
+    ]
+    optimizer = AdamW(
+        params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+        master_dtype=torch.float32 if master else None,
+    )  # fmt: skip
+    optimizer.step_chunk_numel = chunk
+    optimizer.descent_segments = {params[-1]: [("a", 0, 1200), ("b", 1200, 4900)]}
+    if view:  # ZeRO hands mixed_fp32's fp32 masters: EDQ on their bf16 rounding
+        optimizer.descent_view_dtype = torch.bfloat16
+    sums = []
+    for step in range(4):
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(dtype)
+        optimizer.track_descent = step % 2 == 1
+        optimizer.step()
+        if optimizer.track_descent:
+            sums.append([optimizer.last_descent[p] for p in params])
+    return params, optimizer, sums
+
+
+@pytest.mark.parametrize(("master", "view"), [(True, False), (False, True), (False, False)])
+def test_tracked_steps_in_chunks_change_no_bit(master, view):
+    """Chunks of 97 elements against one pass: the same weights, masters and moments
+    bitwise; the same EDQ sums to fp32 rounding, per segment of a flat partition."""
+    from collage_train.metrics.descent import partials_close
+
+    whole, whole_opt, whole_sums = _adamw_run(1 << 22, master=master, view=view)
+    chunked, chunked_opt, chunked_sums = _adamw_run(97, master=master, view=view)
+    for a, b in zip(whole, chunked, strict=True):
+        assert torch.equal(a, b)
+        for key, value in whole_opt.state[a].items():
+            other = chunked_opt.state[b][key]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other, key
+    rows = chunked_sums[-1][-1]
+    assert rows.shape == (2, 6)
+    assert rows[:, 2].tolist() == [1200.0, 3700.0]  # the padding tail is stepped, not counted
+    assert bool((rows[:, 0] > 0).all())  # realised change against the weights before
+    for step_a, step_b in zip(whole_sums, chunked_sums, strict=True):
+        for a, b in zip(step_a, step_b, strict=True):
+            for row_a, row_b in zip(a.reshape(-1, 6), b.reshape(-1, 6), strict=True):
+                assert partials_close(row_a, row_b)
+
+
+def test_tracking_an_fp32_partition_allocates_one_chunk_not_the_partition():
+    """mixed_fp32 under ZeRO: AdamW steps one fp32 flat partition; tracking EDQ used to
+    copy it whole (and round it and the result to bf16 whole); now a chunk's worth."""
+    from collage_train.metrics.live_memory import LiveTensorBytes
+
+    numel, chunk = 1 << 20, 1 << 14
+    gen = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(numel, generator=gen) * 0.05)
+    optimizer = AdamW([param], lr=1e-3, weight_decay=0.1)
+    optimizer.step_chunk_numel = chunk
+    optimizer.descent_view_dtype = torch.bfloat16
+    optimizer.descent_segments = {param: [("block_0", 0, numel // 2), ("head", numel // 2, numel)]}
+    peaks = {}
+    for track in (False, True, False, True):
+        param.grad = torch.randn(numel, generator=gen) * 1e-2
+        optimizer.track_descent = track
+        with LiveTensorBytes() as live:
+            live.track_training_state([param], optimizer)
+            before = live.current
+            optimizer.step()
+        peaks[track] = live.peak - before
+    state_bytes = numel * 16  # fp32 master, grad, m, v
+    assert peaks[True] - peaks[False] <= 40 * chunk  # bytes per tracked element, bounded
+    assert peaks[True] < 0.02 * state_bytes + peaks[False]

@@ -329,3 +329,17 @@ def test_plan_cli_bad_input_is_one_error_line(args, message):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
+
+
+def test_the_plan_counts_the_step_that_may_run(make_cfg):
+    """auto falls back to the eager step when the fused kernel fails its probe: the
+    plan counts that step's chunk of fp32 temporaries unless compiled is demanded."""
+    from collage_train.plan import make_plan
+
+    plans = {
+        kernel: make_plan(make_cfg("precision=collage_plus", f"optim.kernel={kernel}"))
+        for kernel in ("auto", "eager", "compiled")
+    }
+    assert [plans[k].fused_optimizer for k in ("auto", "eager", "compiled")] == [False, False, True]
+    peak = {kernel: plan.chosen.plain.step_peak for kernel, plan in plans.items()}
+    assert peak["auto"] == peak["eager"] > peak["compiled"]

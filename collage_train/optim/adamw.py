@@ -25,7 +25,13 @@ from collage_train.optim.base import TrackingOptimizer
 
 
 class AdamW(TrackingOptimizer):
-    """AdamW (Loshchilov & Hutter) whose state may be held in a wider dtype than the params."""
+    """AdamW (Loshchilov & Hutter) whose state may be held in a wider dtype than the params.
+
+    A tracked step (EDQ) applies its updates ``step_chunk_numel`` elements at a time
+    (``_apply_tracked``), so that tracking costs one chunk of copies, not a whole tensor.
+    """
+
+    tracks_in_chunks = True  # False: a subclass whose masters are not plain tensors
 
     def __init__(
         self,
@@ -120,6 +126,9 @@ class AdamW(TrackingOptimizer):
         steps = [s["step"] for s in states]
         updates = self._adamw_updates(group, steps, exp_avgs, exp_avg_sqs, targets)
 
+        if self.track_descent and self.tracks_in_chunks:
+            self._apply_tracked(params, targets, updates)
+            return
         before = self._snapshot(params)
         torch._foreach_add_(targets, updates)
         self._store_masters(params, states, targets)

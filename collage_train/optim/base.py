@@ -11,6 +11,19 @@ import torch
 
 from collage_train.metrics.descent import FIELDS, descent_metrics, descent_partials
 
+# What one element of a chunk may cost during a step: Collage's eager step's fp32
+# temporaries (memory_plan.STEP_TRANSIENT: up to 39 bytes in mode plus) and, with EDQ
+# tracked, the copy of the weight and the intended update (2 + 2).
+STEP_BYTES_PER_ELEMENT = 43
+MIN_CHUNK_NUMEL, MAX_CHUNK_NUMEL = 1 << 14, 1 << 22
+
+
+def chunk_numel_for(state_bytes: float) -> int:
+    """Elements stepped (or tracked) at a time so that a step's transients stay within
+    2% of ``state_bytes`` (the model state this rank holds), kept within [2^14, 2^22]."""
+    budget = int(0.02 * state_bytes / STEP_BYTES_PER_ELEMENT)
+    return min(MAX_CHUNK_NUMEL, max(MIN_CHUNK_NUMEL, budget))
+
 
 class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
     """Base of the AdamW family.
@@ -22,9 +35,11 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
     ranges of its flattened elements, as for DeepSpeed's flat partitions) gets one row
     of partial sums per range instead. ``descent_view_dtype`` measures the realised
     change in that dtype: the weight the model sees when the optimizer is handed fp32
-    masters directly.
+    masters directly. ``step_chunk_numel`` bounds the elements a step works on at a
+    time where it works in chunks (the trainer sizes it with ``chunk_numel_for``).
     """
 
+    step_chunk_numel: int = MAX_CHUNK_NUMEL
     _track_descent: bool = False
     descent_view_dtype: torch.dtype | None = None
     unshaped_state: tuple[str, ...] = ("step",)  # state entries not shaped like the param
@@ -146,6 +161,55 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
                     for _, start, stop in segments
                 ]
             )
+
+    def _apply_tracked(
+        self,
+        params: list[torch.Tensor],
+        targets: list[torch.Tensor],
+        updates: list[torch.Tensor],
+    ) -> None:
+        """``targets += updates`` and each bf16 weight refreshed from its master (where
+        the target is a master, not the weight itself), recording every parameter's EDQ
+        partials as ``_record_descent`` does, ``step_chunk_numel`` elements at a time.
+
+        Elementwise, so the weights are the same bits as one ``_foreach_add_``; but the
+        copy of the weights before the update, their ``descent_view_dtype`` roundings and
+        the partials' fp32 temporaries exist for one chunk instead of a whole tensor (a
+        whole flat partition under ZeRO).
+        """
+        for param, target, update in zip(params, targets, updates, strict=True):
+            weight = param.detach()
+            if not all(t.is_contiguous() for t in (weight, target, update)):
+                before = weight.clone()  # no flat views: as it is, in one piece
+                target.add_(update)
+                if target is not param:
+                    weight.copy_(target)
+                self._record_descent([param], [before], [update])
+                continue
+            segments = self.descent_segments.get(param)
+            ranges = segments if segments is not None else [("", 0, weight.numel())]
+            sums = torch.zeros(len(ranges), len(FIELDS), device=weight.device)
+            flat_w, flat_t, flat_u = weight.view(-1), target.view(-1), update.view(-1)
+            for start, stop in self._chunks(weight.numel()):
+                old = flat_w[start:stop].clone()
+                flat_t[start:stop].add_(flat_u[start:stop])
+                if target is not param:
+                    flat_w[start:stop].copy_(flat_t[start:stop])
+                new = flat_w[start:stop]
+                if self.descent_view_dtype is not None and new.dtype != self.descent_view_dtype:
+                    old, new = old.to(self.descent_view_dtype), new.to(self.descent_view_dtype)
+                for row, (_, first, last) in enumerate(ranges):
+                    low, high = max(first, start) - start, min(last, stop) - start
+                    if low < high:
+                        sums[row] += descent_partials(
+                            old[low:high], new[low:high], flat_u[start + low : start + high]
+                        )
+            self.last_descent[param] = sums if segments is not None else sums[0]
+
+    def _chunks(self, numel: int) -> list[tuple[int, int]]:
+        """``[start, stop)`` ranges of at most ``step_chunk_numel`` elements covering ``numel``."""
+        chunk = max(1, self.step_chunk_numel)
+        return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
 
     def descent_metrics(self) -> dict[str, float]:
         """EDQ metrics of the last tracked step over all its parameters ({} if none)."""

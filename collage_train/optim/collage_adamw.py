@@ -34,7 +34,9 @@ from typing import Any
 import torch
 
 from collage_train.metrics.descent import FIELDS, descent_partials
-from collage_train.optim.base import TrackingOptimizer
+from collage_train.optim.base import TrackingOptimizer, chunk_numel_for
+
+__all__ = ["CollageAdamW", "chunk_numel_for"]
 from collage_train.optim.collage_math import (
     collage_tensor_step,
     fused_tensor_step,
@@ -45,29 +47,14 @@ from collage_train.optim.kernels import choose_kernel
 
 MODES = ("none", "light", "plus")
 KERNELS = ("auto", "eager", "compiled")
-# What one element of a chunk may cost during a step: the eager step's fp32 temporaries
-# (memory_plan.STEP_TRANSIENT: up to 39 bytes in mode plus) and, with EDQ tracked on a
-# flat partition, the copy of the weight and the intended update (2 + 2).
-STEP_BYTES_PER_ELEMENT = 43
-MIN_CHUNK_NUMEL, MAX_CHUNK_NUMEL = 1 << 14, 1 << 22
-
-
-def chunk_numel_for(state_bytes: float) -> int:
-    """Elements stepped at a time so that a step's transients stay within 2% of
-    ``state_bytes`` (the model state this rank holds), kept within [2^14, 2^22]."""
-    budget = int(0.02 * state_bytes / STEP_BYTES_PER_ELEMENT)
-    return min(MAX_CHUNK_NUMEL, max(MIN_CHUNK_NUMEL, budget))
 
 
 class CollageAdamW(TrackingOptimizer):
     """AdamW on bf16 parameters with bf16 state; ``mode`` is "none", "light" or "plus".
 
-    ``step_chunk_numel`` bounds what one step allocates beyond the state: tensors are
-    stepped that many elements at a time (see ``_step_in_chunks``); the trainer sizes it
-    from the model (``chunk_numel_for``).
+    ``step_chunk_numel`` (``TrackingOptimizer``) bounds what one step allocates beyond
+    the state: tensors are stepped that many elements at a time (``_step_in_chunks``).
     """
-
-    step_chunk_numel: int = MAX_CHUNK_NUMEL
 
     def __init__(
         self,
@@ -176,8 +163,7 @@ class CollageAdamW(TrackingOptimizer):
             chunks, flat = [(0, tensors[0].numel())], None  # as it is, in one piece
         else:
             flat = [t.view(-1) if t is not None else None for t in tensors]
-            numel, chunk = tensors[0].numel(), max(1, self.step_chunk_numel)
-            chunks = [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
+            chunks = self._chunks(tensors[0].numel())
         rows = len(segments) if segments is not None else 1
         sums = torch.zeros(rows, len(FIELDS), device=tensors[0].device) if track else None
         for start, stop in chunks:

@@ -24,6 +24,9 @@ class SplitMasterAdamW(AdamW):
     """AdamW on bf16 parameters with an exact fp32 master held as a 16-bit remainder."""
 
     unshaped_state = ("step", "remainder_ties")
+    # The masters are rebuilt whole from weight and remainder (``_masters``) and split
+    # again after the update, so a tracked step snapshots whole tensors as well.
+    tracks_in_chunks = False
 
     def __init__(self, params: Any, **hyperparameters: Any) -> None:
         super().__init__(params, master_dtype=torch.float32, **hyperparameters)
