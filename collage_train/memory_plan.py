@@ -47,11 +47,14 @@ from collage_train.precision.base import PrecisionStrategy
 LAYER_SAVED_ELEMENTS = {"gpt": (8, 5), "opt": (8, 1)}
 
 # Optimizer temporaries: (bytes per updated parameter, bytes per element of the largest
-# updated tensor), EDQ tracking included, by implementation.
+# updated tensor, or of a chunk where the step works in chunks: CHUNKED_KINDS), EDQ
+# tracking included, by implementation.
 STEP_TRANSIENT = {
-    "adamw_fp32": (8.0, 9.0),  # fp32 params: denominators and updates, all tensors at once
-    "adamw_master": (12.0, 8.5),  # bf16 params, fp32 masters: + the widened gradients
-    "split_master": (16.0, 8.6),  # + the rebuilt fp32 masters
+    # AdamW: denominators and updates for all tensors at once; a tracked step applies
+    # them a chunk at a time (TrackingOptimizer._apply_tracked)
+    "adamw_fp32": (8.0, 2.3),  # fp32 params
+    "adamw_master": (12.0, 3.3),  # bf16 params, fp32 masters: + the widened gradients
+    "split_master": (16.0, 8.6),  # + the rebuilt fp32 masters; tracks whole tensors
     # Collage steps a chunk at a time (CollageAdamW.step_chunk_numel): the second number
     # is per element of a chunk (+ TRACKED_FLAT_BYTES under ZeRO).
     "collage_none": (0.0, 31.0),  # eager: fp32 temporaries
@@ -63,7 +66,14 @@ STEP_TRANSIENT = {
     "scaled_adamw": (4.0, 47.0),
 }
 
-TRACKED_FLAT_BYTES = 4.0  # per element of a chunk: bf16 weight before the step, bf16 update
+CHUNKED_KINDS = (
+    "adamw_fp32", "adamw_master", "collage_none", "collage_light", "collage_plus", "fused",
+)  # fmt: skip
+# Under ZeRO, per element of a tracked chunk of a flat partition: Collage copies the bf16
+# weights before the step and keeps the bf16 update; AdamW (mixed_fp32's fp32 partition)
+# also rounds the chunk before and after to bf16 and forms the partials from them (16
+# bytes per chunk element measured by scripts/bench_edq_memory.py, 2.3 counted above).
+TRACKED_FLAT_BYTES = {"collage": 4.0, "adamw": 13.7}
 
 DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's reduce_bucket_size default
 
@@ -260,12 +270,10 @@ def estimate(
     largest = updated if setting.stage else shape.largest_tensor  # ZeRO: one flat partition
     kind = step_transient_kind(setting)
     per_param, per_largest = STEP_TRANSIENT[kind]
-    if kind == "fused" or kind.startswith("collage_"):
-        # CollageAdamW steps a chunk at a time; EDQ tracked on a flat partition (ZeRO)
-        # also copies the chunk's weights and keeps its update.
+    if kind in CHUNKED_KINDS:
         largest = min(largest, chunk_numel_for(plan.persistent + plan.gradients))
         if setting.stage:
-            per_largest += TRACKED_FLAT_BYTES
+            per_largest += TRACKED_FLAT_BYTES["adamw" if kind.startswith("adamw") else "collage"]
     transient = per_param * updated + per_largest * largest
     if setting.stage and setting.gradient_dtypes:
         # DeepSpeed casts the accumulated gradient partition to the master dtype at the step.
