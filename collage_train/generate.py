@@ -24,7 +24,7 @@ def load_for_generation(path: Path) -> tuple[PreTrainedModel, Tokenizer]:
     if (path / "hf" / "config.json").is_file():
         path = path / "hf"
     if (path / "config.json").is_file():
-        return AutoModelForCausalLM.from_pretrained(path), Tokenizer.load(path / "tokenizer.model")
+        return AutoModelForCausalLM.from_pretrained(path), Tokenizer.load(path)
     return load_checkpoint_model(resolve_checkpoint(path))
 
 

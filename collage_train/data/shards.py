@@ -81,7 +81,7 @@ def prepare_shards(settings: DataSettings) -> Path:
         return target
     tokenizer = prepare_tokenizer(source, fingerprint, tokenizer_settings, settings.cache_dir)
     with staged_directory(target) as staging:
-        tokenizer.save(staging)
+        tokenizer.copy_to(staging)
         meta = write_shards(source.documents(), tokenizer, staging, settings.val_fraction)
         meta.update(
             key=key,
