@@ -5,6 +5,12 @@ flushed to disk, and renamed into place in one step: a crash mid-write leaves on
 hidden ``.step-N.tmp`` directory, never a ``step-N`` that looks complete. Only
 directories holding ``meta.json`` (written last) count as checkpoints.
 
+``meta.json`` lists every other file of the checkpoint with its size and CRC-32
+(``files``), computed after the files were written (under ZeRO each rank checksums a
+share of the files: ``manifest_share``). ``damage`` checks a checkpoint against that
+list, so that a resume can tell a complete checkpoint from one truncated or altered
+since, and take the newest intact one (``collage_train.resume``).
+
 No checkpoint file is ever unpickled with code execution allowed: our own files load
 with ``weights_only=True``, and every ``.pt`` file of a checkpoint, DeepSpeed's shards
 included (DeepSpeed 0.19.8 opens them with ``weights_only=False``), is first verified
@@ -19,6 +25,7 @@ import os
 import pickle
 import re
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +35,8 @@ from collage_train.errors import CheckpointError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "meta.json"
+_SHARE = ".manifest-rank"  # prefix of a rank's share of the manifest, inside the temporary dir
+_READ_BLOCK = 1 << 24
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -95,6 +104,48 @@ def write_tensors(directory: Path, tensors: dict[str, Any]) -> None:
         _write_file(directory / f"{name}.pt", lambda handle, obj=obj: torch.save(obj, handle))
 
 
+def _crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as handle:
+        while block := handle.read(_READ_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _files(directory: Path) -> list[str]:
+    """Relative names of the checkpoint files in ``directory`` (not meta or manifest shares)."""
+    return sorted(
+        path.relative_to(directory).as_posix()
+        for path in directory.rglob("*")
+        if path.is_file() and path.name != META and not path.name.startswith(_SHARE)
+    )
+
+
+def manifest_share(tmp: Path, rank: int, world_size: int) -> None:
+    """Checksum this rank's share (every ``world_size``-th file) of the files in ``tmp``
+    and write it beside them; ``commit_checkpoint`` gathers the shares into ``meta.json``.
+    Call it on every rank once all ranks have written their files."""
+    share = {
+        name: {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)}
+        for index, name in enumerate(_files(tmp))
+        if index % world_size == rank
+    }
+    _write_file(
+        tmp / f"{_SHARE}{rank}.json", lambda handle: handle.write(json.dumps(share).encode())
+    )
+
+
+def _gather_manifest(tmp: Path) -> dict[str, dict[str, int]]:
+    files: dict[str, dict[str, int]] = {}
+    for share in sorted(tmp.glob(f"{_SHARE}*.json")):
+        files.update(json.loads(share.read_text()))
+        share.unlink()
+    missing = sorted(set(_files(tmp)) - set(files))
+    if missing:  # a file no rank checksummed: written after the shares (a bug), never silently
+        raise CheckpointError(f"the checkpoint in {tmp} has files without a checksum: {missing}")
+    return files
+
+
 def commit_checkpoint(
     run_dir: Path,
     step: int,
@@ -105,13 +156,19 @@ def commit_checkpoint(
 ) -> Path:
     """Write extra files and ``meta.json`` into ``tmp``, then rename it to ``step-N``.
 
-    Replaces an existing checkpoint of the same step, then deletes all but the newest
-    ``keep`` checkpoints. Returns the checkpoint's directory.
+    ``meta.json`` lists every file with its size and CRC-32: the ranks' shares written by
+    ``manifest_share`` (computed here for a single writer that wrote none) and the extra
+    files. Replaces an existing checkpoint of the same step, then deletes all but the
+    newest ``keep`` checkpoints. Returns the checkpoint's directory.
     """
     root = checkpoint_dir(run_dir)
+    if not list(tmp.glob(f"{_SHARE}*.json")):
+        manifest_share(tmp, 0, 1)
+    files = _gather_manifest(tmp)
     for name, data in (extra_files or {}).items():
         _write_file(tmp / name, lambda handle, data=data: handle.write(data))
-    meta_bytes = json.dumps({"step": step, **meta}, indent=2).encode()
+        files[name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    meta_bytes = json.dumps({"step": step, **meta, "files": files}, indent=2).encode()
     _write_file(tmp / META, lambda handle: handle.write(meta_bytes))
     _fsync_dir(tmp)
 
@@ -214,3 +271,32 @@ def load_checkpoint_file(path: Path, name: str, map_location: str | torch.device
 
 def read_meta(path: Path) -> dict[str, Any]:
     return json.loads((path / META).read_text())
+
+
+def damage(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
+    """Why checkpoint ``path`` cannot be trusted, or None when it is intact.
+
+    Every rank checks that ``meta.json`` parses and that every listed file exists with
+    its size; the CRC-32 of each ``world_size``-th file is checked by this ``rank`` (so the
+    ranks of a launch share the reading). A checkpoint written before checksums were
+    recorded (no ``files``) passes on its metadata alone.
+    """
+    try:
+        meta = read_meta(path)
+        if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+            return "meta.json does not describe a checkpoint"
+    except (OSError, ValueError) as err:
+        return f"meta.json is unreadable ({type(err).__name__})"
+    files = meta.get("files")
+    if files is None:
+        return None
+    for index, (name, expected) in enumerate(sorted(files.items())):
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            return f"{name} holds {size} bytes, {expected['bytes']} were written"
+        if index % world_size == rank and _crc32(file) != expected["crc32"]:
+            return f"{name} does not match the checksum written with it"
+    return None

@@ -21,9 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from collage_train import checkpoint
 from collage_train.config import register_schemas
-from collage_train.engine.launch import launched_rank
+from collage_train.engine.launch import gather_objects, launched_rank, launched_world_size
 from collage_train.errors import CollageError, ConfigError, OutOfMemory
 from collage_train.metrics import ConsoleSink, JsonlSink, Sink, WandbSink
+from collage_train.resume import choose_checkpoint, record_changes
 from collage_train.rundir import write_hydra_record
 from collage_train.trainer import Trainer
 
@@ -49,7 +50,9 @@ def build_sinks(
     sinks: list[Sink] = []
     if cfg.console != "none":
         sinks.append(ConsoleSink(cfg.console, max_steps=max_steps, start_step=start_step))
-    sinks.append(JsonlSink(run_dir / "metrics.jsonl", resume_step=start_step if resume else None))
+    # From the step the run starts at: a fresh start (step 0) in a directory whose earlier
+    # run never checkpointed must not append to that run's records.
+    sinks.append(JsonlSink(run_dir / "metrics.jsonl", resume_step=start_step))
     if cfg.wandb.mode != "disabled":
         sinks.append(WandbSink(cfg.wandb, run_dir, config, resume=resume))
     return sinks
@@ -73,6 +76,14 @@ def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None)
     if cfg.train.resume and existing is None:
         print(f"no checkpoint in {run_dir} yet: starting from step 0", flush=True)
     if existing is not None:  # before data preparation, and before DeepSpeed opens them
+        rank = launched_rank()
+        existing = choose_checkpoint(
+            run_dir,
+            rank=rank,
+            world_size=launched_world_size(),
+            gather=gather_objects,
+            announce=lambda line: print(line, flush=True) if rank == 0 else None,
+        )
         checkpoint.verify_checkpoint_files(existing)
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, run_dir, sinks=[])
@@ -83,7 +94,11 @@ def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None)
         if existing is not None:
             trainer.resume_from(existing)
             if main:
-                print(f"resumed from {existing} at step {trainer.step}", flush=True)
+                changes = trainer.resume_changes
+                also = f" with changed settings: {', '.join(changes)}" if changes else ""
+                print(f"resumed from {existing} at step {trainer.step}{also}", flush=True)
+                if changes:
+                    record_changes(run_dir, trainer.step, changes)
         if main:  # the run is accepted: record what it runs
             write_hydra_record(cfg, run_dir)
         sinks: list[Sink] = []

@@ -53,6 +53,7 @@ from collage_train.optim import decay_param_groups, warmup_cosine_lr
 from collage_train.optim.base import TrackingOptimizer, chunk_numel_for
 from collage_train.optim.kernels import choose_kernel
 from collage_train.precision import strategy_for
+from collage_train.resume import check_settings
 
 _VERSIONED_PACKAGES = ("torch", "transformers", "sentencepiece", "hydra-core", "wandb", "numpy")
 
@@ -283,6 +284,9 @@ class Trainer:
         tmp = checkpoint.temporary_dir(self.run_dir, self.step)
         self.engine.save(tmp, self.state_dict())
         self.engine.barrier()
+        # every file is written: each rank checksums its share of them for meta.json
+        checkpoint.manifest_share(tmp, self.engine.rank, self.engine.world_size)
+        self.engine.barrier()
         final = checkpoint.checkpoint_dir(self.run_dir) / f"step-{self.step}"
         if self.engine.is_main:
             meta = {
@@ -342,6 +346,9 @@ class Trainer:
                 f"{self.engine.world_size}; ZeRO checkpoints are tied to the data-parallel "
                 f"size: resume with {saved_world} ranks (deepspeed --num_gpus/--num_nodes)"
             )
+        self.resume_changes = check_settings(
+            path, meta.get("config", {}), OmegaConf.to_container(self.cfg, resolve=True)
+        )
         try:
             client_state = self.engine.load(path)
         except (RuntimeError, ValueError, KeyError) as err:

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -45,10 +46,20 @@ class Payload:
 
 
 def plant(file: Path, marker: Path) -> None:
-    """Add a Payload to the (otherwise intact) object saved in ``file``."""
+    """Add a Payload to the (otherwise intact) object saved in ``file``, and list the new
+    file's size and checksum in its checkpoint's meta.json as an attacker would: the
+    checksums detect damage, not malice; the restricted unpickler must refuse it."""
     obj = torch.load(file, map_location="cpu", weights_only=False)  # our own test file
     obj["payload"] = Payload(marker)
     torch.save(obj, file)
+    step = next(parent for parent in file.parents if (parent / "meta.json").is_file())
+    meta = json.loads((step / "meta.json").read_text())
+    data = file.read_bytes()
+    meta["files"][file.relative_to(step).as_posix()] = {
+        "bytes": len(data),
+        "crc32": zlib.crc32(data),
+    }
+    (step / "meta.json").write_text(json.dumps(meta))
 
 
 def one_error_line(stderr: str) -> str:

@@ -11,6 +11,7 @@ import os
 import socket
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,15 @@ def check_process_group(device: torch.device) -> None:
             "CUDA: their process group uses NCCL, which moves CUDA tensors only; hide the "
             "GPUs (CUDA_VISIBLE_DEVICES=) to train on CPU, or use train.device=cuda"
         )
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every launched rank's ``value``, in rank order (``[value]`` outside a launch)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def share_run_stamp() -> None:

@@ -56,18 +56,17 @@ class RecordingSink:
 class JsonlSink:
     """Appends one JSON object per record to ``metrics.jsonl``.
 
-    On resume from step N, records after N (written by the interrupted run after its
-    last checkpoint) are dropped first, so the file holds each step once.
+    A run starting at step N (0 for a fresh start) first drops the records after N:
+    those an interrupted run wrote after its last checkpoint, or a run that never
+    checkpointed wrote at all, so that the file holds each step once. A line that is not
+    JSON (the last one of a run killed while writing it) is dropped with them.
     """
 
     def __init__(self, path: Path, resume_step: int | None = None) -> None:
         self.path = path
         if resume_step is not None and path.exists():
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step
-            ]
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) is not None]
+            kept = [line for line in kept if _step_of(line) <= resume_step]
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, path)
@@ -82,6 +81,16 @@ class JsonlSink:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _step_of(line: str) -> int | None:
+    """The step of a metrics line, None for a torn or foreign one."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
 
 
 def _format_bytes(n: float) -> str:
@@ -207,6 +216,11 @@ class WandbSink:
                 "or set logging.wandb.mode=disabled"
             ) from None
 
+        if cfg.mode == "offline":
+            # wandb.init(mode="offline") alone still has the process-wide W&B settings
+            # online, and W&B's telemetry then looks up and contacts its servers when the
+            # process exits; offline process-wide settings keep it off the network.
+            wandb.setup(settings=wandb.Settings(mode="offline"))
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if resume and id_file.exists() else None
         # Runs group by model and strategy by default: the runs of one strategy (seeds,

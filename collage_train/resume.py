@@ -1,0 +1,127 @@
+"""What a resumed run continues from, and which of its settings it may change.
+
+Invariant: a resume continues from the newest checkpoint that every rank found intact
+(``checkpoint.damage``: metadata, file sizes and CRC-32s against those written at save
+time), and only with settings that leave the run the same run. A damaged newer
+checkpoint is set aside (renamed ``step-N.damaged``, so that rotation never counts it)
+with one printed line saying why; with none intact, or with a setting that defines the
+run changed, the resume is refused in one line and nothing in the run directory changes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from collage_train import checkpoint
+from collage_train.errors import CheckpointError, ConfigError
+
+# Settings a run is defined by: changing one on resume would make another run (another
+# model, numerics, data or token count per step) under the same name.
+IDENTITY = ("model.", "precision.", "data.", "train.global_batch_size", "train.seed")
+# ... except where the data is cached, which does not change what is read.
+NOT_IDENTITY = ("data.cache_dir",)
+# Not worth reporting: a resume says it resumes.
+UNREPORTED = ("train.resume",)
+
+Gather = Callable[[Any], list[Any]]
+
+
+def _alone(value: Any) -> list[Any]:
+    return [value]
+
+
+def choose_checkpoint(
+    run_dir: Path,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    gather: Gather = _alone,
+    announce: Callable[[str], None] = print,
+) -> Path:
+    """The newest checkpoint of ``run_dir`` that every rank finds intact.
+
+    Each rank checks its share of the checksums and ``gather`` (an all-gather of Python
+    objects over the launch's ranks) combines the verdicts, so every rank takes the same
+    checkpoint. Rank 0 announces and sets aside each damaged newer one. Raises
+    CheckpointError, changing nothing, when none is intact.
+    """
+    skipped: list[tuple[Path, str]] = []
+    for _, path in reversed(checkpoint.list_checkpoints(run_dir)):
+        reasons = [r for r in gather(checkpoint.damage(path, rank, world_size)) if r]
+        if not reasons:
+            for damaged, why in skipped:
+                if rank == 0:
+                    aside = _set_aside(damaged)
+                    announce(f"skipped {damaged.name}: {why}; moved to {aside.name}")
+            return path
+        skipped.append((path, reasons[0]))
+    found = "; ".join(f"{path.name}: {why}" for path, why in skipped)
+    raise CheckpointError(
+        f"no intact checkpoint in {checkpoint.checkpoint_dir(run_dir)} ({found}); restore one "
+        "from a copy, or start the run again in another hydra.run.dir"
+    )
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename ``step-N`` to ``step-N.damaged`` (numbered if taken): no longer a checkpoint."""
+    target = path.with_name(f"{path.name}.damaged")
+    number = 1
+    while target.exists():
+        number += 1
+        target = path.with_name(f"{path.name}.damaged-{number}")
+    path.rename(target)
+    return target
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        flat: dict[str, Any] = {}
+        for key, value in tree.items():
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        return flat or {prefix.rstrip("."): {}}
+    return {prefix.rstrip("."): tree}
+
+
+def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Dotted keys whose value differs between the saved and the current config.
+
+    Keys the saved config does not have (options added since it was written) count as
+    unchanged.
+    """
+    before, after = _flatten(saved), _flatten(current)
+    return {
+        key: (before[key], after.get(key))
+        for key in sorted(before)
+        if key in after and before[key] != after[key] and key not in UNREPORTED
+    }
+
+
+def _defines_run(key: str) -> bool:
+    if key.startswith(NOT_IDENTITY):
+        return False
+    return any(key == item or key.startswith(item) for item in IDENTITY)
+
+
+def check_settings(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Refuse a resume that changes a setting the run is defined by; return the other
+    changed settings as ``key old -> new`` lines."""
+    changed = changed_settings(saved, current)
+    refused = [key for key in changed if _defines_run(key)]
+    if refused:
+        listed = ", ".join(f"{key} {changed[key][0]!r} -> {changed[key][1]!r}" for key in refused)
+        raise ConfigError(
+            f"{path} was written with other settings that define the run ({listed}); resume "
+            "with the values it was written with, or start a new run in another hydra.run.dir"
+        )
+    return [f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items()]
+
+
+def record_changes(run_dir: Path, step: int, changes: list[str]) -> None:
+    """Append the settings a resume changed to ``resumes.jsonl`` in the run directory."""
+    entry = {"step": step, "time": time.time(), "changed": changes}
+    with (run_dir / "resumes.jsonl").open("a") as handle:
+        handle.write(json.dumps(entry) + "\n")
