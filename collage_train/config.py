@@ -52,6 +52,9 @@ class DataConfig:
     tokenizer_train_chars: int = 4_000_000
     val_fraction: float = 0.01
     cache_dir: str = "${oc.env:COLLAGE_CACHE_DIR,'~/.cache/collage_train'}"
+    tokenizer: str | None = None  # an existing tokenizer (HF directory, tokenizer.json, .model)
+    shard_tokens: int = 1 << 26  # tokens per prepared shard file
+    num_workers: int | None = None  # tokenizing processes (null: every available core)
 
 
 @dataclass

@@ -1,8 +1,14 @@
-"""Assemble tokenizer, token shards and loaders for a training run."""
+"""Assemble tokenizer, token shards and loaders for a training run.
+
+The first process of each node (``LOCAL_RANK`` 0, or rank 0 when unset) prepares the
+corpus if it is not prepared yet; the others wait for its manifest on the file system,
+printing progress (no collective, so no ``distributed.timeout_minutes`` bound).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +18,8 @@ import torch
 
 from collage_train.data.loader import TokenLoader
 from collage_train.data.settings import DataSettings
-from collage_train.data.shards import load_meta, prepare_shards
+from collage_train.data.shards import load_prepared, prepare_shards
+from collage_train.data.store import ShardedTokens, open_splits
 from collage_train.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -24,7 +31,7 @@ class DataBundle:
 
     tokenizer: Tokenizer
     train_loader: TokenLoader
-    val_tokens: np.ndarray
+    val_tokens: ShardedTokens | np.ndarray
     meta: dict[str, Any]
     seq_len: int
     rank: int = 0
@@ -67,21 +74,28 @@ def build_data(
     rank: int = 0,
     world_size: int = 1,
 ) -> DataBundle:
-    """Prepare (or reuse) the cached tokenizer and shards for ``cfg`` and build the loaders."""
+    """Prepare (or reuse, or wait for) the corpus for ``cfg`` and build the loaders."""
     settings = DataSettings.from_config(cfg)
-    directory = prepare_shards(settings)
-    meta = {**load_meta(directory), "cache_dir": str(directory)}
-    dtype = np.dtype(meta["dtype"])
-    train_tokens = np.memmap(directory / "train.bin", dtype=dtype, mode="r")
-    val_tokens = np.memmap(directory / "val.bin", dtype=dtype, mode="r")
+    directory = prepare_shards(settings, prepare=prepares_data(rank))
+    manifest, tokenizer = load_prepared(directory)
+    train_tokens, val_tokens, spans = open_splits(directory, manifest, settings.val_fraction)
+    meta = {key: value for key, value in manifest.items() if key != "shards"}
+    meta.update(
+        train_tokens=train_tokens.size,
+        val_tokens=val_tokens.size,
+        val_fraction=settings.val_fraction,
+        val_spans=[list(span) for span in spans],
+        cache_dir=str(directory),
+    )
     logger.info(
-        "data: %d train and %d validation tokens from %s",
+        "data: %d train and %d validation tokens in %d shards of %s",
         train_tokens.size,
         val_tokens.size,
+        manifest["num_shards"],
         directory,
     )
     return DataBundle(
-        tokenizer=Tokenizer.load(directory),
+        tokenizer=tokenizer,
         train_loader=TokenLoader(
             train_tokens,
             seq_len=seq_len,
@@ -97,3 +111,9 @@ def build_data(
         rank=rank,
         world_size=world_size,
     )
+
+
+def prepares_data(rank: int) -> bool:
+    """Whether this process prepares a missing corpus: the first of its node, else waits."""
+    local = os.environ.get("LOCAL_RANK")
+    return int(local) == 0 if local is not None else rank == 0

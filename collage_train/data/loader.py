@@ -1,4 +1,10 @@
-"""Deterministic, resumable batches of fixed-length token windows from a token memmap."""
+"""Deterministic, resumable batches of fixed-length token windows over a token sequence.
+
+The tokens are a numpy array (or memmap) or a ``ShardedTokens`` view over many shard files.
+The shuffled order is a keyed bijection of the sample indices (a Feistel network with
+cycle walking) computed for each batch, not a stored permutation, so the loader's memory
+is the same for a 10 MB and a 1 TB corpus.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,57 @@ import numpy as np
 import torch
 
 from collage_train.data.errors import DataError
+from collage_train.data.store import ShardedTokens
 
 CHECKED_STATE_FIELDS = ("seed", "num_samples", "seq_len", "world_size")
+FEISTEL_ROUNDS = 6
+MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
+MIX_2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix(values: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer: a fast, well-mixing bijection of uint64 values."""
+    values = (values ^ (values >> np.uint64(30))) * MIX_1
+    values = (values ^ (values >> np.uint64(27))) * MIX_2
+    return values ^ (values >> np.uint64(31))
+
+
+class SampleOrder:
+    """A seeded bijection of ``[0, count)``: ``order[i]`` is the ``i``-th sample of an epoch.
+
+    A balanced Feistel network over the smallest even number of bits that covers ``count``
+    (a domain under four times ``count``), keyed by ``np.random.default_rng([seed, epoch])``;
+    values that land outside ``[0, count)`` are encrypted again until they fall inside (cycle
+    walking), which keeps it a bijection. Nothing proportional to ``count`` is stored.
+    Without ``shuffle`` it is the identity.
+    """
+
+    def __init__(self, count: int, seed: int, epoch: int, shuffle: bool = True) -> None:
+        self.count = count
+        self.shuffle = shuffle
+        bits = max(2, (max(count - 1, 1)).bit_length())
+        self.half = np.uint64((bits + 1) // 2)
+        self.mask = np.uint64((1 << int(self.half)) - 1)
+        self.keys = np.random.default_rng([seed, epoch]).integers(
+            0, 2**63, size=FEISTEL_ROUNDS, dtype=np.uint64
+        )
+
+    def _encrypt(self, values: np.ndarray) -> np.ndarray:
+        left, right = values >> self.half, values & self.mask
+        for key in self.keys:
+            left, right = right, left ^ (_mix(right ^ key) & self.mask)
+        return (left << self.half) | right
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        start, stop, _ = index.indices(self.count)
+        if not self.shuffle:
+            return np.arange(start, stop, dtype=np.int64)
+        values = self._encrypt(np.arange(start, stop, dtype=np.uint64))
+        outside = values >= self.count
+        while outside.any():
+            values[outside] = self._encrypt(values[outside])
+            outside = values >= self.count
+        return values.astype(np.int64)
 
 
 class TokenLoader:
@@ -18,8 +73,9 @@ class TokenLoader:
 
     Sample ``i`` is ``tokens[i * seq_len : i * seq_len + seq_len + 1]``: windows do not overlap
     except for the one token they share at their boundary (the last input token's target is the
-    next window's first input). Each epoch visits the samples in the order of a permutation drawn
-    from ``np.random.default_rng([seed, epoch])`` (identity order when ``shuffle`` is false).
+    next window's first input); with sharded tokens a window may span two shards. Each epoch
+    visits the samples in the order of a ``SampleOrder`` keyed by ``(seed, epoch)`` (identity
+    order when ``shuffle`` is false).
     A global batch is ``batch_size * world_size`` consecutive permutation entries; rank ``r``
     takes the contiguous slice ``[r * batch_size, (r + 1) * batch_size)`` of it. The incomplete
     global batch at the end of an epoch is dropped. State is rank-independent: every rank stores
@@ -28,7 +84,7 @@ class TokenLoader:
 
     def __init__(
         self,
-        tokens: np.ndarray,
+        tokens: np.ndarray | ShardedTokens,
         seq_len: int,
         batch_size: int,
         seed: int,
@@ -79,18 +135,20 @@ class TokenLoader:
         """Samples this rank receives per epoch (the dropped incomplete batch excluded)."""
         return self.batches_per_epoch * self.batch_size
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        """Return the sample order of ``epoch``."""
-        if not self.shuffle:
-            return np.arange(self.num_samples)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+    def _permutation(self, epoch: int) -> SampleOrder:
+        """Return the sample order of ``epoch`` (sliceable; nothing stored per sample)."""
+        return SampleOrder(self.num_samples, self.seed, epoch, shuffle=self.shuffle)
 
     def next_batch(self) -> torch.Tensor:
         """Return this rank's next ``[batch_size, seq_len + 1]`` int64 batch and advance."""
         start = self._position + self.rank * self.batch_size
         samples = self._order[start : start + self.batch_size]
         offsets = samples[:, None] * self.seq_len + np.arange(self.seq_len + 1)
-        batch = torch.from_numpy(np.asarray(self.tokens[offsets], dtype=np.int64))
+        if isinstance(self.tokens, ShardedTokens):
+            windows = self.tokens.take(offsets)
+        else:
+            windows = np.asarray(self.tokens[offsets], dtype=np.int64)
+        batch = torch.from_numpy(windows)
         self._position += self.global_batch_size
         self._roll_epoch_if_done()
         return batch

@@ -28,6 +28,9 @@ class DataSettings:
     tokenizer_train_chars: int
     val_fraction: float
     cache_dir: Path
+    tokenizer: Path | None = None
+    shard_tokens: int = 1 << 26
+    num_workers: int | None = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> DataSettings:
@@ -50,6 +53,8 @@ class DataSettings:
         if not 0.0 < val_fraction <= 0.5:
             raise DataError(f"data.val_fraction: {val_fraction} must be in (0, 0.5]")
         config_name = getattr(cfg, "config_name", None)
+        tokenizer = getattr(cfg, "tokenizer", None)
+        num_workers = getattr(cfg, "num_workers", None)
         return cls(
             source=source,
             paths=paths,
@@ -66,6 +71,9 @@ class DataSettings:
             ),
             val_fraction=float(val_fraction),
             cache_dir=Path(str(getattr(cfg, "cache_dir", "~/.cache/collage_train"))).expanduser(),
+            tokenizer=None if tokenizer in (None, "") else Path(str(tokenizer)).expanduser(),
+            shard_tokens=_positive_int("shard_tokens", getattr(cfg, "shard_tokens", 1 << 26)),
+            num_workers=None if num_workers is None else _positive_int("num_workers", num_workers),
         )
 
 

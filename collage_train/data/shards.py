@@ -1,106 +1,192 @@
-"""Tokenize the corpus once into cached, packed ``train.bin``/``val.bin`` token shards."""
+"""Prepare a corpus into fixed-size token shards: in parallel, resumable, once per cache key.
+
+``prepare_shards`` tokenizes the source into ``<cache>/<key>/`` where the key covers the
+corpus content, the tokenizer and the shard size. Worker processes (``data.num_workers``,
+every core by default) encode batches of documents; the main process appends their tokens,
+each document followed by the end-of-text id, to ``shards/NNNNNN.bin`` files of exactly
+``data.shard_tokens`` tokens (the last one shorter). A shard is written under a temporary
+name and renamed, then its record ``NNNNNN.json`` (token count, first and next document
+position, document ends in ``NNNNNN.ends``) is written the same way: a shard counts only once
+its record exists. After a crash a new preparation keeps the complete shards and restarts
+from the position the last record names, so ``kill -9`` loses at most the shard in flight.
+``manifest.json`` is written last and atomically: its presence means the corpus is ready.
+
+One process prepares a given entry at a time (an ``flock`` on ``.lock``); a process that
+finds the entry locked, and the launched ranks that do not prepare, wait for the manifest
+while printing the preparer's progress (``collage_train.data.progress``).
+"""
 
 from __future__ import annotations
 
-import hashlib
+import fcntl
 import json
 import logging
+import multiprocessing
+import os
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from itertools import chain, islice
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any
 
 import numpy as np
 
 from collage_train.data.cache import cache_key, remove_stale_staging, staged_directory
 from collage_train.data.errors import DataError
+from collage_train.data.progress import (
+    PrepareProgress,
+    wait_for_preparation,
+    write_json_atomic,
+)
 from collage_train.data.settings import DataSettings
-from collage_train.data.sources import Source, open_source
+from collage_train.data.sources import FileSetSource, Source, open_source, sha256_of_file
+from collage_train.data.store import (
+    MANIFEST_FILENAME,
+    MANIFEST_FORMAT,
+    MANIFEST_VERSION,
+    check_prepared,
+    load_manifest,
+    token_dtype,
+)
 from collage_train.data.tokenizer import (
     MODEL_FILENAME,
     Tokenizer,
     TokenizerSettings,
+    available_cpus,
     split_after_newlines,
     train_model,
     training_sentences,
 )
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
-PIPELINE_VERSION = 1
-META_FILENAME = "meta.json"
-VAL_STRETCHES = 16
-ENCODE_BATCH_PIECES = 256
+PIPELINE_VERSION = 2
+SHARDS_DIRNAME = "shards"
+LOCK_FILENAME = ".lock"
 PIECE_CHARS = 4096
-COPY_BLOCK_TOKENS = 1 << 22
-PROGRESS_SECONDS = 30.0
+TASK_CHARS = 1 << 18  # characters of text per worker task
+TASK_DOCUMENTS = 512
+PENDING_TASKS_PER_WORKER = 4
+BYTES_PER_WORKER = 2 << 20
+FILE_DIGESTS = "file-digests.json"
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """Return the smallest unsigned dtype that holds every id of ``vocab_size``."""
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+# ----------------------------------------------------------------- the entry
 
 
-def validation_spans(total: int, fraction: float) -> list[tuple[int, int]]:
-    """Place ``round(total * fraction)`` validation tokens in 16 evenly spaced stretches.
+def prepare_shards(settings: DataSettings, *, prepare: bool = True) -> Path:
+    """Return the prepared corpus directory for ``settings``, preparing it if needed.
 
-    The stream is cut into 16 equal segments and each stretch starts where its segment
-    starts, so validation text is drawn from the whole corpus rather than its tail.
+    With ``prepare`` false (a launched rank other than each node's first), wait for another
+    process to prepare it instead.
     """
-    val_total = round(total * fraction)
-    spans = []
-    for index in range(VAL_STRETCHES):
-        length = val_total // VAL_STRETCHES + (index < val_total % VAL_STRETCHES)
-        start = index * total // VAL_STRETCHES
-        end = min(start + length, (index + 1) * total // VAL_STRETCHES)
-        if end > start:
-            spans.append((start, end))
-    return spans
-
-
-def prepare_shards(settings: DataSettings) -> Path:
-    """Return the cache directory holding the shards for ``settings``, building it if needed."""
     for stale in remove_stale_staging(settings.cache_dir):
         logger.info("removed %s, left by a preparation that was killed", stale)
     source = open_source(settings)
-    fingerprint = source.fingerprint()
+    fingerprint = source_fingerprint(source, settings.cache_dir)
+    given = None if settings.tokenizer is None else Tokenizer.load(settings.tokenizer)
     tokenizer_settings = TokenizerSettings(settings.vocab_size, settings.tokenizer_train_chars)
+    identity = (
+        {"trained": tokenizer_settings.as_dict()} if given is None else {"given": given.describe()}
+    )
     key = cache_key(
         {
             "fingerprint": fingerprint,
-            "tokenizer": tokenizer_settings.as_dict(),
-            "val_fraction": settings.val_fraction,
+            "tokenizer": identity,
+            "shard_tokens": settings.shard_tokens,
             "version": PIPELINE_VERSION,
         }
     )
     target = settings.cache_dir / key
-    if (target / META_FILENAME).is_file():
-        logger.info("reusing token shards in %s", target)
+    manifest_path = target / MANIFEST_FILENAME
+    if manifest_path.is_file():
+        logger.info("reusing the prepared corpus in %s", target)
         return target
-    tokenizer = prepare_tokenizer(source, fingerprint, tokenizer_settings, settings.cache_dir)
-    with staged_directory(target) as staging:
-        tokenizer.copy_to(staging)
-        meta = write_shards(source.documents(), tokenizer, staging, settings.val_fraction)
-        meta.update(
-            key=key,
-            version=PIPELINE_VERSION,
-            fingerprint=fingerprint,
-            source=source.metadata(),
-            tokenizer={
-                **tokenizer_settings.as_dict(),
-                "sha256": hashlib.sha256(tokenizer.model_path.read_bytes()).hexdigest(),
-            },
-        )
-        (staging / META_FILENAME).write_text(json.dumps(meta, indent=2) + "\n")
+    target.mkdir(parents=True, exist_ok=True)
+    if not prepare:
+        wait_for_preparation(target, manifest_path)
+        return target
+    with preparation_lock(target) as holding:
+        if not holding:
+            wait_for_preparation(target, manifest_path)
+            return target
+        if manifest_path.is_file():  # finished by the holder we waited behind
+            return target
+        progress = PrepareProgress(target, source.metadata().get("bytes"))
+        try:
+            tokenizer = given or prepare_tokenizer(
+                source, fingerprint, tokenizer_settings, settings.cache_dir
+            )
+            tokenizer = place_tokenizer(tokenizer, target)
+            manifest = write_shards(
+                source.documents(),
+                tokenizer,
+                target,
+                settings.shard_tokens,
+                settings.num_workers or default_workers(source.metadata().get("bytes")),
+                progress,
+            )
+            manifest.update(
+                key=key,
+                fingerprint=fingerprint,
+                source=source.metadata(),
+                tokenizer={
+                    **tokenizer.describe(),
+                    "file": tokenizer.model_path.name,
+                    "trained": identity.get("trained"),
+                },
+            )
+            write_json_atomic(manifest_path, manifest)
+            progress.finish()
+        except BaseException as exc:
+            progress.fail(exc)
+            raise
     return target
+
+
+def default_workers(total_bytes: int | None) -> int:
+    """Every available core, but one process per 2 MiB of input (small corpora in-process)."""
+    if total_bytes is None:
+        return available_cpus()
+    return max(1, min(available_cpus(), total_bytes // BYTES_PER_WORKER))
+
+
+@contextmanager
+def preparation_lock(directory: Path) -> Iterator[bool]:
+    """Try to take the entry's lock without blocking; yield whether this process holds it."""
+    with (directory / LOCK_FILENAME).open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def place_tokenizer(tokenizer: Tokenizer, directory: Path) -> Tokenizer:
+    """Copy the tokenizer into the entry, refusing an entry begun with another tokenizer."""
+    target = directory / tokenizer.canonical_filename()
+    if target.exists():
+        existing = Tokenizer.load(target)
+        if existing.sha256() != tokenizer.sha256():
+            raise DataError(
+                f"{directory} holds shards of another tokenizer ({target.name} differs); "
+                f"remove {directory} to prepare it again"
+            )
+        return existing
+    copied = tokenizer.copy_to(directory)
+    return Tokenizer.load(copied)
 
 
 def prepare_tokenizer(
     source: Source, fingerprint: str, settings: TokenizerSettings, cache_dir: Path
 ) -> Tokenizer:
-    """Load the cached tokenizer for this corpus and settings, training it if needed."""
+    """Load the cached trained tokenizer for this corpus and settings, training it if needed."""
     key = cache_key({"fingerprint": fingerprint, **settings.as_dict()})
     target = cache_dir / f"tokenizer-{key}"
     if not (target / MODEL_FILENAME).is_file():
@@ -120,105 +206,283 @@ def prepare_tokenizer(
     return Tokenizer.load(target)
 
 
+# ----------------------------------------------------------------- fingerprints
+
+
+def source_fingerprint(source: Source, cache_dir: Path) -> str:
+    """The source's fingerprint; for local files, each file's digest is remembered by
+    (path, size, mtime, inode) in ``<cache>/file-digests.json``, so a launch on an unchanged
+    prepared corpus reads no corpus bytes."""
+    if not isinstance(source, FileSetSource):
+        return source.fingerprint()
+    path = cache_dir / FILE_DIGESTS
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    changed = False
+
+    def digest(file: Path) -> str:
+        nonlocal changed
+        stat = file.stat()
+        stamp = f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+        if stamp not in known:
+            known[stamp] = sha256_of_file(file)
+            changed = True
+        return known[stamp]
+
+    fingerprint = source.fingerprint(digest)
+    if changed:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, known)
+    return fingerprint
+
+
+# ----------------------------------------------------------------- writing shards
+
+
+def shard_name(index: int) -> str:
+    return f"{index:06d}"
+
+
+def complete_shards(directory: Path, dtype: np.dtype, shard_tokens: int) -> list[dict[str, Any]]:
+    """The records of the shards ``000000..`` that are complete, in order.
+
+    A shard is complete when its record parses and its ``.bin`` and ``.ends`` files have the
+    recorded sizes; the first one that is not ends the list (later ones are rewritten).
+    """
+    records: list[dict[str, Any]] = []
+    while True:
+        name = shard_name(len(records))
+        try:
+            record = json.loads((directory / f"{name}.json").read_text())
+            bin_size = (directory / f"{name}.bin").stat().st_size
+            ends_size = (directory / f"{name}.ends").stat().st_size
+        except (OSError, ValueError):
+            return records
+        if (
+            bin_size != record.get("tokens", -1) * dtype.itemsize
+            or ends_size != record.get("documents", -1) * 8
+            or (records and records[-1]["tokens"] != shard_tokens)
+        ):
+            return records
+        records.append(record)
+
+
+class ShardWriter:
+    """Cut the token stream into shards of ``shard_tokens`` and write each one atomically."""
+
+    def __init__(
+        self, directory: Path, records: list[dict[str, Any]], shard_tokens: int, dtype: np.dtype
+    ) -> None:
+        self.directory = directory
+        self.records = records
+        self.shard_tokens = shard_tokens
+        self.dtype = dtype
+        self.parts: list[np.ndarray] = []
+        self.buffered = 0
+        self.ends: list[int] = []
+        self.start = tuple(records[-1]["next"]) if records else (0, 0)
+
+    def add(self, document: int, offset: int, ids: np.ndarray, ends_document: bool) -> None:
+        """Append ``ids``, tokens ``offset..`` of ``document`` (its last ones if it ends)."""
+        while ids.size:
+            room = self.shard_tokens - self.buffered
+            part = ids[:room]
+            self.parts.append(part)
+            self.buffered += part.size
+            ids = ids[room:]
+            offset += part.size
+            if ends_document and not ids.size:
+                self.ends.append(self.buffered)
+            if self.buffered == self.shard_tokens:
+                done = ends_document and not ids.size
+                self.flush((document + 1, 0) if done else (document, offset))
+
+    def flush(self, next_position: tuple[int, int]) -> None:
+        """Write the buffered tokens as the next shard, then its record."""
+        if not self.buffered:
+            return
+        name = shard_name(len(self.records))
+        tokens = np.concatenate(self.parts).astype(self.dtype, copy=False)
+        write_bytes_atomic(self.directory / f"{name}.bin", tokens)
+        write_bytes_atomic(self.directory / f"{name}.ends", np.asarray(self.ends, dtype="<u8"))
+        record = {
+            "tokens": int(tokens.size),
+            "documents": len(self.ends),
+            "start": list(self.start),
+            "next": list(next_position),
+        }
+        write_json_atomic(self.directory / f"{name}.json", record)
+        self.records.append(record)
+        self.start = next_position
+        self.parts, self.buffered, self.ends = [], 0, []
+
+
+def write_bytes_atomic(path: Path, array: np.ndarray) -> None:
+    """Write ``array``'s bytes to ``path`` through a synced temporary file and a rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("wb") as handle:
+        array.tofile(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
 def write_shards(
-    documents: Iterable[str], tokenizer: Tokenizer, directory: Path, val_fraction: float
+    documents: Iterable[str],
+    tokenizer: Tokenizer,
+    directory: Path,
+    shard_tokens: int,
+    workers: int,
+    progress: PrepareProgress,
 ) -> dict[str, Any]:
-    """Write ``train.bin`` and ``val.bin`` into ``directory`` and return their metadata."""
+    """Tokenize ``documents`` into ``directory/shards``, resuming after complete shards.
+
+    Returns the manifest, less the fields that describe the source and the tokenizer.
+    """
     dtype = token_dtype(tokenizer.vocab_size)
-    stream_path = directory / "stream.bin"
-    num_documents, total = write_token_stream(documents, tokenizer, stream_path, dtype)
-    spans = validation_spans(total, val_fraction)
-    val_tokens = sum(end - start for start, end in spans)
-    if val_tokens == 0:
+    if tokenizer.vocab_size > np.iinfo(dtype).max + 1:
         raise DataError(
-            f"data.val_fraction: {val_fraction} of {total} tokens leaves no validation tokens; "
-            "add data or raise data.val_fraction"
+            f"tokenizer: {tokenizer.vocab_size} ids do not fit {dtype.name} token shards"
         )
-    split_stream(stream_path, directory / "train.bin", directory / "val.bin", spans, dtype)
-    stream_path.unlink()
+    shards_dir = directory / SHARDS_DIRNAME
+    shards_dir.mkdir(exist_ok=True)
+    records = complete_shards(shards_dir, dtype, shard_tokens)
+    writer = ShardWriter(shards_dir, records, shard_tokens, dtype)
+    resume_document, resume_offset = writer.start
+    if records:
+        logger.info(
+            "resuming the preparation after %d complete shards, at document %d",
+            len(records),
+            resume_document,
+        )
+    progress.tokens = progress.resumed_tokens = sum(r["tokens"] for r in records)
+    progress.started = time.perf_counter()  # the rate counts tokenizing, not tokenizer training
+    indexed = islice(enumerate(documents), resume_document, None)
+    num_documents = resume_document
+    for first, lengths, tokens, chars in encode_documents(indexed, tokenizer, dtype, workers):
+        cursor = 0
+        for number, length in enumerate(lengths.tolist()):
+            document = first + number
+            ids = tokens[cursor : cursor + length]
+            cursor += length
+            offset = 0
+            if document == resume_document and resume_offset:
+                ids, offset = ids[resume_offset:], resume_offset
+            writer.add(document, offset, ids, ends_document=True)
+            num_documents = document + 1
+        progress.update(int(tokens.size), chars, len(writer.records))
+    writer.flush((num_documents, 0))
+    records = writer.records
+    progress.update(0, 0, len(records))
+    total = sum(r["tokens"] for r in records)
+    if total == 0:
+        raise DataError("the corpus produced no tokens")
     return {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
         "dtype": dtype.name,
         "vocab_size": tokenizer.vocab_size,
         "eot_id": tokenizer.eot_id,
+        "shard_tokens": shard_tokens,
+        "num_shards": len(records),
         "num_documents": num_documents,
         "total_tokens": total,
-        "train_tokens": total - val_tokens,
-        "val_tokens": val_tokens,
-        "val_fraction": val_fraction,
-        "val_spans": [list(span) for span in spans],
+        "shards": [
+            {
+                "file": f"{SHARDS_DIRNAME}/{shard_name(i)}.bin",
+                "ends": f"{SHARDS_DIRNAME}/{shard_name(i)}.ends",
+                "tokens": r["tokens"],
+                "documents": r["documents"],
+            }
+            for i, r in enumerate(records)
+        ],
     }
 
 
-def write_token_stream(
-    documents: Iterable[str], tokenizer: Tokenizer, path: Path, dtype: np.dtype
-) -> tuple[int, int]:
-    """Encode documents in batched pieces, appending each one's ids plus ``eot`` to ``path``.
+# ----------------------------------------------------------------- parallel encoding
 
-    Returns the number of documents and of tokens written.
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    """Pool initializer: each worker opens the tokenizer once, single-threaded."""
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker_tokenizer = Tokenizer.load(tokenizer_path)
+    _worker_tokenizer.single_threaded()
+
+
+def encode_task(
+    task: tuple[int, list[str]], tokenizer: Tokenizer | None = None, dtype: str = "uint32"
+) -> tuple[int, np.ndarray, np.ndarray, int]:
+    """Encode a batch of consecutive documents, each followed by the end-of-text id.
+
+    Returns the first document's index, each document's token count, all tokens, and the
+    number of characters encoded.
     """
-    started = last_report = time.perf_counter()
-    num_documents = total = 0
-    with path.open("wb") as handle:
-        for batch in batches(document_pieces(documents), ENCODE_BATCH_PIECES):
-            encoded = tokenizer.encode_batch(piece for piece, _ in batch)
-            for ids, (_, ends_document) in zip(encoded, batch, strict=True):
-                if ends_document:
-                    ids.append(tokenizer.eot_id)
-                    num_documents += 1
-            tokens = np.fromiter(chain.from_iterable(encoded), dtype=dtype)
-            tokens.tofile(handle)
-            total += tokens.size
-            if time.perf_counter() - last_report > PROGRESS_SECONDS:
-                last_report = time.perf_counter()
-                logger.info("tokenized %d documents, %d tokens so far", num_documents, total)
-    logger.info(
-        "tokenized %d documents into %d tokens in %.1f s",
-        num_documents,
-        total,
-        time.perf_counter() - started,
-    )
-    return num_documents, total
+    tokenizer = tokenizer or _worker_tokenizer
+    assert tokenizer is not None
+    first, texts = task
+    split = [list(split_after_newlines(text, PIECE_CHARS)) for text in texts]
+    encoded = iter(tokenizer.encode_batch(piece for pieces in split for piece in pieces))
+    eot = [tokenizer.eot_id]
+    parts: list[list[int]] = []
+    lengths = np.empty(len(texts), dtype=np.int64)
+    for number, pieces in enumerate(split):
+        document = [next(encoded) for _ in pieces]
+        document.append(eot)
+        lengths[number] = sum(map(len, document))
+        parts.extend(document)
+    tokens = np.fromiter(chain.from_iterable(parts), dtype=dtype, count=int(lengths.sum()))
+    return first, lengths, tokens, sum(map(len, texts))
 
 
-def document_pieces(documents: Iterable[str]) -> Iterator[tuple[str, bool]]:
-    """Yield ``(piece, ends_document)`` for newline-aligned pieces of every document."""
-    for document in documents:
-        pieces = list(split_after_newlines(document, PIECE_CHARS))
-        for index, piece in enumerate(pieces):
-            yield piece, index == len(pieces) - 1
+def document_tasks(indexed: Iterable[tuple[int, str]]) -> Iterator[tuple[int, list[str]]]:
+    """Group ``(index, text)`` pairs into tasks of about ``TASK_CHARS`` characters."""
+    first, texts, chars = -1, [], 0
+    for index, text in indexed:
+        if not texts:
+            first = index
+        texts.append(text)
+        chars += len(text)
+        if chars >= TASK_CHARS or len(texts) >= TASK_DOCUMENTS:
+            yield first, texts
+            texts, chars = [], 0
+    if texts:
+        yield first, texts
 
 
-def split_stream(
-    stream_path: Path,
-    train_path: Path,
-    val_path: Path,
-    spans: list[tuple[int, int]],
-    dtype: np.dtype,
-) -> None:
-    """Copy the ``spans`` of the token stream to ``val_path`` and the rest to ``train_path``."""
-    stream = np.memmap(stream_path, dtype=dtype, mode="r")
-    with train_path.open("wb") as train, val_path.open("wb") as val:
-        cursor = 0
-        for start, end in spans:
-            copy_range(stream, cursor, start, train)
-            copy_range(stream, start, end, val)
-            cursor = end
-        copy_range(stream, cursor, stream.size, train)
+def encode_documents(
+    indexed: Iterable[tuple[int, str]], tokenizer: Tokenizer, dtype: np.dtype, workers: int
+) -> Iterator[tuple[int, np.ndarray, np.ndarray, int]]:
+    """Encode tasks in order, in ``workers`` processes (in this one when ``workers`` is 1).
+
+    At most ``4 * workers`` tasks are in flight, so memory stays bounded however slowly the
+    shards are written.
+    """
+    tasks = document_tasks(indexed)
+    if workers == 1:  # one process, one thread: the baseline the parallel run is measured by
+        tokenizer.single_threaded()
+        for task in tasks:
+            yield encode_task(task, tokenizer, dtype.name)
+        return
+    context = multiprocessing.get_context("fork")
+    with context.Pool(workers, _init_worker, (str(tokenizer.model_path),)) as pool:
+        pending: deque[Any] = deque()
+        for task in tasks:
+            pending.append(pool.apply_async(encode_task, (task, None, dtype.name)))
+            if len(pending) >= PENDING_TASKS_PER_WORKER * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
 
 
-def copy_range(stream: np.ndarray, start: int, end: int, handle: BinaryIO) -> None:
-    """Write ``stream[start:end]`` to an open binary file in bounded blocks."""
-    for block_start in range(start, end, COPY_BLOCK_TOKENS):
-        stream[block_start : min(block_start + COPY_BLOCK_TOKENS, end)].tofile(handle)
-
-
-def batches(items: Iterable[T], size: int) -> Iterator[list[T]]:
-    """Yield consecutive lists of at most ``size`` items."""
-    iterator = iter(items)
-    while batch := list(islice(iterator, size)):
-        yield batch
-
-
-def load_meta(directory: Path) -> dict[str, Any]:
-    """Read a shard directory's ``meta.json``."""
-    return json.loads((directory / META_FILENAME).read_text())
+def load_prepared(directory: Path) -> tuple[dict[str, Any], Tokenizer]:
+    """The manifest and tokenizer of a prepared corpus, checked against each other and the
+    shards on disk."""
+    manifest = load_manifest(directory)
+    tokenizer = Tokenizer.load(directory / manifest["tokenizer"]["file"])
+    check_prepared(directory, manifest, tokenizer.sha256())
+    return manifest, tokenizer

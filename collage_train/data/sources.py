@@ -65,16 +65,18 @@ class FileSetSource:
         texts = (text for f in self.files for text in f.reader(f.path, self.text_field))
         return limit_documents(texts, self.max_documents, self.description)
 
-    def fingerprint(self) -> str:
-        """Hash the settings and the (name, content) of every file, streaming the bytes."""
+    def fingerprint(self, file_digest: Callable[[Path], str] | None = None) -> str:
+        """Hash the settings and the (name, size, content digest) of every file.
+
+        ``file_digest`` (default: SHA-256 of the bytes) may answer from a cache of digests.
+        """
+        digest_of = file_digest or sha256_of_file
         digest = hashlib.sha256()
         header = {"kind": self.kind, "text_field": self.text_field, "max": self.max_documents}
         digest.update(json.dumps(header, sort_keys=True).encode())
         for source_file in self.files:
-            digest.update(f"\0{source_file.name}\0{source_file.path.stat().st_size}\0".encode())
-            with source_file.path.open("rb") as handle:
-                while chunk := handle.read(HASH_CHUNK_BYTES):
-                    digest.update(chunk)
+            size = source_file.path.stat().st_size
+            digest.update(f"\0{source_file.name}\0{size}\0{digest_of(source_file.path)}".encode())
         return digest.hexdigest()
 
     def metadata(self) -> dict[str, Any]:
@@ -157,6 +159,15 @@ class HFSource:
             "text_field": self.text_field,
             "max_documents": self.max_documents,
         }
+
+
+def sha256_of_file(path: Path) -> str:
+    """SHA-256 of a file's bytes, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def limit_documents(

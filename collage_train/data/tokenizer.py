@@ -190,6 +190,9 @@ class Tokenizer:
         """Decode ids back to text; the end-of-text id decodes to nothing."""
         raise NotImplementedError
 
+    def single_threaded(self) -> None:
+        """Encode on one thread (in a worker process that is one of several)."""
+
     def sha256(self) -> str:
         """Hash of the tokenizer's file: its identity in cache keys and manifests."""
         return hashlib.sha256(self.model_path.read_bytes()).hexdigest()
@@ -256,6 +259,9 @@ class SentencePieceTokenizer(Tokenizer):
     @property
     def eot_id(self) -> int:
         return self._processor.eos_id()
+
+    def single_threaded(self) -> None:
+        self._num_threads = 1
 
     @property
     def processor(self) -> spm.SentencePieceProcessor:

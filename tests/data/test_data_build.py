@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from collage_train.data import DataBundle, DataError, TokenLoader, build_data
+from collage_train.data.store import ShardedTokens
 
 MakeCfg = Callable[..., SimpleNamespace]
 
@@ -23,8 +24,8 @@ def bundle(make_cfg: MakeCfg) -> DataBundle:
 
 def test_bundle_contents(bundle: DataBundle) -> None:
     assert bundle.tokenizer.vocab_size == 512
-    assert isinstance(bundle.val_tokens, np.memmap)
-    assert isinstance(bundle.train_loader.tokens, np.memmap)
+    assert isinstance(bundle.val_tokens, ShardedTokens)
+    assert isinstance(bundle.train_loader.tokens, ShardedTokens)
     assert bundle.train_loader.shuffle and bundle.train_loader.seed == 7
     assert bundle.val_tokens.size == bundle.meta["val_tokens"]
     assert Path(bundle.meta["cache_dir"]).is_dir()
@@ -74,7 +75,7 @@ def test_logs_progress(make_cfg: MakeCfg, caplog: pytest.LogCaptureFixture) -> N
     build_data(make_cfg(), seq_len=16, micro_batch_size=4, seed=0)
     messages = [record.getMessage() for record in caplog.records]
     assert any(m.startswith("training a 512-piece tokenizer on") for m in messages)
-    assert any(m.startswith("tokenized 100 documents into") for m in messages)
+    assert any(m.startswith("prepared ") and " tokens/s)" in m for m in messages)
     assert all("\n" not in m for m in messages)
 
 
