@@ -42,6 +42,7 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)
     name: str | None = None
     config_name: str | None = None
+    revision: str | None = None  # hub dataset commit, branch or tag (data=hf)
     split: str = "train"
     streaming: bool = False
     data_files: list[str] | None = None

@@ -31,6 +31,7 @@ class DataSettings:
     tokenizer: Path | None = None
     shard_tokens: int = 1 << 26
     num_workers: int | None = None
+    revision: str | None = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> DataSettings:
@@ -73,6 +74,7 @@ class DataSettings:
             cache_dir=Path(str(getattr(cfg, "cache_dir", "~/.cache/collage_train"))).expanduser(),
             tokenizer=None if tokenizer in (None, "") else Path(str(tokenizer)).expanduser(),
             shard_tokens=_positive_int("shard_tokens", getattr(cfg, "shard_tokens", 1 << 26)),
+            revision=None if getattr(cfg, "revision", None) is None else str(cfg.revision),
             num_workers=None if num_workers is None else _positive_int("num_workers", num_workers),
         )
 

@@ -9,6 +9,7 @@ import platform
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -93,7 +94,10 @@ class FileSetSource:
 
 @dataclass(frozen=True)
 class HFSource:
-    """A Hugging Face ``datasets`` corpus (hub name or local path), loaded lazily."""
+    """A Hugging Face ``datasets`` corpus (hub name or local path), loaded lazily.
+
+    ``revision`` pins a hub commit, branch or tag (``data.revision``).
+    """
 
     name: str
     config_name: str | None
@@ -102,25 +106,32 @@ class HFSource:
     data_files: tuple[str, ...] | None
     text_field: str
     max_documents: int | None
+    revision: str | None = None
 
     def documents(self) -> Iterator[str]:
         """Yield ``row[text_field]`` for every row of the split."""
         return limit_documents(self._texts(), self.max_documents, f"dataset {self.name}")
 
-    def _texts(self) -> Iterator[str]:
-        """Load the dataset and yield the text field of each row, checking that it exists."""
+    @cached_property
+    def dataset(self) -> Any:
+        """The loaded split (an ``IterableDataset`` when streaming), loaded once."""
         import datasets
 
         try:
-            dataset = datasets.load_dataset(
+            return datasets.load_dataset(
                 self.name,
                 self.config_name,
                 split=self.split,
                 streaming=self.streaming,
                 data_files=None if self.data_files is None else list(self.data_files),
+                revision=self.revision,
             )
         except (OSError, ValueError) as exc:
             raise DataError(f"data.name: could not load dataset {self.name!r} ({exc})") from exc
+
+    def _texts(self) -> Iterator[str]:
+        """Yield the text field of each row of the dataset, checking that it exists."""
+        dataset = self.dataset
         columns = dataset.column_names
         if columns is not None and self.text_field not in columns:
             raise self._missing_field(columns)
@@ -145,8 +156,19 @@ class HFSource:
         )
 
     def fingerprint(self) -> str:
-        """Hash the dataset identity; remote content is assumed immutable for a given name."""
-        return hashlib.sha256(json.dumps(self.metadata(), sort_keys=True).encode()).hexdigest()
+        """Hash the dataset reference and, unless streaming, the loaded data's fingerprint.
+
+        ``datasets`` derives that fingerprint from the resolved hub revision or the local data
+        files, so a changed dataset gets a new cache entry instead of stale shards. A stream
+        is only identified by its reference (pin ``data.revision`` to make it exact).
+        """
+        identity = self.metadata()
+        if not self.streaming:
+            dataset = self.dataset
+            identity["content"] = getattr(dataset, "_fingerprint", None) or [
+                f["filename"] for f in dataset.cache_files
+            ]
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
     def metadata(self) -> dict[str, Any]:
         """Describe the dataset reference."""
@@ -155,6 +177,7 @@ class HFSource:
             "name": self.name,
             "config_name": self.config_name,
             "split": self.split,
+            "revision": self.revision,
             "data_files": None if self.data_files is None else list(self.data_files),
             "text_field": self.text_field,
             "max_documents": self.max_documents,
@@ -261,4 +284,5 @@ def open_source(settings: DataSettings) -> Source:
         data_files=settings.data_files,
         text_field=settings.text_field,
         max_documents=settings.max_documents,
+        revision=settings.revision,
     )

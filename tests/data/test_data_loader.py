@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collage_train.data import DataError, TokenLoader
+from collage_train.data.store import MAX_OPEN_SHARDS, ShardedTokens
 
 
 def sample_ids(batch: torch.Tensor, seq_len: int) -> list[int]:
@@ -184,3 +186,56 @@ def test_one_epoch_over_all_ranks_covers_disjoint_samples(
     assert len(seen) == len(set(seen)) == loaders[0].samples_per_epoch * world_size
     assert num_samples - len(seen) < batch_size * world_size
     assert all(loader.epoch == 1 for loader in loaders)
+
+
+def sharded(tmp_path: Path, stream: np.ndarray, shard_tokens: int, spans=None) -> ShardedTokens:
+    """``stream`` cut into shard files of ``shard_tokens`` tokens, viewed through ``spans``."""
+    paths = []
+    for index, start in enumerate(range(0, stream.size, shard_tokens)):
+        path = tmp_path / f"{index:06d}.bin"
+        stream[start : start + shard_tokens].tofile(path)
+        paths.append(path)
+    return ShardedTokens(paths, shard_tokens, stream.size, stream.dtype, spans)
+
+
+def test_sharded_windows_equal_the_flat_stream_across_shards_and_gaps(tmp_path: Path) -> None:
+    stream = (np.arange(5_003, dtype=np.int64) * 7919 % 65_000).astype(np.uint16)
+    spans = [(0, 700), (731, 2_050), (2_051, 5_003)]  # gaps as where validation is cut out
+    kept = np.concatenate([stream[a:b] for a, b in spans])
+    tokens = sharded(tmp_path, stream, shard_tokens=97, spans=spans)
+    assert len(tokens) == tokens.size == kept.size
+    assert np.array_equal(np.asarray(tokens), kept)
+    flat = TokenLoader(kept, seq_len=33, batch_size=4, seed=5)
+    many = TokenLoader(tokens, seq_len=33, batch_size=4, seed=5)
+    for _ in range(3 * flat.batches_per_epoch + 2):  # windows straddle shards; epochs roll
+        assert torch.equal(many.next_batch(), flat.next_batch())
+    state = many.state_dict()
+    resumed = TokenLoader(sharded(tmp_path, stream, 97, spans), 33, 4, seed=5)
+    resumed.load_state_dict(state)
+    for _ in range(flat.batches_per_epoch + 1):
+        assert torch.equal(resumed.next_batch(), flat.next_batch())
+    assert len(tokens._open) <= MAX_OPEN_SHARDS  # memory maps are bounded, not one per shard
+
+
+class HugeTokens(ShardedTokens):
+    """A 10^13-token stream (about 20 TB as uint16) that is never read."""
+
+    def __init__(self) -> None:
+        super().__init__([], shard_tokens=1 << 26, total=10**13, dtype=np.dtype(np.uint16))
+
+    def take(self, positions: np.ndarray) -> np.ndarray:
+        return np.asarray(positions, dtype=np.int64) % 50_000
+
+
+def test_loader_memory_does_not_grow_with_the_corpus() -> None:
+    tracemalloc.start()
+    loader = TokenLoader(HugeTokens(), seq_len=2048, batch_size=8, seed=1, world_size=64)
+    for _ in range(3):
+        loader.next_batch()
+    loader.load_state_dict(loader.state_dict() | {"epoch": 7, "position": 64 * 8 * 10**6})
+    batch = loader.next_batch()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert loader.num_samples == (10**13 - 1) // 2048
+    assert peak < 4 << 20, peak  # a per-sample order alone would take 39 GB
+    assert batch.shape == (8, 2049)

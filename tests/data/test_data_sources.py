@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shutil
 import sysconfig
@@ -156,8 +157,31 @@ def test_hf_source_reads_local_json(
     )
     assert list(source.documents()) == ["a\n  b", "c"]
     assert source.metadata()["data_files"] == [str(path)]
-    other = source_for(make_cfg, source="hf", name="json", data_files=[str(path)], split="x")
-    assert other.fingerprint() != source.fingerprint()
+    other = source_for(
+        make_cfg, source="hf", name="json", data_files=[str(path)], streaming=streaming
+    )
+    assert other.fingerprint() != source.fingerprint()  # max_documents differs
+
+
+def test_hf_fingerprint_follows_the_content_and_the_revision(
+    tmp_path: Path, make_cfg: MakeCfg, hf_cache: None
+) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "first"}])
+    before = source_for(make_cfg, source="hf", name="json", data_files=[str(path)])
+    fingerprint = before.fingerprint()
+    write_jsonl(path, [{"text": "first"}, {"text": "changed"}])
+    os.utime(path, (1e9, 1e9))  # a new modification time, as any rewrite gives
+    after = source_for(make_cfg, source="hf", name="json", data_files=[str(path)])
+    assert after.fingerprint() != fingerprint
+    assert list(after.documents()) == ["first", "changed"]
+    pinned = source_for(
+        make_cfg, source="hf", name="json", data_files=[str(path)], streaming=True, revision="v2"
+    )
+    assert pinned.metadata()["revision"] == "v2"
+    unpinned = source_for(
+        make_cfg, source="hf", name="json", data_files=[str(path)], streaming=True
+    )
+    assert pinned.fingerprint() != unpinned.fingerprint()
 
 
 @pytest.mark.parametrize("streaming", [False, True])
