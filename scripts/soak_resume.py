@@ -1,0 +1,173 @@
+"""Kill a training run with SIGKILL at random moments, resume it each time, and check that
+it ends exactly where an uninterrupted run ends.
+
+A small model trains on a slice of the Python standard library (built here, cached in a
+scratch directory), checkpointing and logging every step. First an uninterrupted run;
+then the same run launched with ``train.resume=true`` and killed with SIGKILL after a
+random delay (uniform over the uninterrupted run's wall time, so the kills land in
+start-up, data preparation, steps, metric writes and checkpoint writes alike), ``--kills``
+times, and finally left to finish. The final checkpoint's weights and optimizer state
+must equal the uninterrupted run's bit for bit, and ``metrics.jsonl`` must hold every
+step once.
+
+    python scripts/soak_resume.py --kills 20
+
+The result is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from runs import REPO, append_results
+
+from collage_train import checkpoint
+
+
+def corpus(root: Path, size: int = 400_000) -> Path:
+    """About ``size`` characters of real Python source as .txt documents."""
+    root.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        (root / f"{path.stem}.txt").write_text(text)
+        total += len(text)
+        if total > size:
+            break
+    return root
+
+
+def overrides(corpus_dir: Path, cache: Path, run_dir: Path, steps: int) -> list[str]:
+    return [
+        "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
+        "data=files", f"data.paths=[{corpus_dir}]", "data.vocab_size=512", "data.seq_len=32",
+        "data.tokenizer_train_chars=200000", f"data.cache_dir={cache}",
+        "train.micro_batch_size=4", "train.global_batch_size=8", f"train.max_steps={steps}",
+        "train.checkpoint_every=1", "train.keep_checkpoints=2", "train.eval_every=5",
+        "train.eval_batches=2", "train.export_hf=false", "optim.warmup_steps=2",
+        "logging.log_every=1", "logging.console=plain", "logging.wandb.mode=disabled",
+        "logging.plots=false", f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+
+
+def launch(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "collage_train", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def final_state(run_dir: Path, step: int) -> dict[str, dict]:
+    path = checkpoint.checkpoint_dir(run_dir) / f"step-{step}"
+    return {name: checkpoint.load_checkpoint_file(path, name) for name in ("model", "optimizer")}
+
+
+def bitwise_equal(a, b) -> bool:
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(bitwise_equal(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    args = parser.parse_args()
+
+    scratch = Path(tempfile.mkdtemp(prefix="soak_resume_"))
+    corpus_dir, cache = corpus(scratch / "corpus"), scratch / "cache"
+    reference_dir, soaked_dir = scratch / "reference", scratch / "soaked"
+    start = time.perf_counter()
+    reference = launch(overrides(corpus_dir, cache, reference_dir, args.steps))
+    if reference.wait() != 0:
+        sys.exit(f"the uninterrupted run failed:\n{reference.stderr.read()[-3000:]}")
+    run_time = time.perf_counter() - start  # with the corpus prepared: later runs are faster
+
+    rng = random.Random(args.seed)
+    soaked_args = [*overrides(corpus_dir, cache, soaked_dir, args.steps), "train.resume=true"]
+    kills, finished_early, failures = [], 0, []
+    while len(kills) < args.kills:
+        process = launch(soaked_args)
+        delay = rng.uniform(0.0, run_time)
+        try:
+            process.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            kills.append(delay)
+            continue
+        if process.returncode != 0:
+            failures.append(process.stderr.read().strip().splitlines()[-1:])
+            break
+        finished_early += 1  # it finished before the kill: start over from scratch
+        shutil.rmtree(soaked_dir)
+    if not failures:
+        last = launch(soaked_args)
+        if last.wait() != 0:
+            failures.append(last.stderr.read().strip().splitlines()[-1:])
+
+    same_state = not failures and bitwise_equal(
+        final_state(reference_dir, args.steps), final_state(soaked_dir, args.steps)
+    )
+    steps = []
+    if not failures:
+        lines = (soaked_dir / "metrics.jsonl").read_text().splitlines()
+        steps = [json.loads(line)["step"] for line in lines if '"loss"' in line]
+    each_once = steps == list(range(1, args.steps + 1))
+    damaged = sorted(p.name for p in (soaked_dir / "checkpoints").glob("*.damaged*"))
+    shutil.rmtree(scratch, ignore_errors=True)
+
+    table = "\n".join(
+        [
+            "| kills (SIGKILL) | runs that finished first | failed resumes | final weights and "
+            "optimizer state = uninterrupted | every step logged once | set aside as damaged |",
+            "|---|---|---|---|---|---|",
+            f"| {len(kills)} | {finished_early} | {len(failures)} | "
+            f"{'yes' if same_state else 'NO'} | {'yes' if each_once else 'NO'} | "
+            f"{', '.join(damaged) or 'none'} |",
+        ]
+    )
+    print(table)
+    if failures:
+        print(f"failures: {failures}")
+    if not args.no_append:
+        append_results(
+            f"Resume soak: {len(kills)} SIGKILLs at random moments",
+            f"A {args.steps}-step run of a 2-layer GPT (checkpoint and log every step) killed "
+            f"after delays uniform in [0, {run_time:.1f} s] (the uninterrupted run's wall "
+            f"time), resumed each time, then left to finish (seed {args.seed}).",
+            table,
+        )
+    if failures or not (same_state and each_once):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
