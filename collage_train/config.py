@@ -56,6 +56,8 @@ class DataConfig:
     tokenizer: str | None = None  # an existing tokenizer (HF directory, tokenizer.json, .model)
     shard_tokens: int = 1 << 26  # tokens per prepared shard file
     num_workers: int | None = None  # tokenizing processes (null: every available core)
+    # Several sources sampled by weight: [{label: web, weight: 3, paths: [...]}, ...]
+    mixture: list[Any] | None = None
 
 
 @dataclass

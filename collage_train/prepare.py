@@ -2,7 +2,8 @@
 
 Takes the same Hydra overrides as training (``data=files data.paths=[a/,b.jsonl]``,
 ``data.tokenizer=PATH``, ``data.num_workers=N``, ``data.cache_dir=DIR``...) and prepares
-exactly the cache entry that a training run with those settings will reuse: parallel over
+exactly the cache entry (one per source of a ``data.mixture``) that a training run with
+those settings will reuse: parallel over
 every core, resumable after a crash (run it again), with a progress line. Run it once per
 node (a node-local ``data.cache_dir``) or once on a shared file system. Prints the entry's
 directory and counts; bad input ends in one ``error:`` line and exit status 2.
@@ -21,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from collage_train.config import register_schemas
 from collage_train.data.errors import DataError
 from collage_train.data.settings import DataSettings
-from collage_train.data.shards import load_prepared, prepare_shards
+from collage_train.data.shards import load_prepared, prepare_mixture, prepare_shards
 from collage_train.errors import CollageError
 
 USAGE = "usage: python -m collage_train.prepare [data=files data.paths=[...]] [data.KEY=VALUE ...]"
@@ -35,8 +36,9 @@ def config_dir() -> str:
     return str(Path(__file__).resolve().parent.parent / "configs")
 
 
-def prepare(overrides: list[str]) -> Path:
-    """Compose the run configuration from ``overrides`` and prepare its corpus."""
+def prepare(overrides: list[str]) -> list[Path]:
+    """Compose the run configuration from ``overrides`` and prepare its corpus (or each source
+    of its ``data.mixture``); return the prepared directories."""
     register_schemas()
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
@@ -46,7 +48,9 @@ def prepare(overrides: list[str]) -> Path:
     except (HydraException, OmegaConfBaseException) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise DataError(f"bad override ({first}); {USAGE}") from None
-    return prepare_shards(settings)
+    if settings.mixture is not None:
+        return prepare_mixture(settings)
+    return [prepare_shards(settings)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,16 +60,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        directory = prepare(args)
-        manifest, tokenizer = load_prepared(directory)
+        prepared = [(directory, *load_prepared(directory)) for directory in prepare(args)]
     except CollageError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
-    print(
-        f"prepared {manifest['total_tokens']} tokens of {manifest['num_documents']} documents "
-        f"in {manifest['num_shards']} shards ({tokenizer.kind} tokenizer, vocabulary "
-        f"{tokenizer.vocab_size}) in {directory}"
-    )
+    for directory, manifest, tokenizer in prepared:
+        print(
+            f"prepared {manifest['total_tokens']} tokens of {manifest['num_documents']} "
+            f"documents in {manifest['num_shards']} shards ({tokenizer.kind} tokenizer, "
+            f"vocabulary {tokenizer.vocab_size}) in {directory}"
+        )
     return 0
 
 

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from collage_train.data.loader import TokenLoader
+from collage_train.data.mixture import MixtureLoader
 from collage_train.data.settings import DataSettings
-from collage_train.data.shards import load_prepared, prepare_shards
-from collage_train.data.store import ShardedTokens, open_splits
+from collage_train.data.shards import load_prepared, prepare_mixture, prepare_shards
+from collage_train.data.store import ConcatTokens, ShardedTokens, open_splits
 from collage_train.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -30,8 +31,8 @@ class DataBundle:
     """Everything the trainer needs from the data pipeline."""
 
     tokenizer: Tokenizer
-    train_loader: TokenLoader
-    val_tokens: ShardedTokens | np.ndarray
+    train_loader: TokenLoader | MixtureLoader
+    val_tokens: ShardedTokens | ConcatTokens | np.ndarray
     meta: dict[str, Any]
     seq_len: int
     rank: int = 0
@@ -76,6 +77,15 @@ def build_data(
 ) -> DataBundle:
     """Prepare (or reuse, or wait for) the corpus for ``cfg`` and build the loaders."""
     settings = DataSettings.from_config(cfg)
+    if settings.mixture is not None:
+        return build_mixture(
+            settings,
+            seq_len=seq_len,
+            micro_batch_size=micro_batch_size,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+        )
     directory = prepare_shards(settings, prepare=prepares_data(rank))
     manifest, tokenizer = load_prepared(directory)
     train_tokens, val_tokens, spans = open_splits(directory, manifest, settings.val_fraction)
@@ -106,6 +116,78 @@ def build_data(
             world_size=world_size,
         ),
         val_tokens=val_tokens,
+        meta=meta,
+        seq_len=seq_len,
+        rank=rank,
+        world_size=world_size,
+    )
+
+
+def build_mixture(
+    settings: DataSettings,
+    *,
+    seq_len: int,
+    micro_batch_size: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+) -> DataBundle:
+    """The bundle of ``data.mixture``: a ``MixtureLoader`` over the sources' training splits,
+    validation on their validation splits one after another."""
+    assert settings.mixture is not None
+    entries = settings.mixture
+    directories = prepare_mixture(settings, prepare=prepares_data(rank))
+    trains, vals, described = [], [], []
+    tokenizer = None
+    for entry, directory in zip(entries, directories, strict=True):
+        manifest, tokenizer = load_prepared(directory)
+        train, val, _ = open_splits(directory, manifest, settings.val_fraction)
+        trains.append(train)
+        vals.append(val)
+        described.append(
+            {
+                "label": entry.label,
+                "weight": entry.weight,
+                "cache_dir": str(directory),
+                "num_documents": manifest["num_documents"],
+                "train_tokens": train.size,
+                "val_tokens": val.size,
+                **manifest["source"],
+            }
+        )
+    assert tokenizer is not None
+    meta = {
+        "source": {
+            "source": "mixture",
+            "labels": [e.label for e in entries],
+            "weights": [e.weight for e in entries],
+        },
+        "vocab_size": tokenizer.vocab_size,
+        "eot_id": tokenizer.eot_id,
+        "num_documents": sum(d["num_documents"] for d in described),
+        "train_tokens": sum(d["train_tokens"] for d in described),
+        "val_tokens": sum(d["val_tokens"] for d in described),
+        "val_fraction": settings.val_fraction,
+        "cache_dir": str(settings.cache_dir),
+        "mixture": described,
+    }
+    logger.info(
+        "data: a mixture of %s",
+        ", ".join(f"{d['label']} ({d['weight']:g}, {d['train_tokens']} tokens)" for d in described),
+    )
+    return DataBundle(
+        tokenizer=tokenizer,
+        train_loader=MixtureLoader(
+            trains,
+            [e.label for e in entries],
+            [e.weight for e in entries],
+            seq_len=seq_len,
+            batch_size=micro_batch_size,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+        ),
+        val_tokens=ConcatTokens(vals),
         meta=meta,
         seq_len=seq_len,
         rank=rank,

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from collage_train.data.errors import DataError
-from collage_train.data.store import ShardedTokens
+from collage_train.data.store import ConcatTokens, ShardedTokens
 
 CHECKED_STATE_FIELDS = ("seed", "num_samples", "seq_len", "world_size")
 FEISTEL_ROUNDS = 6
@@ -23,7 +23,7 @@ MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
 MIX_2 = np.uint64(0x94D049BB133111EB)
 
 
-def _mix(values: np.ndarray) -> np.ndarray:
+def mix64(values: np.ndarray) -> np.ndarray:
     """SplitMix64's finalizer: a fast, well-mixing bijection of uint64 values."""
     values = (values ^ (values >> np.uint64(30))) * MIX_1
     values = (values ^ (values >> np.uint64(27))) * MIX_2
@@ -34,26 +34,29 @@ class SampleOrder:
     """A seeded bijection of ``[0, count)``: ``order[i]`` is the ``i``-th sample of an epoch.
 
     A balanced Feistel network over the smallest even number of bits that covers ``count``
-    (a domain under four times ``count``), keyed by ``np.random.default_rng([seed, epoch])``;
+    (a domain under four times ``count``), keyed by ``np.random.default_rng([seed, epoch])``
+    (plus ``salt``, which tells apart the sources of a mixture);
     values that land outside ``[0, count)`` are encrypted again until they fall inside (cycle
     walking), which keeps it a bijection. Nothing proportional to ``count`` is stored.
     Without ``shuffle`` it is the identity.
     """
 
-    def __init__(self, count: int, seed: int, epoch: int, shuffle: bool = True) -> None:
+    def __init__(
+        self, count: int, seed: int, epoch: int, shuffle: bool = True, salt: tuple[int, ...] = ()
+    ) -> None:
         self.count = count
         self.shuffle = shuffle
         bits = max(2, (max(count - 1, 1)).bit_length())
         self.half = np.uint64((bits + 1) // 2)
         self.mask = np.uint64((1 << int(self.half)) - 1)
-        self.keys = np.random.default_rng([seed, epoch]).integers(
+        self.keys = np.random.default_rng([seed, epoch, *salt]).integers(
             0, 2**63, size=FEISTEL_ROUNDS, dtype=np.uint64
         )
 
     def _encrypt(self, values: np.ndarray) -> np.ndarray:
         left, right = values >> self.half, values & self.mask
         for key in self.keys:
-            left, right = right, left ^ (_mix(right ^ key) & self.mask)
+            left, right = right, left ^ (mix64(right ^ key) & self.mask)
         return (left << self.half) | right
 
     def __getitem__(self, index: slice) -> np.ndarray:
@@ -84,7 +87,7 @@ class TokenLoader:
 
     def __init__(
         self,
-        tokens: np.ndarray | ShardedTokens,
+        tokens: np.ndarray | ShardedTokens | ConcatTokens,
         seq_len: int,
         batch_size: int,
         seed: int,
@@ -144,10 +147,10 @@ class TokenLoader:
         start = self._position + self.rank * self.batch_size
         samples = self._order[start : start + self.batch_size]
         offsets = samples[:, None] * self.seq_len + np.arange(self.seq_len + 1)
-        if isinstance(self.tokens, ShardedTokens):
-            windows = self.tokens.take(offsets)
-        else:
+        if isinstance(self.tokens, np.ndarray):
             windows = np.asarray(self.tokens[offsets], dtype=np.int64)
+        else:  # ShardedTokens, ConcatTokens
+            windows = self.tokens.take(offsets)
         batch = torch.from_numpy(windows)
         self._position += self.global_batch_size
         self._roll_epoch_if_done()

@@ -2,13 +2,34 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+from omegaconf.errors import MissingMandatoryValue
 
 from collage_train.data.errors import DataError
 
 SOURCES = ("stdlib", "files", "hf")
+# What a data.mixture entry may set; every other data setting is shared by all entries.
+MIXTURE_KEYS = (
+    "label", "weight", "source", "paths", "name", "config_name", "revision", "split",
+    "streaming", "data_files", "text_field", "max_documents",
+)  # fmt: skip
+SHARED_KEYS = (
+    "vocab_size", "tokenizer_train_chars", "val_fraction", "cache_dir", "tokenizer",
+    "shard_tokens", "num_workers", "text_field",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MixtureEntry:
+    """One source of ``data.mixture``: its label, weight and complete settings."""
+
+    label: str
+    weight: float
+    settings: DataSettings
 
 
 @dataclass(frozen=True)
@@ -32,10 +53,14 @@ class DataSettings:
     shard_tokens: int = 1 << 26
     num_workers: int | None = None
     revision: str | None = None
+    mixture: tuple[MixtureEntry, ...] | None = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> DataSettings:
         """Build settings from an attribute-style config (DictConfig, namespace, dataclass)."""
+        mixture = _field(cfg, "mixture")
+        if mixture:
+            return cls._with_mixture(cfg, mixture)
         source = str(getattr(cfg, "source", "stdlib"))
         if source not in SOURCES:
             raise DataError(f"data.source: {source!r} is not one of {', '.join(SOURCES)}")
@@ -77,6 +102,48 @@ class DataSettings:
             revision=None if getattr(cfg, "revision", None) is None else str(cfg.revision),
             num_workers=None if num_workers is None else _positive_int("num_workers", num_workers),
         )
+
+    @classmethod
+    def _with_mixture(cls, cfg: Any, mixture: Any) -> DataSettings:
+        """Settings whose ``mixture`` holds one complete ``DataSettings`` per entry."""
+        shared = {key: _field(cfg, key) for key in SHARED_KEYS if _field(cfg, key) is not None}
+        entries: list[MixtureEntry] = []
+        for index, raw in enumerate(mixture):
+            where = f"data.mixture[{index}]"
+            if not hasattr(raw, "keys"):
+                raise DataError(
+                    f"{where}: {raw!r} must be a mapping like {{weight: 1, paths: [...]}}"
+                )
+            unknown = sorted(set(raw.keys()) - set(MIXTURE_KEYS))
+            if unknown:
+                raise DataError(
+                    f"{where}: unknown key {unknown[0]!r}; an entry may set "
+                    f"{', '.join(MIXTURE_KEYS)}"
+                )
+            weight = raw.get("weight")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+                raise DataError(f"{where}.weight: {weight!r} must be a positive number")
+            label = str(raw.get("label") or f"source{index}")
+            fields = {**shared, **{k: raw[k] for k in raw if k not in ("label", "weight")}}
+            fields.setdefault("source", "hf" if "name" in fields else "files")
+            try:
+                settings = cls.from_config(SimpleNamespace(**fields))
+            except DataError as exc:
+                raise DataError(f"{where} ({label}): {exc}") from None
+            entries.append(MixtureEntry(label, float(weight), settings))
+        labels = [entry.label for entry in entries]
+        if len(set(labels)) != len(labels):
+            raise DataError(f"data.mixture: labels must differ, got {labels}")
+        first = entries[0].settings
+        return replace(first, source="mixture", paths=(), mixture=tuple(entries))
+
+
+def _field(cfg: Any, key: str) -> Any:
+    """``cfg.key``, or None when it is absent or a mandatory value left unset (``???``)."""
+    try:
+        return getattr(cfg, key, None)
+    except MissingMandatoryValue:
+        return None
 
 
 def _strings(value: Any) -> tuple[str, ...] | None:

@@ -25,8 +25,9 @@ import multiprocessing
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from itertools import chain, islice
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ import numpy as np
 
 from collage_train.data.cache import cache_key, remove_stale_staging, staged_directory
 from collage_train.data.errors import DataError
+from collage_train.data.mixture import InterleavedSource
 from collage_train.data.progress import (
     PrepareProgress,
     wait_for_preparation,
@@ -76,25 +78,44 @@ FILE_DIGESTS = "file-digests.json"
 # ----------------------------------------------------------------- the entry
 
 
-def prepare_shards(settings: DataSettings, *, prepare: bool = True) -> Path:
+@dataclass(frozen=True)
+class TokenizerPlan:
+    """Which tokenizer an entry is prepared with: its identity in the cache key (known to
+    every process without training it), and how the preparing process obtains it."""
+
+    identity: dict[str, Any]
+    obtain: Callable[[], Tokenizer]
+
+
+def default_plan(settings: DataSettings, source: Source, fingerprint: str) -> TokenizerPlan:
+    """``data.tokenizer`` if set, else a SentencePiece model trained on this corpus."""
+    if settings.tokenizer is not None:
+        given = Tokenizer.load(settings.tokenizer)
+        return TokenizerPlan({"given": given.describe()}, lambda: given)
+    trained = TokenizerSettings(settings.vocab_size, settings.tokenizer_train_chars)
+    return TokenizerPlan(
+        {"trained": trained.as_dict()},
+        lambda: prepare_tokenizer(source, fingerprint, trained, settings.cache_dir),
+    )
+
+
+def prepare_shards(
+    settings: DataSettings, *, prepare: bool = True, plan: TokenizerPlan | None = None
+) -> Path:
     """Return the prepared corpus directory for ``settings``, preparing it if needed.
 
     With ``prepare`` false (a launched rank other than each node's first), wait for another
-    process to prepare it instead.
+    process to prepare it instead. ``plan`` overrides the tokenizer (mixtures share one).
     """
     for stale in remove_stale_staging(settings.cache_dir):
         logger.info("removed %s, left by a preparation that was killed", stale)
     source = open_source(settings)
     fingerprint = source_fingerprint(source, settings.cache_dir)
-    given = None if settings.tokenizer is None else Tokenizer.load(settings.tokenizer)
-    tokenizer_settings = TokenizerSettings(settings.vocab_size, settings.tokenizer_train_chars)
-    identity = (
-        {"trained": tokenizer_settings.as_dict()} if given is None else {"given": given.describe()}
-    )
+    plan = plan or default_plan(settings, source, fingerprint)
     key = cache_key(
         {
             "fingerprint": fingerprint,
-            "tokenizer": identity,
+            "tokenizer": plan.identity,
             "shard_tokens": settings.shard_tokens,
             "version": PIPELINE_VERSION,
         }
@@ -116,10 +137,7 @@ def prepare_shards(settings: DataSettings, *, prepare: bool = True) -> Path:
             return target
         progress = PrepareProgress(target, source.metadata().get("bytes"))
         try:
-            tokenizer = given or prepare_tokenizer(
-                source, fingerprint, tokenizer_settings, settings.cache_dir
-            )
-            tokenizer = place_tokenizer(tokenizer, target)
+            tokenizer = place_tokenizer(plan.obtain(), target)
             manifest = write_shards(
                 source.documents(),
                 tokenizer,
@@ -135,7 +153,7 @@ def prepare_shards(settings: DataSettings, *, prepare: bool = True) -> Path:
                 tokenizer={
                     **tokenizer.describe(),
                     "file": tokenizer.model_path.name,
-                    "trained": identity.get("trained"),
+                    "plan": plan.identity,
                 },
             )
             write_json_atomic(manifest_path, manifest)
@@ -144,6 +162,39 @@ def prepare_shards(settings: DataSettings, *, prepare: bool = True) -> Path:
             progress.fail(exc)
             raise
     return target
+
+
+def prepare_mixture(settings: DataSettings, *, prepare: bool = True) -> list[Path]:
+    """Prepare every source of ``data.mixture`` with one shared tokenizer, in order."""
+    assert settings.mixture is not None
+    entries = settings.mixture
+    sources, fingerprints = [], []
+    for entry in entries:
+        try:
+            source = open_source(entry.settings)
+            fingerprints.append(source_fingerprint(source, settings.cache_dir))
+        except DataError as exc:
+            raise DataError(f"data.mixture ({entry.label}): {exc}") from None
+        sources.append(source)
+    if settings.tokenizer is not None:
+        given = Tokenizer.load(settings.tokenizer)
+        plan = TokenizerPlan({"given": given.describe()}, lambda: given)
+    else:
+        mixed = InterleavedSource(
+            tuple(sources), tuple(e.weight for e in entries), tuple(fingerprints)
+        )
+        trained = TokenizerSettings(settings.vocab_size, settings.tokenizer_train_chars)
+        plan = TokenizerPlan(
+            {"trained_on_mixture": {"fingerprint": mixed.fingerprint(), **trained.as_dict()}},
+            lambda: prepare_tokenizer(mixed, mixed.fingerprint(), trained, settings.cache_dir),
+        )
+    directories = []
+    for entry in entries:
+        try:
+            directories.append(prepare_shards(entry.settings, prepare=prepare, plan=plan))
+        except DataError as exc:
+            raise DataError(f"data.mixture ({entry.label}): {exc}") from None
+    return directories
 
 
 def default_workers(total_bytes: int | None) -> int:

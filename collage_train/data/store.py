@@ -189,6 +189,44 @@ class ShardedTokens:
         return array if dtype is None else array.astype(dtype)
 
 
+class ConcatTokens:
+    """Several token sequences read as one (the validation splits of a mixture)."""
+
+    def __init__(self, parts: Sequence[ShardedTokens]) -> None:
+        self.parts = list(parts)
+        lengths = np.array([len(part) for part in self.parts], dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        self._length = int(lengths.sum())
+
+    def __len__(self) -> int:
+        return self._length
+
+    @property
+    def size(self) -> int:
+        """Number of tokens (as for a numpy array)."""
+        return self._length
+
+    def take(self, positions: np.ndarray) -> np.ndarray:
+        """Tokens at ``positions`` (any shape) as int64."""
+        positions = np.asarray(positions, dtype=np.int64)
+        part_of = np.searchsorted(self._starts, positions, side="right") - 1
+        out = np.empty(positions.shape, dtype=np.int64)
+        for index in np.unique(part_of):
+            mask = part_of == index
+            out[mask] = self.parts[index].take(positions[mask] - self._starts[index])
+        return out
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        if not isinstance(index, slice):
+            raise TypeError("ConcatTokens supports slices and take(positions)")
+        start, stop, step = index.indices(self._length)
+        return self.take(np.arange(start, stop, step))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        array = self.take(np.arange(self._length))
+        return array if dtype is None else array.astype(dtype)
+
+
 def open_splits(
     directory: Path, manifest: dict[str, Any], val_fraction: float
 ) -> tuple[ShardedTokens, ShardedTokens, list[tuple[int, int]]]:

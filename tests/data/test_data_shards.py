@@ -252,7 +252,7 @@ def test_an_existing_tokenizer_sets_the_vocabulary(make_cfg: MakeCfg, tmp_path: 
     bundle = build_data(cfg, seq_len=32, micro_batch_size=4, seed=0)
     assert bundle.tokenizer.kind == "hf" and bundle.tokenizer.eot_id == 0
     assert bundle.tokenizer.vocab_size == backend.get_vocab_size() == bundle.meta["vocab_size"]
-    assert bundle.meta["tokenizer"]["trained"] is None
+    assert bundle.meta["tokenizer"]["plan"]["given"]["kind"] == "hf"
     directory = Path(bundle.meta["cache_dir"])
     assert (directory / "hf_tokenizer.json").is_file()
     assert (
