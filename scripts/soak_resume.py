@@ -4,9 +4,10 @@ it ends exactly where an uninterrupted run ends.
 A small model trains on a slice of the Python standard library (built here, cached in a
 scratch directory), checkpointing and logging every step. First an uninterrupted run;
 then the same run launched with ``train.resume=true`` and killed with SIGKILL after a
-random delay (uniform over the uninterrupted run's wall time, so the kills land in
+random delay (uniform over 70% of the uninterrupted run's wall time, so the kills land in
 start-up, data preparation, steps, metric writes and checkpoint writes alike), ``--kills``
-times, and finally left to finish. The final checkpoint's weights and optimizer state
+times, and finally left to finish (a launch that finishes before its kill starts the
+soaked run over). The final checkpoint's weights and optimizer state
 must equal the uninterrupted run's bit for bit, and ``metrics.jsonl`` must hold every
 step once.
 
@@ -96,7 +97,7 @@ def bitwise_equal(a, b) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
     args = parser.parse_args()
@@ -115,7 +116,7 @@ def main() -> None:
     kills, finished_early, failures = [], 0, []
     while len(kills) < args.kills:
         process = launch(soaked_args)
-        delay = rng.uniform(0.0, run_time)
+        delay = rng.uniform(0.0, 0.7 * run_time)
         try:
             process.wait(timeout=delay)
         except subprocess.TimeoutExpired:
@@ -161,8 +162,8 @@ def main() -> None:
         append_results(
             f"Resume soak: {len(kills)} SIGKILLs at random moments",
             f"A {args.steps}-step run of a 2-layer GPT (checkpoint and log every step) killed "
-            f"after delays uniform in [0, {run_time:.1f} s] (the uninterrupted run's wall "
-            f"time), resumed each time, then left to finish (seed {args.seed}).",
+            f"after delays uniform in [0, {0.7 * run_time:.1f} s] (70% of the uninterrupted "
+            f"run's wall time), resumed each time, then left to finish (seed {args.seed}).",
             table,
         )
     if failures or not (same_state and each_once):

@@ -24,6 +24,8 @@ import torch
 from cli_runner import Result, run_cli, run_deepspeed, run_torchrun, tiny_overrides
 from safetensors.torch import load_file
 
+from collage_train import checkpoint
+
 pytestmark = [pytest.mark.slow, pytest.mark.zero]
 
 RTOL = 1e-3
@@ -188,6 +190,13 @@ def test_zero2_resume_continues_to_the_same_weights(runs, corpus_dir, cache_dir,
     first = run_deepspeed(*args, "train.stop_at_step=4")
     assert first.returncode == 0, first.stderr[-3000:]
     assert not (run_dir / "hf").exists()
+    # both ranks' shards are listed with sizes and checksums, and the checkpoint is intact
+    step_4 = run_dir / "checkpoints" / "step-4"
+    listed = json.loads((step_4 / "meta.json").read_text())["files"]
+    on_disk = {p.relative_to(step_4).as_posix() for p in step_4.rglob("*") if p.is_file()}
+    assert set(listed) == on_disk - {"meta.json"}
+    assert any("zero_pp_rank_1" in name for name in listed)
+    assert all(checkpoint.damage(step_4, rank, 2) is None for rank in (0, 1))
     second = run_deepspeed(*args, "train.resume=true")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout
