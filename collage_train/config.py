@@ -17,19 +17,32 @@ from omegaconf import MISSING
 
 @dataclass
 class ModelConfig:
-    """Architecture of a GPT (GPT-2 layout) or OPT decoder, built with random init."""
+    """Architecture of a GPT (GPT-2 layout), OPT or Llama decoder, built with random init."""
 
-    family: str = MISSING  # "gpt" or "opt"
+    family: str = MISSING  # "gpt", "opt" or "llama"
     name: str = MISSING
     hidden_size: int = MISSING
     num_layers: int = MISSING
     num_heads: int = MISSING
-    ffn_hidden_size: int | None = None  # None: 4 x hidden_size
+    # None: 4 x hidden_size (gpt, opt); Llama's SwiGLU rule 8/3 x hidden_size rounded up to
+    # a multiple of 256 (llama)
+    ffn_hidden_size: int | None = None
     init_std: float = 0.02
     dropout: float = 0.0
     # None: the tokenizer's vocabulary size. Set it to pad the embedding.
     vocab_size: int | None = None
     attn_implementation: str = "sdpa"
+    # Llama only (null elsewhere): key/value heads of grouped-query attention (None: one
+    # per query head), the rotary base and the RMSNorm epsilon.
+    num_kv_heads: int | None = None
+    rope_theta: float | None = None  # None: 10000 (llama)
+    rms_norm_eps: float | None = None  # None: 1e-5 (llama)
+    # Whether the LM head shares the token embedding (None: the family's layout, tied for
+    # gpt and opt, untied for llama).
+    tie_embeddings: bool | None = None
+    # A local Hugging Face model directory (our hf/ export, or any GPT-2/OPT/Llama one)
+    # whose weights (and, unless data.tokenizer is set, tokenizer) start a new run.
+    init_from: str | None = None
     # Extra keyword arguments for the transformers config (e.g. OPT's word_embed_proj_dim).
     extra: dict[str, Any] = field(default_factory=dict)
 

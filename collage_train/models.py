@@ -1,7 +1,9 @@
-"""GPT and OPT decoders from transformers configs, randomly initialised.
+"""GPT, OPT and Llama decoders from transformers configs, randomly initialised.
 
 Nothing here downloads from a hub, and nothing here knows about precision or
 parallelism: the builder returns an fp32 model that the precision strategy casts.
+Llama (``family: llama``) is the modern layout: RMSNorm, SwiGLU MLP, rotary positions,
+grouped-query attention (``num_kv_heads``) and, by default, an untied LM head.
 """
 
 from __future__ import annotations
@@ -10,9 +12,73 @@ import difflib
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, OPTConfig, PretrainedConfig
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    OPTConfig,
+    PretrainedConfig,
+)
 
 from collage_train.errors import ConfigError
+
+FAMILIES = ("gpt", "opt", "llama")
+# Fields only the Llama family reads; set for another family they are refused.
+LLAMA_ONLY = ("num_kv_heads", "rope_theta", "rms_norm_eps")
+LLAMA_ROPE_THETA = 10000.0  # transformers' default; the Llama 3 presets set 500000
+LLAMA_RMS_NORM_EPS = 1e-5
+LLAMA_FFN_MULTIPLE = 256  # Llama rounds its SwiGLU width up to a multiple of this
+
+
+def ffn_width(cfg: Any) -> int:
+    """The MLP's inner width: ``ffn_hidden_size``, else the family's default.
+
+    GPT and OPT: 4 x hidden. Llama: the SwiGLU rule (two thirds of 4 x hidden, so that
+    its three matrices cost what two 4 x hidden ones do) rounded up to a multiple of 256.
+    """
+    if cfg.ffn_hidden_size:
+        return int(cfg.ffn_hidden_size)
+    if cfg.family == "llama":
+        width = 8 * cfg.hidden_size // 3
+        return -(-width // LLAMA_FFN_MULTIPLE) * LLAMA_FFN_MULTIPLE
+    return 4 * cfg.hidden_size
+
+
+def kv_heads(cfg: Any) -> int:
+    """Key/value heads: ``num_kv_heads`` (Llama's grouped-query attention), else one per head."""
+    value = getattr(cfg, "num_kv_heads", None)
+    return cfg.num_heads if value is None else int(value)
+
+
+def _check_shape(cfg: Any) -> None:
+    """Refuse an unknown family, heads that do not divide the width, or Llama-only fields
+    set for GPT/OPT."""
+    if cfg.family not in FAMILIES:
+        raise ConfigError(f"model.family must be one of {', '.join(FAMILIES)}, got {cfg.family!r}")
+    if cfg.hidden_size % cfg.num_heads != 0:
+        raise ConfigError(
+            f"model.hidden_size={cfg.hidden_size} is not divisible by "
+            f"model.num_heads={cfg.num_heads}"
+        )
+    if cfg.family != "llama":
+        for key in LLAMA_ONLY:
+            if getattr(cfg, key, None) is not None:
+                raise ConfigError(
+                    f"model.{key} applies to model.family=llama only; remove it for "
+                    f"model.family={cfg.family}"
+                )
+        if getattr(cfg, "tie_embeddings", None) is False:
+            raise ConfigError(
+                f"model.family={cfg.family} always ties its LM head to the token embedding; "
+                "remove model.tie_embeddings=false"
+            )
+        return
+    kv = kv_heads(cfg)
+    if kv < 1 or cfg.num_heads % kv != 0:
+        raise ConfigError(
+            f"model.num_heads={cfg.num_heads} is not a multiple of model.num_kv_heads={kv}; "
+            "grouped-query attention shares each key/value head among a whole number of heads"
+        )
 
 
 def build_hf_config(cfg: Any, *, vocab_size: int, seq_len: int, eot_id: int) -> PretrainedConfig:
@@ -21,11 +87,7 @@ def build_hf_config(cfg: Any, *, vocab_size: int, seq_len: int, eot_id: int) -> 
     ``vocab_size`` and ``seq_len`` come from the tokenizer and data config; an explicit
     ``cfg.vocab_size`` may pad the embedding but never shrink it below the tokenizer's.
     """
-    if cfg.hidden_size % cfg.num_heads != 0:
-        raise ConfigError(
-            f"model.hidden_size={cfg.hidden_size} is not divisible by "
-            f"model.num_heads={cfg.num_heads}"
-        )
+    _check_shape(cfg)
     model_vocab = cfg.vocab_size if cfg.vocab_size is not None else vocab_size
     if model_vocab < vocab_size:
         raise ConfigError(
@@ -44,7 +106,7 @@ def _builder_fields(
 ) -> tuple[type[PretrainedConfig], dict[str, Any], dict[str, Any]]:
     """The transformers config class, the fields set from the model/data config, and the
     defaults that ``model.extra`` may override."""
-    ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
+    ffn = ffn_width(cfg)
     if cfg.family == "gpt":
         fixed = {
             "vocab_size": vocab_size,
@@ -77,7 +139,32 @@ def _builder_fields(
             "pad_token_id": eot_id,
         }
         return OPTConfig, fixed, {"word_embed_proj_dim": cfg.hidden_size}
-    raise ConfigError(f"model.family must be 'gpt' or 'opt', got {cfg.family!r}")
+    if cfg.family == "llama":
+        theta = getattr(cfg, "rope_theta", None)
+        eps = getattr(cfg, "rms_norm_eps", None)
+        tie = getattr(cfg, "tie_embeddings", None)
+        fixed = {
+            "vocab_size": vocab_size,
+            "max_position_embeddings": seq_len,
+            "hidden_size": cfg.hidden_size,
+            "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": kv_heads(cfg),
+            "intermediate_size": ffn,
+            "attention_dropout": cfg.dropout,
+            "initializer_range": cfg.init_std,
+            "rms_norm_eps": LLAMA_RMS_NORM_EPS if eps is None else float(eps),
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": LLAMA_ROPE_THETA if theta is None else float(theta),
+            },
+            "tie_word_embeddings": bool(tie),
+            "bos_token_id": eot_id,
+            "eos_token_id": eot_id,
+            "pad_token_id": eot_id,
+        }
+        return LlamaConfig, fixed, {}
+    raise ConfigError(f"model.family must be one of {', '.join(FAMILIES)}, got {cfg.family!r}")
 
 
 def check_model_extra(cfg: Any) -> None:
@@ -130,17 +217,26 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul parameters + causal attention (PaLM appendix B).
+    """Training FLOPs per token: 6 x matmul parameters + attention (PaLM appendix B).
 
-    Position embeddings do no matmul work and are excluded; the tied input/output
-    embedding is counted once, for the output projection.
+    Lookups do no matmul work: position embeddings are excluded, and so is an untied
+    token embedding (Llama); a tied input/output embedding is counted once, for the
+    output projection. Grouped-query attention and SwiGLU need nothing special here:
+    their smaller key/value and three MLP projections are what the parameters count. The
+    attention term is 12 x layers x (query heads x head width) x seq_len: scores and the
+    weighted sum run over every query head, however many key/value heads they share.
     """
     cfg = model.config
-    positional = sum(
-        p.numel()
-        for name, p in model.named_parameters()
-        if "wpe" in name or "embed_positions" in name
-    )
-    hidden = getattr(cfg, "n_embd", None) or cfg.hidden_size
+    lookups = {
+        id(p) for name, p in model.named_parameters() if "wpe" in name or "embed_positions" in name
+    }
+    tokens, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or tokens.weight is not head.weight:
+        lookups.add(id(tokens.weight))
+    lookup_numel = sum(p.numel() for p in model.parameters() if id(p) in lookups)
     layers = getattr(cfg, "n_layer", None) or cfg.num_hidden_layers
-    return 6.0 * (count_parameters(model) - positional) + 12.0 * layers * hidden * seq_len
+    heads = getattr(cfg, "n_head", None) or cfg.num_attention_heads
+    hidden = getattr(cfg, "n_embd", None) or cfg.hidden_size
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    attention = 12.0 * layers * heads * head_dim * seq_len
+    return 6.0 * (count_parameters(model) - lookup_numel) + attention
