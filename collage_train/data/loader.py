@@ -162,6 +162,10 @@ class TokenLoader:
     def __next__(self) -> torch.Tensor:
         return self.next_batch()
 
+    def metrics(self) -> dict[str, int]:
+        """Loader facts for metrics records and the summary (none for one source)."""
+        return {}
+
     def state_dict(self) -> dict[str, int]:
         """Return the position to resume from, plus fields that must match on resume."""
         return {

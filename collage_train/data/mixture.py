@@ -124,6 +124,10 @@ class MixtureLoader:
             for label, count in zip(self.labels, self._counts, strict=True)
         }
 
+    def metrics(self) -> dict[str, int]:
+        """``tokens_<label>``: the training tokens each source has supplied so far."""
+        return {f"tokens_{label}": tokens for label, tokens in self.tokens_per_source().items()}
+
     def draws(self, start: int, count: int) -> np.ndarray:
         """The source index of run samples ``start .. start + count - 1``."""
         keys = np.arange(start, start + count, dtype=np.uint64) ^ mix64(

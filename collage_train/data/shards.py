@@ -393,12 +393,10 @@ def write_shards(
     Returns the manifest, less the fields that describe the source and the tokenizer.
     """
     dtype = token_dtype(tokenizer.vocab_size)
-    if tokenizer.vocab_size > np.iinfo(dtype).max + 1:
-        raise DataError(
-            f"tokenizer: {tokenizer.vocab_size} ids do not fit {dtype.name} token shards"
-        )
     shards_dir = directory / SHARDS_DIRNAME
     shards_dir.mkdir(exist_ok=True)
+    for leftover in shards_dir.glob(".*.tmp"):  # in flight when a writer died; we hold the lock
+        leftover.unlink()
     records = complete_shards(shards_dir, dtype, shard_tokens)
     writer = ShardWriter(shards_dir, records, shard_tokens, dtype)
     resume_document, resume_offset = writer.start

@@ -7,14 +7,15 @@ which names every shard with its token count and is written last, atomically.
 
 ``ShardedTokens`` presents some stretches of that stream as one flat sequence: the
 training split is the stream minus the validation stretches, the validation split those
-stretches. Windows are gathered across shard and stretch boundaries from memory maps, of
-which at most ``MAX_OPEN_SHARDS`` stay open, so resident memory does not grow with the
-number or size of the shards.
+stretches. Windows are gathered across shard and stretch boundaries from memory maps,
+of which at most ``MAX_OPEN_SHARDS`` stay open and whose pages are unmapped again after
+each read: resident memory does not grow with the number or size of the shards.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -117,6 +118,27 @@ def check_prepared(directory: Path, manifest: dict[str, Any], tokenizer_sha256: 
             )
 
 
+class TokenMap:
+    """A read-only memory map of a token file whose pages are given back after each read.
+
+    The kernel may map much more than was read (a whole large folio of a recently written
+    file), so resident memory would grow with the file; ``release`` (``MADV_DONTNEED``)
+    unmaps the pages again: they stay in the page cache, and a later read maps them back.
+    """
+
+    def __init__(self, path: Path, dtype: np.dtype) -> None:
+        with path.open("rb") as handle:
+            self._mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        if hasattr(mmap, "MADV_RANDOM"):
+            self._mapped.madvise(mmap.MADV_RANDOM)  # no read-ahead on a fault
+        self.tokens = np.frombuffer(self._mapped, dtype=dtype)
+
+    def release(self) -> None:
+        """Unmap the pages read so far (their data stays in the page cache)."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._mapped.madvise(mmap.MADV_DONTNEED)
+
+
 class ShardedTokens:
     """Stretches of a token stream stored in fixed-size shards, read as one flat sequence.
 
@@ -140,7 +162,7 @@ class ShardedTokens:
         self._logical_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         self._physical_starts = np.array([start for start, _ in spans], dtype=np.int64)
         self._length = int(lengths.sum())
-        self._open: OrderedDict[int, np.memmap] = OrderedDict()
+        self._open: OrderedDict[int, TokenMap] = OrderedDict()
 
     def __len__(self) -> int:
         return self._length
@@ -150,11 +172,11 @@ class ShardedTokens:
         """Number of tokens (as for a numpy array)."""
         return self._length
 
-    def _shard(self, index: int) -> np.memmap:
+    def _shard(self, index: int) -> TokenMap:
         """The memory map of shard ``index``; the least recently used one is closed beyond 8."""
         shard = self._open.get(index)
         if shard is None:
-            shard = np.memmap(self.paths[index], dtype=self.dtype, mode="r")
+            shard = TokenMap(self.paths[index], self.dtype)
             self._open[index] = shard
             if len(self._open) > MAX_OPEN_SHARDS:
                 self._open.popitem(last=False)
@@ -175,7 +197,9 @@ class ShardedTokens:
         out = np.empty(stream.shape, dtype=np.int64)
         for index in np.unique(shard_of):
             mask = shard_of == index
-            out[mask] = self._shard(int(index))[offsets[mask]]
+            shard = self._shard(int(index))
+            out[mask] = shard.tokens[offsets[mask]]
+            shard.release()
         return out
 
     def __getitem__(self, index: slice) -> np.ndarray:

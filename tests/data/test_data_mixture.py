@@ -44,6 +44,7 @@ def test_draws_follow_the_weights_and_each_source_its_own_order() -> None:
     assert abs(from_b.float().mean().item() - 0.25) < 0.03  # weights 3:1
     tokens = mix.tokens_per_source()
     assert tokens == {"a": int((~from_b).sum()) * 4, "b": int(from_b.sum()) * 4}
+    assert mix.metrics() == {"tokens_a": tokens["a"], "tokens_b": tokens["b"]}
     # source b (50 samples) in draw order: every sample once per pass, a new order each pass
     b_samples = ((rows[from_b, 0] - OFFSET) // 4).tolist()
     first, second = b_samples[:50], b_samples[50:100]

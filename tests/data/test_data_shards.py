@@ -169,6 +169,7 @@ def test_a_crash_keeps_the_complete_shards_and_resumes(
     assert prepare_shards(settings) == directory
     assert {k: v for k, v in snapshot(directory).items() if k in kept} == kept
     assert np.array_equal(stream_of(directory), stream_of(clean))
+    assert not list((directory / "shards").glob(".*.tmp"))  # the shard in flight is gone
     assert (directory / "manifest.json").read_text().replace(str(settings.cache_dir), "") == (
         clean / "manifest.json"
     ).read_text().replace(str(tmp_path / "clean"), "")
