@@ -239,3 +239,26 @@ def test_loader_memory_does_not_grow_with_the_corpus() -> None:
     assert loader.num_samples == (10**13 - 1) // 2048
     assert peak < 4 << 20, peak  # a per-sample order alone would take 39 GB
     assert batch.shape == (8, 2049)
+
+
+def mapped_kib(paths: list[Path]) -> int:
+    """Resident KiB of this process's mappings of ``paths`` (from /proc/self/smaps)."""
+    names, total, inside = {str(p) for p in paths}, 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = len(fields) >= 6 and fields[-1] in names
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux /proc only")
+def test_reading_windows_leaves_no_shard_pages_resident(tmp_path: Path) -> None:
+    stream = np.random.default_rng(0).integers(0, 60_000, 4 << 20, dtype=np.uint16)
+    tokens = sharded(tmp_path, stream, shard_tokens=1 << 20)  # four 2 MB shards, hot in cache
+    loader = TokenLoader(tokens, seq_len=512, batch_size=8, seed=3)
+    for _ in range(50):
+        loader.next_batch()
+    assert len(tokens._open) == 4
+    assert mapped_kib(tokens.paths) == 0  # every read gave its pages back
