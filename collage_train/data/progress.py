@@ -28,6 +28,7 @@ HEARTBEAT_SECONDS = 2.0
 REPORT_SECONDS = 30.0
 POLL_SECONDS = 1.0
 STALL_SECONDS = 600.0
+FRESH_FAILURE_SECONDS = 30.0  # an older failure is a previous launch's, not this one's
 
 
 def format_count(value: float) -> str:
@@ -172,8 +173,10 @@ def wait_for_preparation(
 ) -> None:
     """Block until ``done`` exists, printing the preparer's progress every 30 s.
 
-    Raises DataError when the preparer reports a failure, or when neither ``done`` nor a
-    heartbeat newer than ``stall_seconds`` shows up (the preparer died or never started).
+    Raises DataError when the preparer reports a failure (one written before this wait
+    began, less ``FRESH_FAILURE_SECONDS``, belongs to an earlier launch and is ignored), or
+    when neither ``done`` nor a heartbeat newer than ``stall_seconds`` shows up (the
+    preparer died or never started).
     """
     stream = stream if stream is not None else sys.stderr
     started = time.time()
@@ -182,7 +185,8 @@ def wait_for_preparation(
     while not done.exists():
         progress = read_progress(directory)
         now = time.time()
-        if progress is not None and progress.get("state") == "failed":
+        failed = progress is not None and progress.get("state") == "failed"
+        if failed and float(progress.get("time", 0)) >= started - FRESH_FAILURE_SECONDS:
             raise DataError(
                 f"the corpus preparation in {directory} failed ({progress.get('error')}); "
                 "fix that and launch again"

@@ -158,8 +158,11 @@ def prepare_shards(
             )
             write_json_atomic(manifest_path, manifest)
             progress.finish()
-        except BaseException as exc:
+        except Exception as exc:
             progress.fail(exc)
+            raise
+        except BaseException:  # interrupted, not failed: a new run resumes it
+            progress.beat(state="interrupted", force=True)
             raise
     return target
 

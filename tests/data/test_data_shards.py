@@ -161,7 +161,7 @@ def test_a_crash_keeps_the_complete_shards_and_resumes(
         prepare_shards(settings)
     directory = settings.cache_dir / clean.name
     assert not (directory / "manifest.json").exists()
-    assert json.loads((directory / "progress.json").read_text())["state"] == "failed"
+    assert json.loads((directory / "progress.json").read_text())["state"] == "interrupted"
     kept = {k: v for k, v in snapshot(directory).items() if k.startswith("shards/00000")}
     assert len(kept) == 15  # five shards of .bin, .ends and .json
     monkeypatch.undo()
@@ -228,6 +228,11 @@ def test_waiters_stop_on_a_failed_or_dead_preparation(tmp_path: Path) -> None:
     )
     with pytest.raises(DataError, match=r"preparation in .* failed \(no text found in x\)"):
         wait_for_preparation(tmp_path, tmp_path / "manifest.json", poll_seconds=0.01)
+    (tmp_path / "progress.json").write_text(json.dumps({"state": "failed", "time": 0}))  # stale
+    with pytest.raises(DataError, match=r"^no progress from the corpus preparation"):
+        wait_for_preparation(
+            tmp_path, tmp_path / "manifest.json", stall_seconds=0.05, poll_seconds=0.01
+        )
     (tmp_path / "progress.json").write_text(json.dumps({"state": "preparing", "time": 0}))
     with pytest.raises(DataError, match=r"^no progress from the corpus preparation"):
         wait_for_preparation(
