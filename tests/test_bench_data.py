@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+pytestmark = pytest.mark.slow
 
 
 def test_bench_data_rows(tmp_path: Path) -> None:
