@@ -7,6 +7,8 @@ eager additive mask under the same name in the mask registry, so causal and padd
 masks arrive as they do for eager attention) and points the model's config at it:
 the model code is untouched. Per head, for queries Q, keys K and values V:
 
+- with grouped-query attention (Llama) each key/value head is repeated for the query
+  heads it serves, as transformers' own attention functions do (a copy keeps the scale);
 - scores = ``ScaledMatmul(Q, K^T)`` times the module's scaling (1/sqrt(d) for GPT-2,
   1 for OPT, whose q_proj is pre-scaled): the matmul rule, each operand cast to the
   format under its power-of-two scale (E4M3 forward, E5M2 gradients for float8);
@@ -64,6 +66,10 @@ def scaled_attention(
     """
     if scaling is None:
         scaling = query.size(-1) ** -0.5
+    groups = query.size(1) // key.size(1)
+    if groups > 1:  # grouped-query attention (Llama): each key/value head serves `groups`
+        key = key.repeat_interleave(groups, dim=1)  # repeating keeps the scale
+        value = value.repeat_interleave(groups, dim=1)
     static = attention_scales(module, key.size(-2)) if operand_scales == "propagated" else None
     rescale = operand_scales != "unit"
     qk_scales = None if static is None else (static[0], static[1])
