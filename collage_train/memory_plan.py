@@ -14,8 +14,12 @@ Saved activations per token of one block, in elements of the compute dtype, were
 off transformers' GPT-2 and OPT blocks with ``LiveTensorBytes`` (tests/test_plan.py
 re-measures them): GPT-2 saves 8 h + 5 f (its tanh-GELU is five elementwise ops on the
 f = ffn width), OPT 8 h + 1 f (ReLU); both also keep the attention's fp32 log-sum-exp
-per head and two LayerNorms' statistics. The head keeps the final LayerNorm's input and
-output and the fp32 log-softmax over the vocabulary. Checkpointing keeps each block's
+per head and two LayerNorms' statistics. Llama's block saves 6 h + 4 f (SwiGLU: the
+gate's output, its SiLU, the up projection and their product) + 2 kv (the grouped keys
+and values, kv = key/value heads x head width) in the compute dtype, plus each RMSNorm's
+input up-cast to fp32 (2 h in fp32 whatever the compute dtype) and its fp32 reciprocal
+RMS. The head keeps the final norm's input and output (Llama: also its fp32 up-cast)
+and the fp32 log-softmax over the vocabulary. Checkpointing keeps each block's
 input and recomputes one block at a time. These are the eager model's activations; with
 ``train.compile=true`` inductor fuses elementwise chains and saves less, so the plan is
 an upper bound there.
@@ -43,8 +47,31 @@ from collage_train.engine.zero_memory import zero_state_bytes
 from collage_train.optim.base import chunk_numel_for
 from collage_train.precision.base import PrecisionStrategy
 
-# Saved activation elements per token of one block: (per hidden unit, per ffn unit).
-LAYER_SAVED_ELEMENTS = {"gpt": (8, 5), "opt": (8, 1)}
+
+@dataclass(frozen=True)
+class SavedPerToken:
+    """Activation elements one block saves for backward per token (tests/test_plan.py
+    measures them): per hidden, ffn and key/value unit in the compute dtype, per hidden
+    unit in fp32 whatever the compute dtype, and the norms' statistics (elements in the
+    compute dtype, and in fp32)."""
+
+    hidden: int
+    ffn: int
+    kv: int = 0
+    fp32_hidden: int = 0
+    norm_stats: int = 0
+    fp32_norm_stats: int = 0
+
+
+LAYER_SAVED_ELEMENTS = {
+    "gpt": SavedPerToken(hidden=8, ffn=5, norm_stats=4),  # two LayerNorms: mean, rstd
+    "opt": SavedPerToken(hidden=8, ffn=1, norm_stats=4),
+    # q and o sides 6 h, keys and values 2 kv; two RMSNorms: fp32 input, reciprocal RMS
+    "llama": SavedPerToken(hidden=6, ffn=4, kv=2, fp32_hidden=2, fp32_norm_stats=2),
+}
+# The head's final norm: extra fp32 elements per hidden unit and fp32 statistics (Llama's
+# RMSNorm keeps its up-cast input and reciprocal RMS; LayerNorm's are in its 2 h + 24).
+HEAD_FP32_HIDDEN = {"llama": 1}
 
 # Optimizer temporaries: (bytes per updated parameter, bytes per element of the largest
 # updated tensor, or of a chunk where the step works in chunks: CHUNKED_KINDS), EDQ
@@ -94,30 +121,37 @@ class ModelShape:
     num_params: int
     largest_tensor: int
     block_params: int
+    kv_width: int | None = None  # key/value heads x head width (None: hidden, no GQA)
 
     @classmethod
     def from_config(cls, model_cfg: Any, *, vocab_size: int, seq_len: int) -> ModelShape:
         """Shape of the model a run would build, counted on the meta device."""
         from transformers import AutoModelForCausalLM
 
-        from collage_train.models import build_hf_config
+        from collage_train.models import build_hf_config, ffn_width, kv_heads
 
         hf_config = build_hf_config(model_cfg, vocab_size=vocab_size, seq_len=seq_len, eot_id=0)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
         numels = [p.numel() for p in model.parameters()]  # tied weights once
-        blocks = model.transformer.h if model_cfg.family == "gpt" else model.model.decoder.layers
+        blocks = {
+            "gpt": lambda: model.transformer.h,
+            "opt": lambda: model.model.decoder.layers,
+            "llama": lambda: model.model.layers,
+        }[model_cfg.family]()
+        head_width = model_cfg.hidden_size // model_cfg.num_heads
         return cls(
             family=model_cfg.family,
             hidden=model_cfg.hidden_size,
             layers=model_cfg.num_layers,
             heads=model_cfg.num_heads,
-            ffn=model_cfg.ffn_hidden_size or 4 * model_cfg.hidden_size,
+            ffn=ffn_width(model_cfg),
             vocab=hf_config.vocab_size,
             seq_len=seq_len,
             num_params=sum(numels),
             largest_tensor=max(numels),
             block_params=sum(p.numel() for p in blocks[0].parameters()),
+            kv_width=kv_heads(model_cfg) * head_width,
         )
 
 
@@ -164,9 +198,12 @@ def activation_dtype_bytes(strategy: PrecisionStrategy) -> int:
 
 def block_bytes_per_token(shape: ModelShape, elem: int) -> float:
     """Bytes one block saves for backward per token (no checkpointing)."""
-    per_hidden, per_ffn = LAYER_SAVED_ELEMENTS[shape.family]
-    stats = 4 * shape.heads + 2 * 2 * elem  # fp32 log-sum-exp per head, two LayerNorms' stats
-    return (per_hidden * shape.hidden + per_ffn * shape.ffn) * elem + stats
+    saved = LAYER_SAVED_ELEMENTS[shape.family]
+    kv_width = shape.hidden if getattr(shape, "kv_width", None) is None else shape.kv_width
+    per_token = saved.hidden * shape.hidden + saved.ffn * shape.ffn + saved.kv * kv_width
+    fp32 = saved.fp32_hidden * shape.hidden + saved.fp32_norm_stats
+    lse = 4 * shape.heads  # the attention's fp32 log-sum-exp per head
+    return (per_token + saved.norm_stats) * elem + 4 * fp32 + lse
 
 
 def saved_activation_bytes(
@@ -175,7 +212,8 @@ def saved_activation_bytes(
     """Bytes saved for backward by one micro-batch's forward pass."""
     tokens = micro_batch * shape.seq_len
     block = shape.hidden * elem if checkpointing else block_bytes_per_token(shape, elem)
-    head = 2 * shape.hidden * elem + 4 * shape.vocab + 24  # final LayerNorm, log-softmax, ids
+    head = 2 * shape.hidden * elem + 4 * shape.vocab + 24  # final norm, log-softmax, ids
+    head += 4 * (HEAD_FP32_HIDDEN.get(shape.family, 0) * shape.hidden)
     return tokens * (shape.layers * block + head)
 
 

@@ -67,6 +67,7 @@ CASES = [
     ("gpt", "split_fp32", 96, 3, 4, 64, 4, 8, True),
     ("opt", "collage_light", 192, 3, 6, 96, 4, 4, True),
     ("opt", "fp32", 128, 4, 4, 128, 4, 8, False),
+    ("llama", "collage_plus", 128, 4, 4, 128, 8, 8, False),  # 2 key/value heads, SwiGLU 352
 ]
 
 
@@ -92,7 +93,7 @@ def test_planned_peak_within_ten_percent_of_measured(
     gemm,
 ):
     cfg = make_cfg(
-        f"model={'gpt_tiny' if family == 'gpt' else 'opt_125m'}",
+        f"model={ {'gpt': 'gpt_tiny', 'opt': 'opt_125m', 'llama': 'llama_tiny'}[family] }",
         f"precision={precision}",
         f"model.hidden_size={hidden}",
         f"model.num_layers={layers}",
@@ -110,17 +111,19 @@ def test_planned_peak_within_ten_percent_of_measured(
     assert abs(planned / measured - 1) < 0.10, (planned, measured)
 
 
-@pytest.mark.parametrize("family", ["gpt", "opt"])
+@pytest.mark.parametrize("family", ["gpt", "opt", "llama"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_block_activations_are_what_transformers_saves(family, dtype):
-    """Saved bytes of one more block equal the planner's per-token formula."""
+    """Saved bytes of one more block equal the planner's per-token formula (Llama with
+    grouped-query attention: 6 heads sharing 2 key/value heads)."""
     hidden, heads, ffn, batch, seq = 96, 6, 160, 2, 24
+    kv_heads = 2 if family == "llama" else None
 
     def saved(layers: int) -> int:
         model_cfg = SimpleNamespace(
             family=family, name="probe", hidden_size=hidden, num_layers=layers,
             num_heads=heads, ffn_hidden_size=ffn, init_std=0.02, dropout=0.0,
-            vocab_size=None, attn_implementation="sdpa", extra={},
+            vocab_size=None, attn_implementation="sdpa", extra={}, num_kv_heads=kv_heads,
         )  # fmt: skip
         model = build_model(model_cfg, vocab_size=300, seq_len=seq, eot_id=0, seed=0).to(dtype)
         ids = torch.randint(0, 300, (batch, seq))
@@ -132,7 +135,8 @@ def test_block_activations_are_what_transformers_saves(family, dtype):
             del loss
             return held
 
-    shape = SimpleNamespace(family=family, hidden=hidden, heads=heads, ffn=ffn)
+    kv_width = hidden if kv_heads is None else kv_heads * hidden // heads
+    shape = SimpleNamespace(family=family, hidden=hidden, heads=heads, ffn=ffn, kv_width=kv_width)
     per_block = (saved(2) - saved(1)) / (batch * seq)
     assert per_block == pytest.approx(block_bytes_per_token(shape, dtype.itemsize), rel=0.01)
 
