@@ -24,6 +24,7 @@ from collage_train.config import register_schemas
 from collage_train.engine.launch import gather_objects, launched_rank, launched_world_size
 from collage_train.errors import CollageError, ConfigError, OutOfMemory
 from collage_train.metrics import ConsoleSink, JsonlSink, Sink, WandbSink
+from collage_train.metrics.sinks import wandb_mode
 from collage_train.resume import choose_checkpoint, record_changes
 from collage_train.rundir import write_hydra_record
 from collage_train.trainer import Trainer
@@ -53,8 +54,8 @@ def build_sinks(
     # From the step the run starts at: a fresh start (step 0) in a directory whose earlier
     # run never checkpointed must not append to that run's records.
     sinks.append(JsonlSink(run_dir / "metrics.jsonl", resume_step=start_step))
-    if cfg.wandb.mode != "disabled":
-        sinks.append(WandbSink(cfg.wandb, run_dir, config, resume=resume))
+    if wandb_mode(cfg.wandb) != "disabled":
+        sinks.append(WandbSink(cfg.wandb, run_dir, config, resume=resume, start_step=start_step))
     return sinks
 
 
@@ -64,9 +65,7 @@ def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None)
         raise ConfigError(
             f"logging.console must be rich, plain or none, got {cfg.logging.console!r}"
         )
-    mode = cfg.logging.wandb.mode
-    if mode not in ("online", "offline", "disabled"):
-        raise ConfigError(f"logging.wandb.mode must be online, offline or disabled, got {mode!r}")
+    wandb_mode(cfg.logging.wandb)  # a bad mode (setting or WANDB_MODE): one line, now
     existing = checkpoint.latest_checkpoint(run_dir)
     if existing is not None and not cfg.train.resume:
         raise ConfigError(

@@ -126,8 +126,10 @@ class TrainConfig:
 class WandbConfig:
     """Weights & Biases streaming; offline by default so no account is needed."""
 
-    mode: str = "offline"  # online | offline | disabled
-    project: str = "collage_train"
+    # None: from the environment (WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY), else offline
+    # and collage_train; a value set here wins over the environment
+    mode: str | None = None  # online | offline | disabled
+    project: str | None = None
     entity: str | None = None
     name: str | None = None
     group: str | None = None

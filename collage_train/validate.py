@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 
 from collage_train.config import JobConfig
 from collage_train.errors import ConfigError
+from collage_train.metrics.sinks import wandb_mode
 from collage_train.models import check_model_extra
 
 WANDB_DEFAULT_HOST = "https://api.wandb.ai"
@@ -114,7 +115,7 @@ def check_wandb(wandb_cfg: DictConfig) -> None:
     Looked up as W&B does, without the network: WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE,
     else an entry for the W&B host (WANDB_BASE_URL) in the netrc file (NETRC, ~/.netrc).
     """
-    if wandb_cfg.mode != "online" or wandb_credentials_found():
+    if wandb_mode(wandb_cfg) != "online" or wandb_credentials_found():
         return
     raise ConfigError(
         "logging.wandb.mode=online needs W&B credentials and none were found "

@@ -24,11 +24,14 @@ def compose_cfg(*overrides):
         return compose(config_name="config", overrides=list(overrides))
 
 
-def test_default_config():
+def test_default_config(monkeypatch):
+    from collage_train.metrics.sinks import wandb_mode
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = compose_cfg()
     assert cfg.model.name == "gpt_tiny" and cfg.data.source == "stdlib"
     assert cfg.precision.name == "mixed_fp32" and cfg.distributed.name == "single"
-    assert cfg.logging.wandb.mode == "offline"
+    assert cfg.logging.wandb.mode is None and wandb_mode(cfg.logging.wandb) == "offline"
 
 
 @pytest.mark.parametrize("name", sorted(PAPER))

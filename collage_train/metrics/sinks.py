@@ -200,23 +200,41 @@ def _wandb_section(key: str) -> str:
     return _WANDB_SECTIONS.get(key, "train")
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def wandb_mode(cfg: Any) -> str:
+    """``logging.wandb.mode``, else ``$WANDB_MODE``, else offline (no account needed)."""
+    mode = cfg.mode or os.environ.get("WANDB_MODE") or "offline"
+    if mode not in WANDB_MODES:
+        source = "logging.wandb.mode" if cfg.mode else "WANDB_MODE"
+        raise ConfigError(f"{source} must be online, offline or disabled, got {mode!r}")
+    return mode
+
+
 class WandbSink:
     """Streams records to Weights & Biases (online, or offline for a later ``wandb sync``).
 
-    The W&B run id is kept in the run directory so that a resumed run continues the
-    same W&B run.
+    Only the fields the config sets are passed to ``wandb.init``, so the environment
+    (WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY, WANDB_DIR) applies to the others. Records
+    are logged at W&B step = training step. The W&B run id is kept in the run directory;
+    a resumed run continues that W&B run rewound to the step it resumes from
+    (``resume_from``), so that no step appears twice, as in metrics.jsonl.
     """
 
-    def __init__(self, cfg: Any, run_dir: Path, config: dict[str, Any], resume: bool) -> None:
+    def __init__(
+        self, cfg: Any, run_dir: Path, config: dict[str, Any], resume: bool, start_step: int = 0
+    ) -> None:
+        mode = wandb_mode(cfg)
         try:
             import wandb
         except ImportError:
             raise ConfigError(
-                f"logging.wandb.mode={cfg.mode} needs the wandb package: pip install wandb, "
+                f"logging.wandb.mode={mode} needs the wandb package: pip install wandb, "
                 "or set logging.wandb.mode=disabled"
             ) from None
 
-        if cfg.mode == "offline":
+        if mode == "offline":
             # wandb.init(mode="offline") alone still has the process-wide W&B settings
             # online, and W&B's telemetry then looks up and contacts its servers when the
             # process exits; offline process-wide settings keep it off the network.
@@ -228,18 +246,22 @@ class WandbSink:
         precision = config.get("precision", {}).get("name", "run")
         model = config.get("model", {}).get("name", "model")
         distributed = config.get("distributed", {}).get("name", "single")
+        chosen = {
+            "project": cfg.project or os.environ.get("WANDB_PROJECT") or "collage_train",
+            "entity": cfg.entity,  # None: WANDB_ENTITY or the account's default
+        }
+        if not os.environ.get("WANDB_DIR"):
+            chosen["dir"] = str(run_dir)
+        if run_id:
+            chosen["resume_from"] = f"{run_id}?_step={start_step}"
         self.run = wandb.init(
-            mode=cfg.mode,
-            project=cfg.project,
-            entity=cfg.entity,
+            mode=mode,
             name=cfg.name or f"{precision}-{run_dir.name}",
             group=cfg.group or f"{model}-{precision}",
             job_type=precision,
             tags=sorted({*cfg.tags, precision, model, distributed}),
             config=config,
-            dir=str(run_dir),
-            id=run_id,
-            resume="allow" if run_id else None,
+            **{key: value for key, value in chosen.items() if value is not None},
         )
         if self.run.id:
             id_file.write_text(self.run.id)
@@ -255,7 +277,7 @@ class WandbSink:
             if key != "step" and value is not None
         }
         grouped["step"] = record["step"]
-        self.run.log(grouped)
+        self.run.log(grouped, step=record["step"])
 
     def summary(self, summary: dict[str, Any]) -> None:
         self.run.summary.update(summary)
