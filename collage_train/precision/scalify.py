@@ -2,12 +2,12 @@
 
 Scalify (Balanca et al., 2024; REFERENCE.md section 10) keeps every tensor as data x a
 power-of-two scale so that data stays near unit RMS and fits fp16 or float8. Here it is
-applied to the unchanged transformers GPT-2 / OPT models by module replacement
+applied to the unchanged transformers GPT-2 / OPT / Llama models by module replacement
 (``prepare_model``), and to AdamW by ``ScaledAdamW``:
 
 - ``precision.matmul``: format of every matmul (attention and MLP projections, the two
   attention matmuls Q K^T and P V, and the LM head, which GPT-2 and OPT tie to the
-  embedding): ``fp8`` (E4M3 activations and
+  embedding; Llama's SwiGLU gate, up and down projections): ``fp8`` (E4M3 activations and
   weights forward, E5M2 gradients backward), ``fp16``, ``bf16``, or ``fp32`` (no
   quantization, the plumbing check). Embeddings are lookups and stay as they are.
 - ``precision.master``: ``fp16`` keeps the master weights in the optimizer as scaled

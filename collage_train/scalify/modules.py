@@ -270,6 +270,48 @@ class ScaledLayerNorm(torch.nn.Module):
         return f"{tuple(self.normalized_shape)}, eps={self.eps}, fmt={self.fmt}"
 
 
+class ScaledRMSNorm(torch.nn.Module):
+    """An RMSNorm (Llama's) whose backward is a dynamic-rescale point, holding the original gain.
+
+    Forward is transformers' ``LlamaRMSNorm`` operation for operation: the input up-cast to
+    fp32, divided by its root mean square (the reciprocal RMS is a reduction over the
+    hidden units and runs unscaled in fp32, as LayerNorm's statistics do), cast back and
+    multiplied by the gain. The normalised value has unit scale by construction, so the
+    output's scale is the mul rule's: the gain's power-of-two RMS (``output_scale``), as
+    for ``ScaledLayerNorm``. Backward rescales the gradient handed to the residual stream
+    exactly as ``ScaledLayerNorm`` does (Scalify's normalisation-backward rescale).
+    """
+
+    def __init__(self, norm: torch.nn.Module, fmt: str, rescale: bool = True) -> None:
+        super().__init__()
+        if fmt not in MATMUL_FORMATS:
+            raise ValueError(f"matmul format must be one of {MATMUL_FORMATS}, got {fmt!r}")
+        self.weight = norm.weight
+        self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        self.fmt, self.rescale = fmt, rescale
+
+    def output_scale(self) -> torch.Tensor:
+        """The propagated scale of the output: unit-scale normalised value times the gain."""
+        return layer_norm_output_scale(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = GradientRescale.apply(x, self.fmt, self.rescale)
+        dtype = x.dtype
+        wide = x.to(torch.float32)
+        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * wide.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, fmt={self.fmt}"
+
+
+def is_rms_norm(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an RMSNorm with a gain (transformers' ``*RMSNorm`` or torch's)."""
+    named = type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+    builtin = isinstance(module, torch.nn.RMSNorm) and module.weight is not None
+    return (named or builtin) and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
+
+
 def layer_norm_output_scale(norm: torch.nn.Module) -> torch.Tensor:
     """Scale of a LayerNorm's output by the mul rule: its gain's power-of-two RMS (1 without)."""
     weight = getattr(norm, "weight", None)
@@ -277,16 +319,18 @@ def layer_norm_output_scale(norm: torch.nn.Module) -> torch.Tensor:
 
 
 def scalify_layer_norms(model: torch.nn.Module, fmt: str, rescale: bool = True) -> list[str]:
-    """Replace every ``nn.LayerNorm`` in ``model`` by a ScaledLayerNorm, in place."""
+    """Replace every ``nn.LayerNorm`` by a ScaledLayerNorm and every RMSNorm (``is_rms_norm``)
+    by a ScaledRMSNorm in ``model``, in place. Returns the names replaced."""
     targets = [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.LayerNorm)
+        if isinstance(module, torch.nn.LayerNorm) or is_rms_norm(module)
     ]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, ScaledLayerNorm(module, fmt, rescale))
+        scaled_class = ScaledLayerNorm if isinstance(module, torch.nn.LayerNorm) else ScaledRMSNorm
+        setattr(parent, child, scaled_class(module, fmt, rescale))
     return [name for name, _ in targets]
 
 

@@ -7,14 +7,18 @@ modules of a transformers model the tensors are plain, so here every matmul inpu
 given, as a ``ScaledLinear.input_scale_source``, the scale the table assigns to the op
 that produced it:
 
-- after a LayerNorm: the mul rule, unit-scaled normalised value times the gain, i.e.
-  the gain's power-of-two RMS (``ScaledLayerNorm.output_scale``);
+- after a LayerNorm or an RMSNorm (Llama): the mul rule, unit-scaled normalised value
+  times the gain, i.e. the gain's power-of-two RMS (``output_scale``);
 - after attention: ``P V`` with the softmax output ``P`` at scale ``1 / pow2(sqrt(N))``
   (exp unscales, the sum over N keys multiplies by ``pow2(sqrt(N))``, division divides
   the scales), so the matmul rule gives exactly the value projection's scale;
 - after a gating activation (ReLU, GELU, SiLU: the input times a gate in [0, 1] that
   the table treats as unscaled), the mul rule: the input's scale, the producing
   linear's. An activation of another kind has no rule: its output is unscaled (1).
+- Llama's SwiGLU ``down_proj(SiLU(gate_proj(x)) * up_proj(x))``: SiLU keeps the gate's
+  scale (the gating rule) and the product takes the mul rule, ``s_gate * s_up``;
+- Llama's rotary embedding of the queries and keys keeps their projections' scales
+  (``scale.rotary_scale``: cos and sin at unit scale, the mul then the add rule).
 
 - after an embedding lookup: the table's scale; entering the first block, the add rule
   over the token embeddings (or OPT's ``project_in`` of them) and the positions
@@ -34,8 +38,13 @@ from collections.abc import Callable
 
 import torch
 
-from collage_train.scalify.modules import ScaledLayerNorm, ScaledLinear
-from collage_train.scalify.scale import add_scale, rms_scale, sum_scale
+from collage_train.scalify.modules import ScaledLayerNorm, ScaledLinear, ScaledRMSNorm
+from collage_train.scalify.scale import add_scale, mul_scale, rms_scale, rotary_scale, sum_scale
+
+ScaledNorm = ScaledLayerNorm | ScaledRMSNorm
+# A producer in a table: a module name, None (the input is unscaled) or a callable of
+# the block giving the scale (a rule over several producers, e.g. SwiGLU's product).
+Producer = str | Callable[[torch.nn.Module], Callable[[], torch.Tensor]] | None
 
 # Per block class: consumer linear -> the module whose output it reads (a ScaledLayerNorm
 # or a ScaledLinear), or None for an input the table leaves unscaled.
@@ -56,6 +65,14 @@ _OPT_POST_LN_LAYER: dict[str, str | None] = {  # LayerNorm after each add (opt_3
     "fc1": "self_attn_layer_norm",
 }
 _OPT_POST_LN_INPUTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_LLAMA_LAYER: dict[str, Producer] = {  # RMSNorm before attention and the SwiGLU MLP
+    "self_attn.q_proj": "input_layernorm",
+    "self_attn.k_proj": "input_layernorm",
+    "self_attn.v_proj": "input_layernorm",
+    "self_attn.o_proj": "self_attn.v_proj",  # P V: the value projection's scale
+    "mlp.gate_proj": "post_attention_layernorm",
+    "mlp.up_proj": "post_attention_layernorm",
+}
 # Activations of the form x * gate(x), gate in [0, 1]: they keep their input's scale.
 GATING_ACTIVATIONS = frozenset(
     {
@@ -73,18 +90,20 @@ GATING_ACTIVATIONS = frozenset(
 )
 # The final LayerNorm, wherever the model keeps it (the LM head, or OPT's project_out,
 # reads it).
-_FINAL_NORMS = ("transformer.ln_f", "model.decoder.final_layer_norm")
+_FINAL_NORMS = ("transformer.ln_f", "model.decoder.final_layer_norm", "model.norm")
 
-# Attention module class -> (query, key, value) producing linears, and whether the
-# query was multiplied by the module's ``scaling`` before attention (OPT does that).
+# Attention module class -> (query, key, value) producing linears, whether the query
+# was multiplied by the module's ``scaling`` before attention (OPT does that), and whether
+# the queries and keys were rotated (Llama's rotary embedding).
 ATTENTION_INPUTS = {
-    "GPT2Attention": (("c_attn", "c_attn", "c_attn"), False),
-    "OPTAttention": (("q_proj", "k_proj", "v_proj"), True),
+    "GPT2Attention": (("c_attn", "c_attn", "c_attn"), False, False),
+    "OPTAttention": (("q_proj", "k_proj", "v_proj"), True, False),
+    "LlamaAttention": (("q_proj", "k_proj", "v_proj"), False, True),
 }
 
 
 def _output_scale_of(module: torch.nn.Module) -> Callable[[], torch.Tensor]:
-    if isinstance(module, ScaledLayerNorm):
+    if isinstance(module, ScaledNorm):
         return module.output_scale
     if isinstance(module, ScaledLinear):
         return lambda: module.last_output_scale
@@ -96,16 +115,34 @@ def _after(activation: object, producer: str) -> str | None:
     return producer if type(activation).__name__ in GATING_ACTIVATIONS else None
 
 
-def _wire(block: torch.nn.Module, table: dict[str, str | None]) -> list[str]:
+def _swiglu_product(block: torch.nn.Module) -> Callable[[], torch.Tensor] | None:
+    """Scale of Llama's ``act(gate_proj(x)) * up_proj(x)``: the gating rule keeps the gate
+    projection's scale through SiLU, the mul rule multiplies it by the up projection's.
+    None (unscaled) when the activation is not a gating one or the projections are plain."""
+    mlp = block.mlp
+    gate, up = mlp.gate_proj, mlp.up_proj
+    if _after(mlp.act_fn, "gate_proj") is None or not isinstance(gate, ScaledLinear):
+        return None
+    if not isinstance(up, ScaledLinear):
+        return None
+    return lambda: mul_scale(
+        gate.last_output_scale, up.last_output_scale.to(gate.last_output_scale.device)
+    )
+
+
+def _wire(block: torch.nn.Module, table: dict[str, Producer]) -> list[str]:
     wired = []
-    for consumer_name, producer_name in table.items():
+    for consumer_name, producer in table.items():
         consumer = block.get_submodule(consumer_name)
         if not isinstance(consumer, ScaledLinear):
             continue
         # None: the input is unscaled (ScaledLinear then casts it under scale 1)
-        consumer.input_scale_source = (
-            None if producer_name is None else _output_scale_of(block.get_submodule(producer_name))
-        )
+        if producer is None:
+            consumer.input_scale_source = None
+        elif callable(producer):
+            consumer.input_scale_source = producer(block)
+        else:
+            consumer.input_scale_source = _output_scale_of(block.get_submodule(producer))
         wired.append(consumer_name)
     return wired
 
@@ -123,6 +160,9 @@ def propagate_scales(model: torch.nn.Module) -> list[str]:
         prefix = f"{name}." if name else ""
         if kind == "GPT2Block":
             table = {**_GPT2_BLOCK, "mlp.c_proj": _after(block.mlp.act, "mlp.c_fc")}
+            wired += [prefix + n for n in _wire(block, table)]
+        elif kind == "LlamaDecoderLayer":
+            table = {**_LLAMA_LAYER, "mlp.down_proj": _swiglu_product}
             wired += [prefix + n for n in _wire(block, table)]
         elif kind == "OPTDecoderLayer" and block.do_layer_norm_before:
             table = {**_OPT_LAYER, "fc2": _after(block.activation_fn, "fc1")}
@@ -180,14 +220,14 @@ def _opt_decoder(model: torch.nn.Module) -> torch.nn.Module | None:
     return getattr(getattr(model, "model", None), "decoder", None)
 
 
-def _final_norm(model: torch.nn.Module) -> ScaledLayerNorm | None:
-    """The model's final LayerNorm (GPT-2's ln_f, OPT's decoder norm), if it has one."""
+def _final_norm(model: torch.nn.Module) -> ScaledNorm | None:
+    """The model's final norm (GPT-2's ln_f, OPT's decoder LayerNorm, Llama's RMSNorm), if any."""
     for name in _FINAL_NORMS:
         try:
             norm = model.get_submodule(name)
         except AttributeError:  # absent, or None (OPT without a final LayerNorm)
             continue
-        if isinstance(norm, ScaledLayerNorm):
+        if isinstance(norm, ScaledNorm):
             return norm
     return None
 
@@ -198,12 +238,13 @@ def attention_scales(
     """Propagated scales of (query, key, softmax output, value) for ``module``'s attention.
 
     None for an attention module of an unknown kind. The softmax output over ``keys``
-    keys has scale ``1 / pow2_floor(sqrt(keys))`` (module docstring).
+    keys has scale ``1 / pow2_floor(sqrt(keys))`` (module docstring); rotated queries and
+    keys keep their projections' scales (``rotary_scale``).
     """
     entry = ATTENTION_INPUTS.get(type(module).__name__)
     if entry is None:
         return None
-    (q_name, k_name, v_name), query_prescaled = entry
+    (q_name, k_name, v_name), query_prescaled, rotated = entry
     q, k, v = (module.get_submodule(n) for n in (q_name, k_name, v_name))
     if not all(isinstance(m, ScaledLinear) for m in (q, k, v)):
         return None
@@ -213,5 +254,8 @@ def attention_scales(
         mantissa_exponent = math.frexp(float(module.scaling))[1]  # exact, on the host
         q_scale = q_scale * math.ldexp(1.0, mantissa_exponent - 1)
     device = q.last_output_scale.device
+    k_scale = k.last_output_scale.to(device)
+    if rotated:
+        q_scale, k_scale = rotary_scale(q_scale), rotary_scale(k_scale)
     probs_scale = 1.0 / sum_scale(torch.ones((), device=device), keys)
-    return q_scale, k.last_output_scale.to(device), probs_scale, v.last_output_scale.to(device)
+    return q_scale, k_scale, probs_scale, v.last_output_scale.to(device)

@@ -43,6 +43,7 @@ from collage_train.scalify.scale import add_scale
 BRANCH_OUTPUTS = {
     "GPT2Block": ("attn.c_proj", "mlp.c_proj"),
     "OPTDecoderLayer": ("self_attn.out_proj", "fc2"),
+    "LlamaDecoderLayer": ("self_attn.o_proj", "mlp.down_proj"),
 }
 STORAGE = {
     "fp32": torch.float32,
@@ -104,7 +105,7 @@ class ScaledResidualStream:
 
     @staticmethod
     def applies_to(model: torch.nn.Module) -> bool:
-        """Whether ``model`` has blocks of a kind this knows (GPT-2, OPT)."""
+        """Whether ``model`` has blocks of a kind this knows (GPT-2, OPT, Llama)."""
         return any(type(m).__name__ in BRANCH_OUTPUTS for m in model.modules())
 
     @property

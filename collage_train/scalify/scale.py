@@ -10,6 +10,8 @@ scale they return is exact:
 - add: ``pow2_floor(sqrt(s_a**2 + s_b**2))`` (the larger scale when both are powers of two)
 - mul: ``s_a * s_b``
 - sum over N elements: ``s * pow2_floor(sqrt(N))``
+- rotary embedding ``x cos + rotate_half(x) sin`` (cos, sin in [-1, 1], unit scale): two
+  muls and an add, ``pow2_floor(sqrt(s**2 + s**2)) = s``: the scale is kept
 - reshape / transpose / slice / cast keep the scale; unsupported ops unscale.
 """
 
@@ -85,3 +87,14 @@ def add_scale(scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
 def mul_scale(scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
     """Scale of the elementwise product ``a * b``: ``s_a * s_b``."""
     return _as_scale(scale_a.to(torch.float64) * scale_b.to(torch.float64))
+
+
+def rotary_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Scale of a rotary embedding ``x * cos + rotate_half(x) * sin`` of ``x`` at ``scale``.
+
+    The cos and sin tables lie in [-1, 1] and have unit scale; ``rotate_half`` permutes
+    and negates (keeps the scale). The mul rule then the add rule: ``pow2_floor(sqrt(2) s)``,
+    which for a power-of-two ``s`` is ``s`` itself.
+    """
+    one = torch.ones((), dtype=scale.dtype, device=scale.device)
+    return add_scale(mul_scale(scale, one), mul_scale(scale, one))
