@@ -4,12 +4,12 @@ it ends exactly where an uninterrupted run ends.
 A small model trains on a slice of the Python standard library (built here, cached in a
 scratch directory), checkpointing and logging every step. First an uninterrupted run;
 then the same run launched with ``train.resume=true`` and killed with SIGKILL after a
-random delay (uniform over 70% of the uninterrupted run's wall time, so the kills land in
-start-up, data preparation, steps, metric writes and checkpoint writes alike), ``--kills``
-times, and finally left to finish (a launch that finishes before its kill starts the
-soaked run over). The final checkpoint's weights and optimizer state
-must equal the uninterrupted run's bit for bit, and ``metrics.jsonl`` must hold every
-step once.
+random delay (uniform over the time a launch needs to finish: start-up plus the steps
+left, scaled from an uninterrupted run's wall time, so the kills land in start-up,
+steps, metric writes and checkpoint writes alike), ``--kills`` times, and finally left
+to finish (a launch that finishes before its kill starts the soaked run over). The final
+checkpoint's weights and optimizer state must equal the uninterrupted run's bit for bit,
+and ``metrics.jsonl`` must hold every step once.
 
     python scripts/soak_resume.py --kills 20
 
@@ -105,18 +105,30 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="soak_resume_"))
     corpus_dir, cache = corpus(scratch / "corpus"), scratch / "cache"
     reference_dir, soaked_dir = scratch / "reference", scratch / "soaked"
-    start = time.perf_counter()
-    reference = launch(overrides(corpus_dir, cache, reference_dir, args.steps))
-    if reference.wait() != 0:
-        sys.exit(f"the uninterrupted run failed:\n{reference.stderr.read()[-3000:]}")
-    run_time = time.perf_counter() - start  # with the corpus prepared: later runs are faster
+    # Two uninterrupted runs: the first prepares the corpus, the second (timed, with the
+    # corpus prepared as every later launch has it) must end in the same state.
+    times = []
+    for directory in (scratch / "preparing", reference_dir):
+        start = time.perf_counter()
+        reference = launch(overrides(corpus_dir, cache, directory, args.steps))
+        if reference.wait() != 0:
+            sys.exit(f"the uninterrupted run failed:\n{reference.stderr.read()[-3000:]}")
+        times.append(time.perf_counter() - start)
+    run_time = times[-1]
+    if not bitwise_equal(
+        final_state(scratch / "preparing", args.steps), final_state(reference_dir, args.steps)
+    ):
+        sys.exit("two uninterrupted runs ended in different states: the run is not deterministic")
 
     rng = random.Random(args.seed)
     soaked_args = [*overrides(corpus_dir, cache, soaked_dir, args.steps), "train.resume=true"]
     kills, finished_early, failures = [], 0, []
     while len(kills) < args.kills:
+        done = checkpoint.list_checkpoints(soaked_dir)
+        left = 1.0 - (done[-1][0] / args.steps if done else 0.0)
         process = launch(soaked_args)
-        delay = rng.uniform(0.0, 0.7 * run_time)
+        # start-up (about a third of a run here) plus what is left of the steps
+        delay = rng.uniform(0.0, run_time * (0.35 + 0.65 * left))
         try:
             process.wait(timeout=delay)
         except subprocess.TimeoutExpired:
@@ -162,8 +174,9 @@ def main() -> None:
         append_results(
             f"Resume soak: {len(kills)} SIGKILLs at random moments",
             f"A {args.steps}-step run of a 2-layer GPT (checkpoint and log every step) killed "
-            f"after delays uniform in [0, {0.7 * run_time:.1f} s] (70% of the uninterrupted "
-            f"run's wall time), resumed each time, then left to finish (seed {args.seed}).",
+            f"after delays uniform in [0, {run_time:.1f} s x (0.35 + 0.65 x the share of steps "
+            f"left)] ({run_time:.1f} s: an uninterrupted run with the corpus prepared), resumed "
+            f"each time, then left to finish (seed {args.seed}).",
             table,
         )
     if failures or not (same_state and each_once):
