@@ -4,6 +4,7 @@ Nothing here downloads from a hub, and nothing here knows about precision or
 parallelism: the builder returns an fp32 model that the precision strategy casts.
 Llama (``family: llama``) is the modern layout: RMSNorm, SwiGLU MLP, rotary positions,
 grouped-query attention (``num_kv_heads``) and, by default, an untied LM head.
+``model.init_from`` loads a local Hugging Face directory instead (``collage_train.init_from``).
 """
 
 from __future__ import annotations
@@ -86,7 +87,12 @@ def build_hf_config(cfg: Any, *, vocab_size: int, seq_len: int, eot_id: int) -> 
 
     ``vocab_size`` and ``seq_len`` come from the tokenizer and data config; an explicit
     ``cfg.vocab_size`` may pad the embedding but never shrink it below the tokenizer's.
+    With ``cfg.init_from`` the config is that directory's (``collage_train.init_from``).
     """
+    if getattr(cfg, "init_from", None):
+        from collage_train.init_from import pretrained_config
+
+        return pretrained_config(cfg, vocab_size=vocab_size, seq_len=seq_len)
     _check_shape(cfg)
     model_vocab = cfg.vocab_size if cfg.vocab_size is not None else vocab_size
     if model_vocab < vocab_size:
@@ -193,7 +199,12 @@ def check_model_extra(cfg: Any) -> None:
 def build_model(
     cfg: Any, *, vocab_size: int, seq_len: int, eot_id: int, seed: int
 ) -> torch.nn.Module:
-    """Build a randomly initialised causal LM (fp32) from the ``model`` sub-config."""
+    """Build a randomly initialised causal LM (fp32) from the ``model`` sub-config, or load
+    the one in ``cfg.init_from`` (a local Hugging Face directory; fp32)."""
+    if getattr(cfg, "init_from", None):
+        from collage_train.init_from import load_pretrained
+
+        return load_pretrained(cfg, vocab_size=vocab_size, seq_len=seq_len)
     hf_config = build_hf_config(cfg, vocab_size=vocab_size, seq_len=seq_len, eot_id=eot_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(

@@ -1,0 +1,167 @@
+"""``model.init_from=PATH``: start a new run from a local Hugging Face model directory.
+
+The directory is our own ``hf/`` export or any local GPT-2, OPT or Llama directory
+written by ``save_pretrained`` (``config.json`` plus ``model.safetensors`` or
+``pytorch_model.bin``, sharded or not). Nothing is downloaded: transformers is told to
+read local files only.
+
+- The architecture is the directory's ``config.json``; the ``model.*`` shape fields are
+  not used. ``model.dropout`` and ``model.attn_implementation`` still apply.
+- The weights are loaded in fp32 (``load_pretrained``); the precision strategy casts
+  them as it casts a fresh model. Strategies that keep a higher-precision master
+  (mixed_fp32's fp32 master, split_fp32's remainder) take it from the fp32 weights
+  (``seed_masters``, on the single engine; under ZeRO DeepSpeed builds its masters from
+  the cast weights). AdamW's moments, Collage's dtheta and dv start from zero, as in any
+  new run: only the weights carry over.
+- The tokenizer is the directory's unless ``data.tokenizer`` names another
+  (``data_config``); its vocabulary must fit the model's embedding.
+
+Bad input (no such directory, no weights, an architecture other than these, a tokenizer
+larger than the embedding, a sequence longer than learned positions) raises ConfigError:
+one ``error:`` line and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.utils import logging as hf_logging
+
+from collage_train.errors import ConfigError
+
+# transformers' model_type -> our family
+SUPPORTED = {"gpt2": "gpt", "opt": "opt", "llama": "llama"}
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+TOKENIZER_FILES = ("hf_tokenizer.json", "tokenizer.json", "tokenizer.model")
+# Dropout fields per model type, set from model.dropout.
+DROPOUT_FIELDS = {
+    "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+    "opt": ("dropout", "attention_dropout", "activation_dropout"),
+    "llama": ("attention_dropout",),
+}
+# Learned position tables: a longer sequence has no embedding.
+POSITION_FIELDS = {"gpt2": "n_positions", "opt": "max_position_embeddings"}
+
+
+def _directory(init_from: str) -> tuple[Path, str]:
+    """The directory and its model type, once it is known to hold a supported model."""
+    path = Path(init_from).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"model.init_from={init_from}: no such directory")
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"model.init_from={init_from} holds no config.json; point it to a Hugging Face "
+            "model directory (written by save_pretrained, or a run's hf/ export)"
+        )
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise ConfigError(
+            f"model.init_from={init_from} holds no weights ({' or '.join(WEIGHT_FILES[::2])}); "
+            "export the run first (python -m collage_train.export RUN_DIR)"
+        )
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type not in SUPPORTED:
+        raise ConfigError(
+            f"model.init_from={init_from} is a {model_type!r} model; supported "
+            f"architectures: {', '.join(SUPPORTED)}"
+        )
+    return path, model_type
+
+
+def pretrained_config(cfg: Any, *, vocab_size: int, seq_len: int) -> PretrainedConfig:
+    """The transformers config of ``cfg.init_from``, checked against the data.
+
+    ``vocab_size`` is the data tokenizer's: it must fit the embedding. ``seq_len`` must
+    fit a learned position table (GPT-2, OPT); Llama's rotary positions have none.
+    """
+    path, model_type = _directory(cfg.init_from)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if vocab_size > config.vocab_size:
+        raise ConfigError(
+            f"the data's tokenizer has {vocab_size} tokens but the model in "
+            f"{cfg.init_from} embeds {config.vocab_size}; use the model's own tokenizer "
+            "(leave data.tokenizer unset) or one whose vocabulary fits"
+        )
+    positions = POSITION_FIELDS.get(model_type)
+    if positions is not None and seq_len > getattr(config, positions):
+        raise ConfigError(
+            f"data.seq_len={seq_len} is longer than the {getattr(config, positions)} positions "
+            f"the model in {cfg.init_from} learned; set data.seq_len <= "
+            f"{getattr(config, positions)}"
+        )
+    for field in DROPOUT_FIELDS[model_type]:
+        setattr(config, field, float(cfg.dropout))
+    config.use_cache = False
+    return config
+
+
+def _from_pretrained(path: str, **kwargs: Any) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` of a local directory, fp32, no progress bar."""
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, local_files_only=True, **kwargs
+        )
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+def load_pretrained(cfg: Any, *, vocab_size: int, seq_len: int) -> torch.nn.Module:
+    """The fp32 model stored in ``cfg.init_from`` (checked by ``pretrained_config``)."""
+    config = pretrained_config(cfg, vocab_size=vocab_size, seq_len=seq_len)
+    model = _from_pretrained(
+        cfg.init_from, config=config, attn_implementation=cfg.attn_implementation
+    )
+    model.config.use_cache = False
+    return model.float()
+
+
+def data_config(data_cfg: DictConfig, init_from: str | None) -> DictConfig:
+    """``data_cfg`` with the tokenizer of ``init_from``, unless ``data.tokenizer`` is set.
+
+    A directory without a tokenizer needs ``data.tokenizer``: a tokenizer trained afresh
+    would give the loaded embeddings meaningless ids.
+    """
+    if not init_from or data_cfg.get("tokenizer"):
+        return data_cfg
+    path, _ = _directory(init_from)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            f"model.init_from={init_from} holds no tokenizer ({', '.join(TOKENIZER_FILES)}); "
+            "set data.tokenizer=PATH to the tokenizer the model was trained with"
+        )
+    copy = OmegaConf.create(OmegaConf.to_container(data_cfg, resolve=True))
+    copy.tokenizer = str(path)
+    return copy
+
+
+def seed_masters(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, strategy: Any, init_from: str
+) -> bool:
+    """Give a strategy's master weights the directory's fp32 values (True if it keeps one).
+
+    The model's own weights were cast (bf16) from those values; a fp32 master or a split
+    remainder built from the cast weights would drop their low bits. Collage's dtheta is
+    left at zero (its compensation starts empty, as in any new run).
+    """
+    keeps_master = strategy.master_dtype is not None or getattr(strategy, "master_remainder", False)
+    if not keeps_master or not hasattr(optimizer, "load_full_precision_weights"):
+        return False
+    source = _from_pretrained(init_from)
+    weights = dict(source.named_parameters())
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    optimizer.load_full_precision_weights(
+        [weights[name_of[id(p)]].detach() for p in optimizer.ordered_params()]
+    )
+    return True

@@ -1,0 +1,147 @@
+"""model.init_from: a new run starts from a local Hugging Face directory (never the network)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+from collage_train.cli import run
+from collage_train.trainer import Trainer
+
+LLAMA = [
+    "model=llama_tiny",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=88",
+]
+ONE_BATCH = ["train.micro_batch_size=8", "train.global_batch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def exported(make_cfg_module, tmp_path_factory):
+    """A Llama trained 3 steps in fp32 and exported (our hf/ directory): its path and tokenizer."""
+    cfg = make_cfg_module(*LLAMA, *ONE_BATCH, "precision=fp32", "optim.warmup_steps=0")
+    trainer = Trainer(cfg, tmp_path_factory.mktemp("source"), sinks=[])
+    for _ in range(3):
+        trainer.train_step()
+    target = tmp_path_factory.mktemp("export") / "hf"
+    trainer.export_hf(target)
+    return target, trainer.data.tokenizer
+
+
+@pytest.fixture(scope="module")
+def make_cfg_module(corpus_dir, cache_dir):
+    import functools
+
+    from tiny_config import compose_tiny
+
+    run_length = ["train.max_steps=4", "train.eval_every=2", "logging.log_every=1"]
+    return functools.partial(compose_tiny, corpus_dir, cache_dir, *run_length)
+
+
+def first_batch_and_loss(trainer: Trainer) -> tuple[torch.Tensor, float]:
+    """The batch the first step trains on (the loader rewound after peeking) and its loss."""
+    state = trainer.data.train_loader.state_dict()
+    batch = trainer.data.train_loader.next_batch()
+    trainer.data.train_loader.load_state_dict(state)
+    return batch, trainer.train_step()["loss"]
+
+
+def reference_loss(directory, batch: torch.Tensor) -> float:
+    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+    with torch.no_grad():
+        logits = model(input_ids=batch[:, :-1]).logits
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()))
+
+
+def test_every_strategy_starts_from_the_exported_weights(exported, make_cfg_module, tmp_path):
+    """First loss = the directory's model on that batch (bf16 rounding); the tokenizer is the
+    directory's (data.vocab_size ignored); masters hold the fp32 weights, Collage's dtheta
+    and every moment start at zero."""
+    directory, tokenizer = exported
+    for name in ("bf16", "mixed_fp32", "split_fp32", "collage_plus"):
+        cfg = make_cfg_module(
+            *ONE_BATCH, f"precision={name}", f"model.init_from={directory}", "data.vocab_size=999"
+        )
+        trainer = Trainer(cfg, tmp_path / name, sinks=[])
+        assert type(trainer.model).__name__ == "LlamaForCausalLM"
+        assert trainer.data.tokenizer.vocab_size == tokenizer.vocab_size == 512
+        fp32 = AutoModelForCausalLM.from_pretrained(directory).state_dict()
+        if name in ("mixed_fp32", "split_fp32"):  # the master is the fp32 weights, exactly
+            masters = trainer.optimizer.full_precision_weights()
+            named = dict(trainer.model.named_parameters())
+            by_id = {id(p): n for n, p in named.items()}
+            for param, master in zip(trainer.optimizer.ordered_params(), masters, strict=True):
+                assert torch.equal(master, fp32[by_id[id(param)]]), by_id[id(param)]
+        else:
+            assert all(not state for state in trainer.optimizer.state.values())
+        for param_name, param in trainer.model.named_parameters():
+            assert torch.equal(param, fp32[param_name].to(param.dtype)), param_name
+        batch, loss = first_batch_and_loss(trainer)
+        assert loss == pytest.approx(reference_loss(directory, batch), rel=5e-3), name
+        if name == "collage_plus":
+            for state in trainer.optimizer.state.values():
+                assert state["dtheta"].abs().max() < 1e-2  # one step's worth, not the low bits
+
+
+def test_a_local_gpt2_directory_needs_a_tokenizer(exported, make_cfg_module, tmp_path, capsys):
+    """save_pretrained of a random GPT-2 (no tokenizer): refused without data.tokenizer,
+    trains with it, first loss = the directory's model's."""
+    directory, _ = exported
+    gpt2 = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=600, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+    GPT2LMHeadModel(config).save_pretrained(gpt2)
+
+    def launch(*extra: str) -> int:
+        cfg = make_cfg_module(*ONE_BATCH, "precision=fp32", f"model.init_from={gpt2}", *extra)
+        return run(cfg, tmp_path / "run")
+
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert launch() == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("error: ") and "holds no tokenizer" in error[0]
+    cfg = make_cfg_module(
+        *ONE_BATCH, "precision=fp32", f"model.init_from={gpt2}", f"data.tokenizer={directory}"
+    )
+    trainer = Trainer(cfg, tmp_path / "gpt2-run", sinks=[])
+    assert type(trainer.model).__name__ == "GPT2LMHeadModel"
+    assert trainer.model.config.resid_pdrop == 0.0  # model.dropout, not GPT2Config's 0.1
+    batch, loss = first_batch_and_loss(trainer)
+    assert loss == pytest.approx(reference_loss(gpt2, batch), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "case", ["missing", "no_weights", "architecture", "vocabulary", "positions"]
+)
+def test_bad_directories_are_one_error_line(exported, make_cfg_module, tmp_path, capsys, case):
+    from transformers import BertConfig
+
+    directory, _ = exported
+    target, extra = tmp_path / "model", []
+    if case == "no_weights":
+        target.mkdir()
+        (target / "config.json").write_text((directory / "config.json").read_text())
+    elif case == "architecture":
+        BertConfig(vocab_size=600, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                   intermediate_size=64).save_pretrained(target)  # fmt: skip
+        (target / "model.safetensors").write_bytes(b"")
+    elif case in ("vocabulary", "positions"):
+        vocab, positions = (100, 64) if case == "vocabulary" else (600, 16)
+        config = GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=32, n_layer=1, n_head=4)
+        GPT2LMHeadModel(config).save_pretrained(target)
+        extra = [f"data.tokenizer={directory}"]
+    cfg = make_cfg_module(*ONE_BATCH, f"model.init_from={target}", *extra)
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert run(cfg, tmp_path / "run") == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    expected = {
+        "missing": "no such directory",
+        "no_weights": "holds no weights",
+        "architecture": "'bert' model; supported architectures: gpt2, opt, llama",
+        "vocabulary": "the data's tokenizer has 512 tokens but the model",
+        "positions": "data.seq_len=32 is longer than the 16 positions",
+    }[case]
+    assert expected in lines[0], lines[0]
