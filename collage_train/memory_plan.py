@@ -128,30 +128,42 @@ class ModelShape:
         """Shape of the model a run would build, counted on the meta device."""
         from transformers import AutoModelForCausalLM
 
-        from collage_train.models import build_hf_config, ffn_width, kv_heads
+        from collage_train.init_from import SUPPORTED
+        from collage_train.models import build_hf_config
 
         hf_config = build_hf_config(model_cfg, vocab_size=vocab_size, seq_len=seq_len, eot_id=0)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
         numels = [p.numel() for p in model.parameters()]  # tied weights once
+        family = SUPPORTED[hf_config.model_type]  # model.init_from: the directory's
         blocks = {
             "gpt": lambda: model.transformer.h,
             "opt": lambda: model.model.decoder.layers,
             "llama": lambda: model.model.layers,
-        }[model_cfg.family]()
-        head_width = model_cfg.hidden_size // model_cfg.num_heads
+        }[family]()
+        c = hf_config
+        hidden = c.n_embd if family == "gpt" else c.hidden_size
+        heads = c.n_head if family == "gpt" else c.num_attention_heads
+        ffn = {
+            "gpt": lambda: c.n_inner or 4 * hidden,
+            "opt": lambda: c.ffn_dim,
+            "llama": lambda: c.intermediate_size,
+        }[family]()
+        kv_width = hidden
+        if family == "llama":
+            kv_width = c.num_key_value_heads * (getattr(c, "head_dim", None) or hidden // heads)
         return cls(
-            family=model_cfg.family,
-            hidden=model_cfg.hidden_size,
-            layers=model_cfg.num_layers,
-            heads=model_cfg.num_heads,
-            ffn=ffn_width(model_cfg),
-            vocab=hf_config.vocab_size,
+            family=family,
+            hidden=hidden,
+            layers=c.n_layer if family == "gpt" else c.num_hidden_layers,
+            heads=heads,
+            ffn=ffn,
+            vocab=c.vocab_size,
             seq_len=seq_len,
             num_params=sum(numels),
             largest_tensor=max(numels),
             block_params=sum(p.numel() for p in blocks[0].parameters()),
-            kv_width=kv_heads(model_cfg) * head_width,
+            kv_width=kv_width,
         )
 
 

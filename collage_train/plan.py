@@ -123,6 +123,8 @@ def make_plan(cfg: Any) -> Plan:
     configured = strategy_for(cfg.precision)  # the chosen strategy with its options
     chosen = configured.name
     vocab = cfg.model.vocab_size or cfg.data.vocab_size
+    if cfg.model.init_from:  # the directory's embedding (its tokenizer fits it)
+        vocab = 1
     shape = ModelShape.from_config(cfg.model, vocab_size=vocab, seq_len=cfg.data.seq_len)
     # optim.kernel=auto may fall back to the eager step at its start-up probe (a kernel
     # that fails to build or to match): plan for the eager step's chunk, so a fallback

@@ -145,3 +145,15 @@ def test_bad_directories_are_one_error_line(exported, make_cfg_module, tmp_path,
         "positions": "data.seq_len=32 is longer than the 16 positions",
     }[case]
     assert expected in lines[0], lines[0]
+
+
+def test_the_planner_reads_the_directorys_architecture(exported, make_cfg_module):
+    from collage_train.memory_plan import ModelShape
+
+    directory, _ = exported
+    cfg = make_cfg_module(f"model.init_from={directory}")  # model=gpt_tiny is not used
+    shape = ModelShape.from_config(cfg.model, vocab_size=1, seq_len=32)
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    assert (shape.family, shape.hidden, shape.heads, shape.ffn) == ("llama", 32, 4, 88)
+    assert shape.kv_width == 16 and shape.vocab == 512
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
