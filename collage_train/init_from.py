@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
@@ -68,7 +69,12 @@ def _directory(init_from: str) -> tuple[Path, str]:
             f"model.init_from={init_from} holds no weights ({' or '.join(WEIGHT_FILES[::2])}); "
             "export the run first (python -m collage_train.export RUN_DIR)"
         )
-    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
+        raise ConfigError(
+            f"model.init_from={init_from}: config.json is not a JSON object ({first_line(err)})"
+        ) from None
     if model_type not in SUPPORTED:
         raise ConfigError(
             f"model.init_from={init_from} is a {model_type!r} model; supported "
@@ -105,24 +111,47 @@ def pretrained_config(cfg: Any, *, vocab_size: int, seq_len: int) -> PretrainedC
 
 
 def _from_pretrained(path: str, **kwargs: Any) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_pretrained`` of a local directory, fp32, no progress bar."""
-    shown = hf_logging.is_progress_bar_enabled()
+    """``AutoModelForCausalLM.from_pretrained`` of a local directory, fp32, quietly (no
+    progress bar, no load report: what matters is checked and refused in one line)."""
+    shown, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     try:
         return AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, local_files_only=True, **kwargs
         )
     finally:
+        hf_logging.set_verbosity(verbosity)
         if shown:
             hf_logging.enable_progress_bar()
 
 
 def load_pretrained(cfg: Any, *, vocab_size: int, seq_len: int) -> torch.nn.Module:
-    """The fp32 model stored in ``cfg.init_from`` (checked by ``pretrained_config``)."""
+    """The fp32 model stored in ``cfg.init_from`` (checked by ``pretrained_config``).
+
+    Every parameter must come from the directory: weights that do not load, or a weight
+    the model expects and the files lack (transformers would initialise it at random), are
+    refused.
+    """
     config = pretrained_config(cfg, vocab_size=vocab_size, seq_len=seq_len)
-    model = _from_pretrained(
-        cfg.init_from, config=config, attn_implementation=cfg.attn_implementation
-    )
+    try:
+        model, info = _from_pretrained(
+            cfg.init_from,
+            config=config,
+            attn_implementation=cfg.attn_implementation,
+            output_loading_info=True,
+        )
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as err:
+        raise ConfigError(
+            f"model.init_from={cfg.init_from}: cannot load its weights ({first_line(err)})"
+        ) from None
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise ConfigError(
+            f"model.init_from={cfg.init_from}: its weights lack {len(missing)} tensor(s) the "
+            f"{config.model_type} model needs (e.g. {missing[0]}); the files do not match "
+            "config.json"
+        )
     model.config.use_cache = False
     return model.float()
 
@@ -144,6 +173,11 @@ def data_config(data_cfg: DictConfig, init_from: str | None) -> DictConfig:
     copy = OmegaConf.create(OmegaConf.to_container(data_cfg, resolve=True))
     copy.tokenizer = str(path)
     return copy
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (its type's name if it has none)."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 def seed_masters(

@@ -113,7 +113,8 @@ def test_a_local_gpt2_directory_needs_a_tokenizer(exported, make_cfg_module, tmp
 
 
 @pytest.mark.parametrize(
-    "case", ["missing", "no_weights", "architecture", "vocabulary", "positions"]
+    "case",
+    ["missing", "no_weights", "architecture", "corrupt", "mismatch", "vocabulary", "positions"],
 )
 def test_bad_directories_are_one_error_line(exported, make_cfg_module, tmp_path, capsys, case):
     from transformers import BertConfig
@@ -127,6 +128,14 @@ def test_bad_directories_are_one_error_line(exported, make_cfg_module, tmp_path,
         BertConfig(vocab_size=600, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                    intermediate_size=64).save_pretrained(target)  # fmt: skip
         (target / "model.safetensors").write_bytes(b"")
+    elif case in ("corrupt", "mismatch"):  # bad weights file; GPT-2 weights, Llama config
+        config = GPT2Config(vocab_size=600, n_positions=64, n_embd=32, n_layer=1, n_head=4)
+        GPT2LMHeadModel(config).save_pretrained(target)
+        if case == "corrupt":
+            (target / "model.safetensors").write_bytes(b"not safetensors")
+        else:
+            (target / "config.json").write_text((directory / "config.json").read_text())
+        extra = [f"data.tokenizer={directory}"]
     elif case in ("vocabulary", "positions"):
         vocab, positions = (100, 64) if case == "vocabulary" else (600, 16)
         config = GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=32, n_layer=1, n_head=4)
@@ -141,6 +150,8 @@ def test_bad_directories_are_one_error_line(exported, make_cfg_module, tmp_path,
         "missing": "no such directory",
         "no_weights": "holds no weights",
         "architecture": "'bert' model; supported architectures: gpt2, opt, llama",
+        "corrupt": "cannot load its weights",
+        "mismatch": "its weights lack 21 tensor(s) the llama model needs",
         "vocabulary": "the data's tokenizer has 512 tokens but the model",
         "positions": "data.seq_len=32 is longer than the 16 positions",
     }[case]
