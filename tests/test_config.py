@@ -82,7 +82,10 @@ def test_unknown_group_option_is_rejected():
 
 
 def test_strip_local_rank(monkeypatch):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    # setenv first records the variable's state, so that it is restored after the test:
+    # a LOCAL_RANK left behind makes later in-process runs wait for another rank's data
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("LOCAL_RANK")
     assert strip_local_rank(["prog", "--local_rank=3", "model=gpt_tiny"]) == [
         "prog",
         "model=gpt_tiny",
