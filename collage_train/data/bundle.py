@@ -86,7 +86,7 @@ def build_data(
             rank=rank,
             world_size=world_size,
         )
-    directory = prepare_shards(settings, prepare=prepares_data(rank))
+    directory = prepare_shards(settings, prepare=prepares_data(rank, world_size))
     manifest, tokenizer = load_prepared(directory)
     train_tokens, val_tokens, spans = open_splits(directory, manifest, settings.val_fraction)
     meta = {key: value for key, value in manifest.items() if key != "shards"}
@@ -136,7 +136,7 @@ def build_mixture(
     validation on their validation splits one after another."""
     assert settings.mixture is not None
     entries = settings.mixture
-    directories = prepare_mixture(settings, prepare=prepares_data(rank))
+    directories = prepare_mixture(settings, prepare=prepares_data(rank, world_size))
     trains, vals, described = [], [], []
     tokenizer = None
     for entry, directory in zip(entries, directories, strict=True):
@@ -195,7 +195,10 @@ def build_mixture(
     )
 
 
-def prepares_data(rank: int) -> bool:
-    """Whether this process prepares a missing corpus: the first of its node, else waits."""
+def prepares_data(rank: int, world_size: int) -> bool:
+    """Whether this process prepares a missing corpus: the only one, or the first of its node
+    (``LOCAL_RANK`` 0, else rank 0); the others wait for it."""
+    if world_size == 1:  # nobody else would: a stray LOCAL_RANK must not make it wait
+        return True
     local = os.environ.get("LOCAL_RANK")
     return int(local) == 0 if local is not None else rank == 0

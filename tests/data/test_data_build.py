@@ -90,3 +90,17 @@ def test_exports() -> None:
         "build_data",
     }
     assert data.TokenLoader is TokenLoader
+
+
+def test_only_a_rank_of_several_waits_for_another_to_prepare(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from collage_train.data.bundle import prepares_data
+
+    monkeypatch.setenv("LOCAL_RANK", "3")  # left behind by a launcher: a lone process prepares
+    assert prepares_data(0, world_size=1)
+    assert not prepares_data(3, world_size=8)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the first rank of its node prepares
+    assert prepares_data(8, world_size=16)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert prepares_data(0, world_size=2) and not prepares_data(1, world_size=2)
