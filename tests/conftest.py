@@ -14,6 +14,25 @@ from collage_train.config import register_schemas
 register_schemas()
 
 
+_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                     "MASTER_PORT")  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _launch_environment_is_restored():
+    """Undo launch variables a test exported (a lone process group exports them, and a
+    LOCAL_RANK left behind makes later in-process runs wait for another rank's data)."""
+    import os
+
+    saved = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory) -> Path:
     """About 400 KB of real Python source (a slice of the stdlib) as .txt documents."""
