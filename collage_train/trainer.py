@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from collage_train import checkpoint
+from collage_train import checkpoint, init_from
 from collage_train.comm.settings import check_schedule, comm_name, uses_replicas
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm, probe_gflops
 from collage_train.data import build_data
@@ -131,7 +131,7 @@ class Trainer:
         if not self.engine.is_main:
             self.engine.barrier()
         self.data = build_data(
-            cfg.data,
+            init_from.data_config(cfg.data, cfg.model.init_from),  # its tokenizer by default
             seq_len=cfg.data.seq_len,
             micro_batch_size=train.micro_batch_size,
             seed=train.seed,
@@ -186,6 +186,8 @@ class Trainer:
             cfg.optim,
             kernel=self.optimizer_kernel,
         )
+        if cfg.model.init_from and cfg.distributed.name == "single":  # masters: fp32 weights
+            init_from.seed_masters(self.optimizer, self.model, self.strategy, cfg.model.init_from)
         # The module to run forward with (DeepSpeed's wrapper under ZeRO).
         self.forward_module = self.engine.prepare(
             self.model,
