@@ -250,8 +250,9 @@ class WandbSink:
             "project": cfg.project or os.environ.get("WANDB_PROJECT") or "collage_train",
             "entity": cfg.entity,  # None: WANDB_ENTITY or the account's default
         }
-        if not os.environ.get("WANDB_DIR"):
-            chosen["dir"] = str(run_dir)
+        # Passed explicitly rather than left to W&B: its process-wide settings read the
+        # environment once, at the first wandb.setup(), and miss a later WANDB_DIR.
+        chosen["dir"] = os.environ.get("WANDB_DIR") or str(run_dir)
         if run_id:
             chosen["resume_from"] = f"{run_id}?_step={start_step}"
         self.run = wandb.init(
