@@ -22,8 +22,9 @@ from collage_train.errors import CheckpointError, ConfigError
 # Settings a run is defined by: changing one on resume would make another run (another
 # model, numerics, data or token count per step) under the same name.
 IDENTITY = ("model.", "precision.", "data.", "train.global_batch_size", "train.seed")
-# ... except where the data is cached, which does not change what is read.
-NOT_IDENTITY = ("data.cache_dir",)
+# ... except where the data is cached and how many processes prepare it, which do not
+# change what is read.
+NOT_IDENTITY = ("data.cache_dir", "data.num_workers")
 # Not worth reporting: a resume says it resumes.
 UNREPORTED = ("train.resume",)
 

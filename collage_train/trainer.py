@@ -127,9 +127,8 @@ class Trainer:
             train.global_batch_size, train.micro_batch_size, self.engine.world_size
         )
 
-        # Rank 0 tokenizes and caches the corpus first; the others then reuse the cache.
-        if not self.engine.is_main:
-            self.engine.barrier()
+        # Each node's first rank prepares a missing corpus; the others wait for its manifest
+        # on the file system (collage_train.data.bundle), not in a collective with a timeout.
         self.data = build_data(
             init_from.data_config(cfg.data, cfg.model.init_from),  # its tokenizer by default
             seq_len=cfg.data.seq_len,
@@ -138,8 +137,6 @@ class Trainer:
             rank=self.engine.rank,
             world_size=self.engine.world_size,
         )
-        if self.engine.is_main:
-            self.engine.barrier()
         self.data.val_loader(train.micro_batch_size)  # fail now if validation cannot fill a batch
         tokenizer = self.data.tokenizer
         self._check_memory(
@@ -520,6 +517,7 @@ class Trainer:
             "step": self.step,
             "tokens": self.step * self.tokens_per_step,
             "epoch": self.data.train_loader.epoch,
+            **self.data.train_loader.metrics(),  # data.mixture: tokens per source
             "loss": sum(w["loss"] for w in window) / len(window),
             "lr": window[-1]["lr"],
             "grad_norm": window[-1]["grad_norm"],
@@ -684,6 +682,7 @@ class Trainer:
             "wall_time_s": wall_time,
             "device": str(self.device),
             "corpus": corpus_summary(self.data.meta),
+            **self.data.train_loader.metrics(),  # data.mixture: tokens per source
             "versions": package_versions(),
         }
         if self.engine.is_main:
