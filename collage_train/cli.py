@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from collage_train import checkpoint
 from collage_train.config import register_schemas
 from collage_train.engine.launch import gather_objects, launched_rank, launched_world_size
-from collage_train.errors import CollageError, ConfigError, OutOfMemory
+from collage_train.errors import RUN_FAILED, CollageError, ConfigError, OutOfMemory
 from collage_train.metrics import ConsoleSink, JsonlSink, Sink, WandbSink
 from collage_train.metrics.sinks import wandb_mode
 from collage_train.resume import choose_checkpoint, record_changes
@@ -158,15 +158,15 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
         train(cfg, run_dir)
     except OutOfMemory as err:  # may strike one rank only: every rank reports its own
         print(f"error: {_rank_prefix(rank)}{err}", file=sys.stderr, flush=True)
-        return 1
+        return err.exit_status
     except CollageError as err:  # the same on every rank: rank 0 reports it
         if rank == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
-        return 1
+        return err.exit_status
     except (OSError, RuntimeError, MemoryError) as err:
         if _disk_full(err):
             print(f"error: {_rank_prefix(rank)}{_disk_full_message(err, run_dir)}", file=sys.stderr)
-            return 1
+            return RUN_FAILED
         if not _is_out_of_memory(err):
             raise
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -176,7 +176,7 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
             "over several GPUs with DeepSpeed ZeRO"
         )
         print(f"error: {_rank_prefix(rank)}{message}", file=sys.stderr, flush=True)
-        return 1
+        return message.exit_status
     return 0
 
 

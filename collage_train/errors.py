@@ -1,8 +1,28 @@
-"""User-facing errors: each ends a run with one actionable line and a non-zero exit."""
+"""User-facing errors: each ends a run with one actionable line and a non-zero exit.
+
+Exit status 2 means bad input (a setting, file or directory the user must change before
+trying again, as argparse and Hydra's usage errors do); 1 means a run that started and
+failed (diverged, out of memory, replicas out of step, disk full).
+"""
+
+import pickle
+
+from safetensors import SafetensorError
+
+BAD_INPUT = 2
+RUN_FAILED = 1
+
+# What loading a weights file can raise when the file is missing, damaged, foreign or
+# refused by a restricted unpickler (weights_only=True raises UnpicklingError).
+WEIGHT_LOAD_ERRORS = (
+    OSError, KeyError, RuntimeError, ValueError, pickle.UnpicklingError, SafetensorError
+)
 
 
 class CollageError(Exception):
     """Base of every error caused by the user's input rather than by a bug."""
+
+    exit_status = BAD_INPUT
 
 
 class ConfigError(CollageError):
@@ -12,13 +32,19 @@ class ConfigError(CollageError):
 class TrainingDiverged(CollageError):
     """The loss or the weights became NaN or infinite."""
 
+    exit_status = RUN_FAILED
+
 
 class OutOfMemory(CollageError):
     """The device (or host) ran out of memory."""
 
+    exit_status = RUN_FAILED
+
 
 class ReplicasDiverged(CollageError):
     """Replicas that must hold bit-identical shared weights no longer do."""
+
+    exit_status = RUN_FAILED
 
 
 class CheckpointError(CollageError):
@@ -27,3 +53,9 @@ class CheckpointError(CollageError):
 
 class RunDirectoryBusy(CollageError):
     """Another live process holds the run directory's lock."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message, its type's name if it has none (compiler and
+    loader errors run to pages; an ``error:`` line takes one)."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from collage_train import checkpoint
 from collage_train.data import Tokenizer
-from collage_train.errors import CollageError
+from collage_train.errors import BAD_INPUT, WEIGHT_LOAD_ERRORS, CollageError, first_line
 from collage_train.precision import get_strategy
 from collage_train.trainer import export_model
 
@@ -66,11 +66,6 @@ def load_checkpoint_model(path: Path) -> tuple[PreTrainedModel, Tokenizer]:
     return model, Tokenizer.load(path / "tokenizer.model")
 
 
-def first_line(err: BaseException) -> str:
-    """The first line of an error's message (its type's name if it has none)."""
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m collage_train.export", description=__doc__)
     parser.add_argument("path", type=Path, help="run directory or checkpoints/step-N directory")
@@ -79,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = resolve_checkpoint(args.path)
         model, tokenizer = load_checkpoint_model(path)
-    except (CollageError, FileNotFoundError, KeyError, RuntimeError, ValueError) as err:
+    except (CollageError, *WEIGHT_LOAD_ERRORS) as err:
         print(f"error: cannot export {args.path}: {first_line(err)}", file=sys.stderr)
-        return 1
+        return BAD_INPUT
     target = args.out or path.parent.parent / f"hf-{path.name}"
     export_model(model, tokenizer, target)
     print(f"exported {path} to {target}")

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm
 from collage_train.data import Tokenizer
-from collage_train.errors import CollageError
-from collage_train.export import first_line, load_checkpoint_model, resolve_checkpoint
+from collage_train.errors import BAD_INPUT, WEIGHT_LOAD_ERRORS, CollageError, first_line
+from collage_train.export import load_checkpoint_model, resolve_checkpoint
 
 
 def load_for_generation(path: Path) -> tuple[PreTrainedModel, Tokenizer]:
@@ -71,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         model, tokenizer = load_for_generation(args.path)
-    except (CollageError, FileNotFoundError, KeyError, RuntimeError, ValueError) as err:
+    except (CollageError, *WEIGHT_LOAD_ERRORS) as err:
         print(f"error: cannot load {args.path}: {first_line(err)}", file=sys.stderr)
-        return 1
+        return BAD_INPUT
     model.eval()
     text = generate(
         model,

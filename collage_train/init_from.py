@@ -29,11 +29,10 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
-from collage_train.errors import ConfigError
+from collage_train.errors import WEIGHT_LOAD_ERRORS, ConfigError, first_line
 
 # transformers' model_type -> our family
 SUPPORTED = {"gpt2": "gpt", "opt": "opt", "llama": "llama"}
@@ -141,7 +140,7 @@ def load_pretrained(cfg: Any, *, vocab_size: int, seq_len: int) -> torch.nn.Modu
             attn_implementation=cfg.attn_implementation,
             output_loading_info=True,
         )
-    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as err:
+    except WEIGHT_LOAD_ERRORS as err:
         raise ConfigError(
             f"model.init_from={cfg.init_from}: cannot load its weights ({first_line(err)})"
         ) from None
@@ -173,11 +172,6 @@ def data_config(data_cfg: DictConfig, init_from: str | None) -> DictConfig:
     copy = OmegaConf.create(OmegaConf.to_container(data_cfg, resolve=True))
     copy.tokenizer = str(path)
     return copy
-
-
-def first_line(err: BaseException) -> str:
-    """The first line of an error's message (its type's name if it has none)."""
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 def seed_masters(

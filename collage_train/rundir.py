@@ -31,7 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from collage_train.errors import CollageError, ConfigError, RunDirectoryBusy
+from collage_train.errors import BAD_INPUT, CollageError, ConfigError, RunDirectoryBusy
 
 LOCK_FILE = ".lock"
 RECORD_DIR = ".hydra"
@@ -133,7 +133,7 @@ class RunDirectoryCallback(Callback):
         if refusal is not None:
             if rank == 0:
                 print(f"error: {refusal}", file=sys.stderr, flush=True)
-            sys.exit(1)  # a callback's exceptions would only become warnings
+            sys.exit(BAD_INPUT)  # a callback's exceptions would only become warnings
 
 
 def _rank_zero_verdict(refusal: str | None, timeout_minutes: int) -> str | None:

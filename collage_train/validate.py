@@ -29,8 +29,6 @@ from collage_train.errors import ConfigError
 from collage_train.metrics.sinks import wandb_mode
 from collage_train.models import check_model_extra
 
-WANDB_DEFAULT_HOST = "https://api.wandb.ai"
-
 
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError, with one actionable sentence, for the first setting that cannot work."""
@@ -127,9 +125,20 @@ def check_wandb(wandb_cfg: DictConfig) -> None:
 def wandb_credentials_found() -> bool:
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
-    host = urlsplit(os.environ.get("WANDB_BASE_URL") or WANDB_DEFAULT_HOST).netloc
     path = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
     try:
-        return bool(host) and netrc.netrc(path).authenticators(host) is not None
+        entries = netrc.netrc(path)
     except (OSError, netrc.NetrcParseError):
         return False
+    return any(entries.authenticators(host) is not None for host in _wandb_hosts())
+
+
+def _wandb_hosts() -> list[str]:
+    """The host ``wandb login`` writes to the netrc file: WANDB_BASE_URL's, else the
+    installed client's default (it changed between W&B releases, so ask the client)."""
+    url = os.environ.get("WANDB_BASE_URL")
+    if not url:
+        import wandb  # only for an online run without a key in the environment
+
+        url = wandb.Settings.model_fields["base_url"].default
+    return [urlsplit(url).netloc] if urlsplit(url).netloc else []

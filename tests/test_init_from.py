@@ -18,6 +18,16 @@ LLAMA = [
 ONE_BATCH = ["train.micro_batch_size=8", "train.global_batch_size=8"]
 
 
+class CreatesFile:
+    """Unpickling this creates ``path``: what a crafted weights file would do."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
 @pytest.fixture(scope="module")
 def exported(make_cfg_module, tmp_path_factory):
     """A Llama trained 3 steps in fp32 and exported (our hf/ directory): its path and tokenizer."""
@@ -99,7 +109,7 @@ def test_a_local_gpt2_directory_needs_a_tokenizer(exported, make_cfg_module, tmp
         return run(cfg, tmp_path / "run")
 
     capsys.readouterr()  # save_pretrained's progress bar
-    assert launch() == 1
+    assert launch() == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and error[0].startswith("error: ") and "holds no tokenizer" in error[0]
     cfg = make_cfg_module(
@@ -114,7 +124,16 @@ def test_a_local_gpt2_directory_needs_a_tokenizer(exported, make_cfg_module, tmp
 
 @pytest.mark.parametrize(
     "case",
-    ["missing", "no_weights", "architecture", "corrupt", "mismatch", "vocabulary", "positions"],
+    [
+        "missing",
+        "no_weights",
+        "architecture",
+        "corrupt",
+        "malicious",
+        "mismatch",
+        "vocabulary",
+        "positions",
+    ],
 )
 def test_bad_directories_are_one_error_line(exported, make_cfg_module, tmp_path, capsys, case):
     from transformers import BertConfig
@@ -128,11 +147,16 @@ def test_bad_directories_are_one_error_line(exported, make_cfg_module, tmp_path,
         BertConfig(vocab_size=600, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                    intermediate_size=64).save_pretrained(target)  # fmt: skip
         (target / "model.safetensors").write_bytes(b"")
-    elif case in ("corrupt", "mismatch"):  # bad weights file; GPT-2 weights, Llama config
+    elif case in ("corrupt", "malicious", "mismatch"):  # bad weights; GPT-2 in a Llama config
         config = GPT2Config(vocab_size=600, n_positions=64, n_embd=32, n_layer=1, n_head=4)
-        GPT2LMHeadModel(config).save_pretrained(target)
+        model = GPT2LMHeadModel(config)
+        model.save_pretrained(target)
         if case == "corrupt":
             (target / "model.safetensors").write_bytes(b"not safetensors")
+        elif case == "malicious":  # a pickle that would create the marker when loaded
+            (target / "model.safetensors").unlink()
+            payload = {**model.state_dict(), "payload": CreatesFile(tmp_path / "payload-ran")}
+            torch.save(payload, target / "pytorch_model.bin")
         else:
             (target / "config.json").write_text((directory / "config.json").read_text())
         extra = [f"data.tokenizer={directory}"]
@@ -143,7 +167,7 @@ def test_bad_directories_are_one_error_line(exported, make_cfg_module, tmp_path,
         extra = [f"data.tokenizer={directory}"]
     cfg = make_cfg_module(*ONE_BATCH, f"model.init_from={target}", *extra)
     capsys.readouterr()  # save_pretrained's progress bar
-    assert run(cfg, tmp_path / "run") == 1
+    assert run(cfg, tmp_path / "run") == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     expected = {
@@ -151,11 +175,13 @@ def test_bad_directories_are_one_error_line(exported, make_cfg_module, tmp_path,
         "no_weights": "holds no weights",
         "architecture": "'bert' model; supported architectures: gpt2, opt, llama",
         "corrupt": "cannot load its weights",
+        "malicious": "cannot load its weights",
         "mismatch": "its weights lack 21 tensor(s) the llama model needs",
         "vocabulary": "the data's tokenizer has 512 tokens but the model",
         "positions": "data.seq_len=32 is longer than the 16 positions",
     }[case]
     assert expected in lines[0], lines[0]
+    assert not (tmp_path / "payload-ran").exists()
 
 
 def test_the_planner_reads_the_directorys_architecture(exported, make_cfg_module):

@@ -141,6 +141,25 @@ def test_meta_json_cannot_steer_export_onto_deepspeed(single_run, resume_cfg, ca
     assert not marker.exists()
 
 
+def test_generate_refuses_a_malicious_weights_file_in_one_line(tmp_path, capsys):
+    """generate reads any local Hugging Face directory: a pickled pytorch_model.bin carrying
+    a payload is one error line and exit 2, and the payload never runs (model.init_from's
+    case is in test_init_from.py)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf = tmp_path / "hf"
+    config = GPT2Config(vocab_size=600, n_positions=64, n_embd=32, n_layer=1, n_head=4)
+    model = GPT2LMHeadModel(config)
+    model.save_pretrained(hf)
+    (hf / "model.safetensors").unlink()  # only the pickled weights are left to load
+    marker = tmp_path / "payload-ran"
+    torch.save({**model.state_dict(), "payload": Payload(marker)}, hf / "pytorch_model.bin")
+    capsys.readouterr()
+    assert generate.main([str(hf), "--max-new-tokens", "2"]) == 2
+    assert str(hf) in one_error_line(capsys.readouterr().err)
+    assert not marker.exists()
+
+
 def test_disk_full_while_checkpointing_keeps_the_last_checkpoint(
     corpus_dir, cache_dir, tmp_path, monkeypatch, capsys
 ):
@@ -364,7 +383,7 @@ def test_bad_value_is_one_error_line_before_anything_is_written(
         cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
     with pytest.raises(SystemExit) as exit_info:
         RunDirectoryCallback().on_run_start(config=cfg)
-    assert exit_info.value.code == 1
+    assert exit_info.value.code == 2
     line = one_error_line(capsys.readouterr().err)
     for fragment in fragments:
         assert fragment in line, line
@@ -396,7 +415,7 @@ def test_file_that_is_not_parquet_is_one_error_line(tiny_config_run, tmp_path, c
     bad = tmp_path / "data.parquet"
     bad.write_text("just text")
     status, stderr = tiny_config_run(f"data.paths=[{bad}]")
-    assert status == 1
+    assert status == 2
     line = one_error_line(stderr)
     assert str(bad) in line and "not a readable parquet file" in line
 

@@ -87,7 +87,7 @@ def test_training_must_end_and_validate_on_an_outer_step(make_cfg, tmp_path, key
 
 def test_zero_with_replicas_ends_in_one_error_line(tiny):
     result = tiny("distributed=zero1", "comm=sparseloco")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.error_lines == [
         "error: comm=sparseloco keeps one whole model per process and needs "
         "distributed=single, not distributed=zero1"

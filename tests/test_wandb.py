@@ -87,3 +87,36 @@ def test_a_resumed_run_rewinds_its_wandb_run_to_the_checkpoint(tmp_path):
             break
         time.sleep(0.1)
     assert points == [(run_id, "4")]  # the resumed run's rewind, which wandb sync applies
+
+
+def test_a_run_wandb_cannot_start_is_one_config_error(tmp_path, monkeypatch):
+    """Online with a key but no network: W&B gives up after its init timeout; that is one
+    error line naming the way out, not a traceback (wandb.init is made to fail at once)."""
+    import wandb
+
+    def unreachable(**kwargs):
+        raise wandb.errors.CommError("Run initialization has timed out after 90.0 sec.")
+
+    monkeypatch.setattr(wandb, "init", unreachable)
+    with pytest.raises(ConfigError, match="could not start a run: Run initialization has timed"):
+        WandbSink(wandb_cfg(mode="online"), tmp_path, CONFIG, resume=False)
+
+
+def test_a_netrc_entry_for_the_clients_own_host_counts_as_credentials(tmp_path, monkeypatch):
+    """`wandb login` writes the installed client's default host, which changed between W&B
+    releases: the start-up check asks the client rather than assuming one."""
+    import wandb
+    from collage_train.validate import wandb_credentials_found
+
+    for key in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    netrc_file = tmp_path / "netrc"
+    netrc_file.write_text("machine elsewhere.example login user password secret\n")
+    netrc_file.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc_file))
+    assert not wandb_credentials_found()
+    host = wandb.Settings.model_fields["base_url"].default.split("://", 1)[1]
+    netrc_file.write_text(f"machine {host} login user password secret\n")
+    assert wandb_credentials_found()
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.corp.example")
+    assert not wandb_credentials_found()  # a private server needs its own entry

@@ -210,7 +210,7 @@ def test_zero2_resume_continues_to_the_same_weights(runs, corpus_dir, cache_dir,
     # directory's record of the DeepSpeed config is left as the 2-rank run wrote it.
     rendered = (run_dir / "deepspeed_config.json").read_text()
     other = run_cli(*args, "train.resume=true")  # one process: a world of one
-    assert other.returncode == 1
+    assert other.returncode == 2
     assert len(other.error_lines) == 1
     assert "2 data-parallel ranks" in other.error_lines[0] and "1" in other.error_lines[0]
     assert (run_dir / "deepspeed_config.json").read_text() == rendered

@@ -31,6 +31,7 @@ from typing import Any
 import sentencepiece as spm
 
 from collage_train.data.errors import DataError
+from collage_train.errors import first_line
 
 MODEL_FILENAME = "tokenizer.model"
 HF_BUNDLE_FILENAME = "hf_tokenizer.json"
@@ -397,7 +398,3 @@ def find_eot_token(path: Path, document: dict[str, Any], config: dict[str, Any] 
         f"eos_token beside it (or use one of {', '.join(KNOWN_EOT_TOKENS)})"
     )
 
-
-def first_line(err: BaseException) -> str:
-    """The first line of an error's message (its type's name if it has none)."""
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]

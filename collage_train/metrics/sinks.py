@@ -23,7 +23,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from collage_train.errors import ConfigError
+from collage_train.errors import ConfigError, first_line
 
 
 class Sink(Protocol):
@@ -255,15 +255,21 @@ class WandbSink:
         chosen["dir"] = os.environ.get("WANDB_DIR") or str(run_dir)
         if run_id:
             chosen["resume_from"] = f"{run_id}?_step={start_step}"
-        self.run = wandb.init(
-            mode=mode,
-            name=cfg.name or f"{precision}-{run_dir.name}",
-            group=cfg.group or f"{model}-{precision}",
-            job_type=precision,
-            tags=sorted({*cfg.tags, precision, model, distributed}),
-            config=config,
-            **{key: value for key, value in chosen.items() if value is not None},
-        )
+        try:
+            self.run = wandb.init(
+                mode=mode,
+                name=cfg.name or f"{precision}-{run_dir.name}",
+                group=cfg.group or f"{model}-{precision}",
+                job_type=precision,
+                tags=sorted({*cfg.tags, precision, model, distributed}),
+                config=config,
+                **{key: value for key, value in chosen.items() if value is not None},
+            )
+        except (wandb.errors.Error, OSError) as err:  # no network, a refused key, a timeout
+            raise ConfigError(
+                f"W&B ({mode}) could not start a run: {first_line(err)}; check the network "
+                "and WANDB_API_KEY, or use logging.wandb.mode=offline and `wandb sync` later"
+            ) from None
         if self.run.id:
             id_file.write_text(self.run.id)
         self.run.define_metric("step")

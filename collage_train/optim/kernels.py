@@ -23,7 +23,7 @@ import shutil
 
 import torch
 
-from collage_train.errors import ConfigError
+from collage_train.errors import ConfigError, first_line
 from collage_train.metrics.descent import partials_close
 from collage_train.optim.collage_cpu import KernelBuildError, c_compiler
 from collage_train.optim.collage_math import (
@@ -87,12 +87,6 @@ def compiled_matches_eager(mode: str, device_type: str) -> bool:
     return all(
         torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(*runs, strict=True)
     )
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an exception's message (compiler errors run to pages)."""
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
 
 
 def choose_kernel(setting: str, device: torch.device, num_params: int, mode: str | None) -> str:
