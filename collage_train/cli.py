@@ -25,7 +25,7 @@ from collage_train.engine.launch import gather_objects, launched_rank, launched_
 from collage_train.errors import RUN_FAILED, CollageError, ConfigError, OutOfMemory
 from collage_train.metrics import ConsoleSink, JsonlSink, Sink, WandbSink
 from collage_train.metrics.sinks import wandb_mode
-from collage_train.resume import choose_checkpoint, record_changes
+from collage_train.resume import check_resume, choose_checkpoint, record_changes
 from collage_train.rundir import write_hydra_record
 from collage_train.trainer import Trainer
 
@@ -84,6 +84,7 @@ def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None)
             announce=lambda line: print(line, flush=True) if rank == 0 else None,
         )
         checkpoint.verify_checkpoint_files(existing)
+        changes = check_resume(existing, cfg, launched_world_size())
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, run_dir, sinks=[])
     try:
@@ -93,7 +94,6 @@ def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None)
         if existing is not None:
             trainer.resume_from(existing)
             if main:
-                changes = trainer.resume_changes
                 also = f" with changed settings: {', '.join(changes)}" if changes else ""
                 print(f"resumed from {existing} at step {trainer.step}{also}", flush=True)
                 if changes:

@@ -16,7 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 from collage_train import checkpoint
+from collage_train.comm.settings import comm_name, uses_replicas
 from collage_train.errors import CheckpointError, ConfigError
 
 # Settings a run is defined by: changing one on resume would make another run (another
@@ -119,6 +122,51 @@ def check_settings(path: Path, saved: dict[str, Any], current: dict[str, Any]) -
             "with the values it was written with, or start a new run in another hydra.run.dir"
         )
     return [f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items()]
+
+
+def check_resume(path: Path, cfg: DictConfig, world_size: int) -> list[str]:
+    """Refuse resuming ``path`` with ``cfg`` on ``world_size`` ranks where the run would not
+    be the same run; return the settings it changes as ``key old -> new`` lines.
+
+    Reads only the checkpoint's metadata, so it runs before data preparation and before
+    anything is written into the run directory.
+    """
+    meta = checkpoint.read_meta(path)
+    precision = cfg.precision.name
+    if meta.get("precision") != precision:
+        raise ConfigError(
+            f"{path} was written with precision={meta.get('precision')}, this run uses "
+            f"precision={precision}; resume with the same strategy"
+        )
+    written_by = meta.get("distributed", "single")
+    if written_by != cfg.distributed.name:
+        raise ConfigError(
+            f"{path} was written with distributed={written_by}, this run uses "
+            f"distributed={cfg.distributed.name}; resume with the same engine, or "
+            "export its weights with python -m collage_train.export and start a new run"
+        )
+    written_comm = meta.get("comm", "ddp")
+    if written_comm != comm_name(cfg.comm):
+        raise ConfigError(
+            f"{path} was written with comm={written_comm}, this run uses "
+            f"comm={comm_name(cfg.comm)}; resume with the same communication"
+        )
+    saved_world = int(meta.get("world_size", 1))
+    if saved_world != world_size and uses_replicas(cfg.comm):
+        raise ConfigError(
+            f"{path} was written by {saved_world} replicas and this run has {world_size}; "
+            "each replica's inner state is its own: resume with "
+            f"{saved_world} processes (torchrun --nproc_per_node {saved_world})"
+        )
+    if saved_world != world_size:
+        raise ConfigError(
+            f"{path} was written by {saved_world} data-parallel ranks and this run has "
+            f"{world_size}; ZeRO checkpoints are tied to the data-parallel size: resume with "
+            f"{saved_world} ranks (deepspeed --num_gpus/--num_nodes)"
+        )
+    return check_settings(
+        path, meta.get("config", {}), OmegaConf.to_container(cfg, resolve=True)
+    )
 
 
 def record_changes(run_dir: Path, step: int, changes: list[str]) -> None:

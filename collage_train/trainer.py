@@ -53,7 +53,6 @@ from collage_train.optim import decay_param_groups, warmup_cosine_lr
 from collage_train.optim.base import TrackingOptimizer, chunk_numel_for
 from collage_train.optim.kernels import choose_kernel
 from collage_train.precision import strategy_for
-from collage_train.resume import check_settings
 
 _VERSIONED_PACKAGES = ("torch", "transformers", "sentencepiece", "hydra-core", "wandb", "numpy")
 
@@ -313,41 +312,6 @@ class Trainer:
 
     def resume_from(self, path: Path) -> None:
         """Restore model, optimizer, loader position, RNG and step from a checkpoint."""
-        meta = checkpoint.read_meta(path)
-        if meta.get("precision") != self.strategy.name:
-            raise ConfigError(
-                f"{path} was written with precision={meta.get('precision')}, this run uses "
-                f"precision={self.strategy.name}; resume with the same strategy"
-            )
-        written_by = meta.get("distributed", "single")
-        if written_by != self.cfg.distributed.name:
-            raise ConfigError(
-                f"{path} was written with distributed={written_by}, this run uses "
-                f"distributed={self.cfg.distributed.name}; resume with the same engine, or "
-                "export its weights with python -m collage_train.export and start a new run"
-            )
-        written_comm = meta.get("comm", "ddp")
-        if written_comm != comm_name(self.cfg.comm):
-            raise ConfigError(
-                f"{path} was written with comm={written_comm}, this run uses "
-                f"comm={comm_name(self.cfg.comm)}; resume with the same communication"
-            )
-        saved_world = int(meta.get("world_size", 1))
-        if saved_world != self.engine.world_size and uses_replicas(self.cfg.comm):
-            raise ConfigError(
-                f"{path} was written by {saved_world} replicas and this run has "
-                f"{self.engine.world_size}; each replica's inner state is its own: resume "
-                f"with {saved_world} processes (torchrun --nproc_per_node {saved_world})"
-            )
-        if saved_world != self.engine.world_size:
-            raise ConfigError(
-                f"{path} was written by {saved_world} data-parallel ranks and this run has "
-                f"{self.engine.world_size}; ZeRO checkpoints are tied to the data-parallel "
-                f"size: resume with {saved_world} ranks (deepspeed --num_gpus/--num_nodes)"
-            )
-        self.resume_changes = check_settings(
-            path, meta.get("config", {}), OmegaConf.to_container(self.cfg, resolve=True)
-        )
         try:
             client_state = self.engine.load(path)
         except (RuntimeError, ValueError, KeyError) as err:

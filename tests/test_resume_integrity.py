@@ -137,14 +137,39 @@ def test_a_run_that_never_checkpointed_starts_over_without_duplicates(resume):
     "override",
     ["train.global_batch_size=16", "data.seq_len=16", "model.hidden_size=48", "train.seed=7"],
 )
-def test_a_resume_cannot_change_what_defines_the_run(resume, override):
-    listing = sorted(str(p.relative_to(resume.run_dir)) for p in resume.run_dir.rglob("*"))
-    metrics = (resume.run_dir / "metrics.jsonl").read_bytes()
+def test_a_resume_cannot_change_what_defines_the_run(resume, override, monkeypatch):
+    """Refused from the checkpoint's metadata alone, before the data is prepared (a changed
+    data setting would prepare another corpus first) and before any file changes."""
+    import collage_train.trainer
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the data was prepared before the resume was refused")
+
+    monkeypatch.setattr(collage_train.trainer, "build_data", no_data)
+    before = directory_contents(resume.run_dir)
     status, _, err = resume(override)
     (line,) = [line for line in err.splitlines() if line.startswith("error:")]
-    assert status != 0 and override.split("=")[0] in line and "define the run" in line
-    assert sorted(str(p.relative_to(resume.run_dir)) for p in resume.run_dir.rglob("*")) == listing
-    assert (resume.run_dir / "metrics.jsonl").read_bytes() == metrics
+    assert status == 2 and override.split("=")[0] in line and "define the run" in line
+    assert directory_contents(resume.run_dir) == before
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("precision=bf16", "written with precision=mixed_fp32, this run uses precision=bf16"),
+        ("comm=diloco", "written with comm=ddp, this run uses comm=diloco"),
+    ],
+)
+def test_a_resume_with_another_strategy_or_method_is_refused_first(resume, override, message):
+    before = directory_contents(resume.run_dir)
+    status, _, err = resume(override)
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert status == 2 and message in line, line
+    assert directory_contents(resume.run_dir) == before
+
+
+def directory_contents(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 def test_a_resume_may_change_how_the_run_runs_and_says_so(resume):
