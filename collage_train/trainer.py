@@ -51,7 +51,7 @@ from collage_train.models import (
 )
 from collage_train.optim import decay_param_groups, warmup_cosine_lr
 from collage_train.optim.base import TrackingOptimizer, chunk_numel_for
-from collage_train.optim.kernels import choose_kernel
+from collage_train.optim.collage.kernels import choose_kernel
 from collage_train.precision import strategy_for
 
 _VERSIONED_PACKAGES = ("torch", "transformers", "sentencepiece", "hydra-core", "wandb", "numpy")

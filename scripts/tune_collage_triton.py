@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from collage_train.metrics.descent import partials_close
-from collage_train.optim.collage_math import collage_tensor_step, step_scalars
-from collage_train.optim.collage_triton import triton_tensor_step
+from collage_train.optim.collage.step_math import collage_tensor_step, step_scalars
+from collage_train.optim.collage.triton_kernel import triton_tensor_step
 
 FLOOR_BYTES = {"none": 14, "light": 18, "plus": 22}
 # Without a GPU (dry runs under TRITON_INTERPRET=1) the script runs on the CPU.

@@ -5,7 +5,7 @@
  * tier's rounding (Veltkamp's splitting) and rb, and counts the x where they differ in
  * any bit while none of the MXCSR flags the kernel checks (SPLIT_FLAGS) was raised by
  * that x's rounding. NaNs whose low 16 bits are set are left out: the kernel never
- * rounds one (see the top of collage_cpu.c). The 2^16 values sharing their high 16 bits
+ * rounds one (see the top of cpu_kernel.c). The 2^16 values sharing their high 16 bits
  * are done as one vectorised chunk; a chunk with any difference is redone one value at
  * a time, each with its own flags. Prints the count and the number of chunks done;
  * exit 0 iff the count is 0. With arguments "k n" it does only the chunks whose high
@@ -15,7 +15,7 @@
 #include <stdlib.h>
 
 #define COLLAGE_ROUNDINGS_ONLY
-#include "collage_cpu.c"
+#include "cpu_kernel.c"
 
 /* Values of the chunk whose split rounding differs from rb (vectorised). */
 static uint32_t differences(uint32_t high) {

@@ -1,4 +1,4 @@
-/* TwoSum on every pair of bf16 values: the four roundings collage_cpu.c skips are exact.
+/* TwoSum on every pair of bf16 values: the four roundings cpu_kernel.c skips are exact.
  *
  * Built and run by tests/test_collage_cpu_kernel.py with the kernel's own flags. For all
  * 2^32 pairs (x, a) of bf16 bit patterns it computes TwoSum as mcf.two_sum does (every
@@ -13,7 +13,7 @@
 #include <stdlib.h>
 
 #define COLLAGE_ROUNDINGS_ONLY
-#include "collage_cpu.c"
+#include "cpu_kernel.c"
 
 int main(int argc, char **argv) {
     const uint32_t slice = argc > 2 ? (uint32_t)atoi(argv[1]) : 0;

@@ -1,4 +1,4 @@
-"""The C kernel of the CPU Collage step (optim/collage_cpu.py) against the eager reference.
+"""The C kernel of the CPU Collage step (optim/collage/cpu_kernel.py) against the eager reference.
 
 Bitwise on parameters and every state component, over many steps, on sizes that split
 across threads and sizes that do not, with gradients from 1e-38 (bf16 subnormals and
@@ -24,11 +24,11 @@ import torch
 
 from collage_train.errors import ConfigError
 from collage_train.metrics.descent import partials_close
-from collage_train.optim import collage_cpu, kernels
-from collage_train.optim.collage_math import collage_tensor_step, step_scalars
+from collage_train.optim.collage import cpu_kernel, kernels
+from collage_train.optim.collage.step_math import collage_tensor_step, step_scalars
 
 pytestmark = pytest.mark.skipif(
-    collage_cpu.c_compiler() is None, reason="needs a C compiler (gcc or clang)"
+    cpu_kernel.c_compiler() is None, reason="needs a C compiler (gcc or clang)"
 )
 
 # 3 * 2**16 + 5: split into thread ranges, none a multiple of the vector width.
@@ -57,7 +57,7 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 def tier_counts() -> tuple[int, int]:
     """Blocks handed so far to the checked tier and to the exact tier."""
-    return collage_cpu.checked_blocks(), collage_cpu.exact_blocks()
+    return cpu_kernel.checked_blocks(), cpu_kernel.exact_blocks()
 
 
 def handed_since(before: tuple[int, int]) -> tuple[int, int]:
@@ -66,14 +66,14 @@ def handed_since(before: tuple[int, int]) -> tuple[int, int]:
     return checked - before[0], exact - before[1]
 
 
-X86 = collage_cpu.splits_roundings()
+X86 = cpu_kernel.splits_roundings()
 
 
 def agrees_with_eager(mode: str, n: int, beta2: float) -> bool:
     """Twelve steps of random gradients on eager and kernel, bitwise equal after each;
     whether the second moments went subnormal on the way."""
     eager, fused = state(mode, n, 0), state(mode, n, 0)
-    kernel = collage_cpu.cpu_tensor_step(mode)
+    kernel = cpu_kernel.cpu_tensor_step(mode)
     gen = torch.Generator().manual_seed(1)
     seen_subnormal = False
     for step in range(1, 13):
@@ -110,19 +110,19 @@ def test_kernel_is_bitwise_equal_to_the_eager_reference(mode, n, beta2):
 @pytest.fixture(scope="module")
 def no_split_library(tmp_path_factory) -> ctypes.CDLL:
     """The kernel built as for a processor without the split tier (-DCOLLAGE_NO_SPLIT)."""
-    source = resources.files("collage_train.optim").joinpath("collage_cpu.c").read_bytes()
-    target = tmp_path_factory.mktemp("no-split") / "collage_cpu-no-split.so"
-    collage_cpu._build(
-        collage_cpu.c_compiler(), [*collage_cpu._flags(), "-DCOLLAGE_NO_SPLIT"], source, target
+    source = resources.files("collage_train.optim.collage").joinpath("cpu_kernel.c").read_bytes()
+    target = tmp_path_factory.mktemp("no-split") / "cpu_kernel-no-split.so"
+    cpu_kernel._build(
+        cpu_kernel.c_compiler(), [*cpu_kernel._flags(), "-DCOLLAGE_NO_SPLIT"], source, target
     )
     library = ctypes.CDLL(str(target))
-    collage_cpu._declare(library)
+    cpu_kernel._declare(library)
     return library
 
 
 @pytest.fixture
 def without_split_tier(monkeypatch, no_split_library):
-    monkeypatch.setattr(collage_cpu, "load_library", lambda: no_split_library)
+    monkeypatch.setattr(cpu_kernel, "load_library", lambda: no_split_library)
 
 
 @pytest.mark.parametrize("mode", ["none", "light", "plus"])
@@ -148,7 +148,7 @@ def training_like_state(mode: str, n: int, beta2: float) -> list[torch.Tensor | 
 
 def steps_agree(mode: str, eager: list, fused: list, beta2: float, seed: int) -> None:
     """Three more steps (untracked, tracked, update kept) on both: bitwise equal."""
-    kernel = collage_cpu.cpu_tensor_step(mode)
+    kernel = cpu_kernel.cpu_tensor_step(mode)
     gen = torch.Generator().manual_seed(seed)
     n = eager[0].numel()
     for step, (track, keep) in enumerate([(False, False), (True, False), (True, True)], 21):
@@ -239,9 +239,9 @@ def test_without_round_to_nearest_the_split_tier_is_left_out(monkeypatch, no_spl
     scalars = step_scalars(1e-3, 0.9, 0.95, 1e-8, 0.1, 21)
     with_split = training_like_state("plus", n, 0.95)
     without = [t.clone() for t in with_split]
-    split_kernel = collage_cpu.cpu_tensor_step("plus")
-    monkeypatch.setattr(collage_cpu, "load_library", lambda: no_split_library)
-    plain_kernel = collage_cpu.cpu_tensor_step("plus")
+    split_kernel = cpu_kernel.cpu_tensor_step("plus")
+    monkeypatch.setattr(cpu_kernel, "load_library", lambda: no_split_library)
+    plain_kernel = cpu_kernel.cpu_tensor_step("plus")
     before = tier_counts()
     assert LIBM.fesetround(FE_UPWARD) == 0
     try:
@@ -260,7 +260,7 @@ def test_the_kernel_leaves_the_callers_floating_point_flags_as_it_found_them():
     raised before the call is raised after it."""
     fused = with_subnormal_first_moments("plus", 8 * 1024, 0.95)  # raises flags inside
     grad = torch.full((8 * 1024,), 1e-2, dtype=torch.bfloat16)
-    kernel = collage_cpu.cpu_tensor_step("plus")
+    kernel = cpu_kernel.cpu_tensor_step("plus")
     scalars = step_scalars(1e-3, 0.9, 0.95, 1e-8, 0.1, 21)
     before = tier_counts()
     LIBM.feraiseexcept(FE_INVALID)
@@ -276,7 +276,7 @@ def test_each_thread_range_counts_once():
     n = 3 * 2**16 + 5
     theta, dtheta, m, v, dv = state("plus", n, 3)
     grad = torch.full((n,), 1e-2, dtype=torch.bfloat16)
-    sums = collage_cpu.cpu_tensor_step("plus")(
+    sums = cpu_kernel.cpu_tensor_step("plus")(
         theta, dtheta, m, v, dv, grad, *step_scalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 1),
         track=True, return_update=False,
     )  # fmt: skip
@@ -285,7 +285,7 @@ def test_each_thread_range_counts_once():
 
 
 def test_refuses_tensors_it_cannot_step():
-    kernel = collage_cpu.cpu_tensor_step("plus")
+    kernel = cpu_kernel.cpu_tensor_step("plus")
     theta, dtheta, m, v, dv = state("plus", 8, 0)
     scalars = step_scalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
     with pytest.raises(ValueError, match="contiguous bf16 CPU"):
@@ -298,28 +298,28 @@ def test_refuses_tensors_it_cannot_step():
 def fresh_build(monkeypatch, tmp_path):
     """An empty kernel cache and no loaded library; restored afterwards."""
     monkeypatch.setenv("COLLAGE_KERNEL_CACHE", str(tmp_path / "kernels"))
-    collage_cpu.load_library.cache_clear()
+    cpu_kernel.load_library.cache_clear()
     kernels.compiled_matches_eager.cache_clear()
     yield tmp_path / "kernels"
-    collage_cpu.load_library.cache_clear()
+    cpu_kernel.load_library.cache_clear()
     kernels.compiled_matches_eager.cache_clear()
 
 
 def test_builds_once_into_the_cache(fresh_build):
-    collage_cpu.load_library()
-    built = list(fresh_build.glob("collage_cpu-*.so"))
+    cpu_kernel.load_library()
+    built = list(fresh_build.glob("cpu_kernel-*.so"))
     assert len(built) == 1
     assert [p.name for p in fresh_build.iterdir()] == [built[0].name]  # no leftovers
     stamp = built[0].stat().st_mtime_ns
-    collage_cpu.load_library.cache_clear()
-    collage_cpu.load_library()
+    cpu_kernel.load_library.cache_clear()
+    cpu_kernel.load_library()
     assert built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
 
 
 def test_a_failing_compiler_is_one_clear_error(fresh_build, monkeypatch, caplog):
     monkeypatch.setenv("CC", "false")  # exits 1 on anything
-    with pytest.raises(collage_cpu.KernelBuildError, match=r"false failed on collage_cpu\.c"):
-        collage_cpu.load_library()
+    with pytest.raises(cpu_kernel.KernelBuildError, match=r"false failed on cpu_kernel\.c"):
+        cpu_kernel.load_library()
     cpu = torch.device("cpu")
     with pytest.raises(ConfigError, match=r"could not be built.*optim\.kernel=eager"):
         kernels.choose_kernel("compiled", cpu, 10, "plus")
@@ -332,16 +332,16 @@ def test_an_unwritable_cache_is_one_clear_error(fresh_build, monkeypatch, tmp_pa
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     monkeypatch.setenv("COLLAGE_KERNEL_CACHE", str(blocker / "kernels"))
-    with pytest.raises(collage_cpu.KernelBuildError, match="could not build into"):
-        collage_cpu.load_library()
+    with pytest.raises(cpu_kernel.KernelBuildError, match="could not build into"):
+        cpu_kernel.load_library()
     assert kernels.choose_kernel("auto", torch.device("cpu"), 10**9, "light") == "eager"
 
 
 def test_scalars_reach_the_kernel_as_fp32():
     """1 - beta2 is formed in float64 and rounded once to fp32, as torch does a scalar."""
-    field = dict(collage_cpu._Scalars._fields_)["one_minus_beta2"]
+    field = dict(cpu_kernel._Scalars._fields_)["one_minus_beta2"]
     assert field is ctypes.c_float
-    value = collage_cpu._Scalars(*[0.0] * 4, 1.0 - 0.999, *[0.0] * 4).one_minus_beta2
+    value = cpu_kernel._Scalars(*[0.0] * 4, 1.0 - 0.999, *[0.0] * 4).one_minus_beta2
     assert value == float(torch.tensor(1.0 - 0.999, dtype=torch.float32))
     assert not math.isclose(value, 1.0 - 0.999, rel_tol=1e-12)
 
@@ -350,11 +350,11 @@ def run_exhaustive_check(name: str, tmp_path: Path) -> None:
     """Build tests/<name>.c with the kernel's flags and run it, one slice per core at once:
     each slice finds nothing wrong and exits 0, and the slices cover all 2^16 chunks."""
     source = Path(__file__).with_name(f"{name}.c")
-    kernel_dir = Path(collage_cpu.__file__).parent
-    flags = [f for f in collage_cpu._flags() if f not in ("-fPIC", "-shared")]
+    kernel_dir = Path(cpu_kernel.__file__).parent
+    flags = [f for f in cpu_kernel._flags() if f not in ("-fPIC", "-shared")]
     binary = tmp_path / name
     subprocess.run(
-        [collage_cpu.c_compiler(), *flags, f"-I{kernel_dir}", str(source), "-o", str(binary)],
+        [cpu_kernel.c_compiler(), *flags, f"-I{kernel_dir}", str(source), "-o", str(binary)],
         check=True,
     )
     slices = min(8, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else 1

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from collage_train.optim import AdamW, CollageAdamW, SplitMasterAdamW
+from collage_train.optim import remainder as remainder_bits
 from collage_train.precision import get_strategy
-from collage_train.precision import remainder as remainder_bits
 
 STRATEGIES = (
     "fp32",

@@ -1,6 +1,6 @@
 """The compiled (fused) CollageAdamW kernel against the eager reference: bitwise.
 
-Both run ``collage_math.collage_tensor_step``; the compiled one is TorchInductor's single
+Both run ``step_math.collage_tensor_step``; the compiled one is TorchInductor's single
 fused kernel per tensor. Parameters and every state component must be bitwise equal
 after many steps, on sizes that are not multiples of any vector width, a single
 element and an empty tensor; the EDQ sums (reductions in another order) to fp32
@@ -30,7 +30,7 @@ def make_params(device: str, seed: int) -> list[torch.nn.Parameter]:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["none", "light", "plus"])
 def test_compiled_kernel_is_bitwise_equal_to_eager(mode, device):
-    from collage_train.optim.kernels import compiled_matches_eager
+    from collage_train.optim.collage.kernels import compiled_matches_eager
 
     if device == "cpu" and not compiled_matches_eager(mode, device):
         # Seen with torch 2.11's CPU backend; the trainer then runs the eager step
@@ -73,7 +73,7 @@ def test_kernel_name_is_validated():
 
 def test_kernel_choice(monkeypatch):
     from collage_train.errors import ConfigError
-    from collage_train.optim import kernels
+    from collage_train.optim.collage import kernels
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(kernels, "compiler_available", lambda device: True)
@@ -105,7 +105,7 @@ def _steps(optimizer, params, steps=4):
 def test_default_drop_in_chooses_the_fused_kernel_like_the_trainer(monkeypatch):
     """CollageAdamW(params) with no kernel argument: "auto", resolved at the first step
     (fused at and above the trainer's size threshold, eager below), the same bits."""
-    from collage_train.optim import kernels
+    from collage_train.optim.collage import kernels
 
     eager_params = make_params("cpu", 3)
     eager = CollageAdamW(eager_params, lr=1e-3, weight_decay=0.1, kernel="eager")
@@ -125,14 +125,14 @@ def test_default_drop_in_chooses_the_fused_kernel_like_the_trainer(monkeypatch):
 @pytest.mark.parametrize("mode", ["none", "plus"])
 def test_probe_accepts_this_torch(mode):
     """CI's torch (the pinned CPU build) compiles a bitwise-exact step on CPU."""
-    from collage_train.optim.kernels import compiled_matches_eager
+    from collage_train.optim.collage.kernels import compiled_matches_eager
 
     assert compiled_matches_eager(mode, "cpu")
 
 
 def test_probe_rejects_a_kernel_that_rounds_differently(monkeypatch):
     """A compiled step that is off by one unit in the last place anywhere is refused."""
-    from collage_train.optim import kernels
+    from collage_train.optim.collage import kernels
 
     def off_by_one_ulp(mode, device_type):
         def step(theta, *args, track, return_update):
@@ -208,7 +208,7 @@ def test_any_failure_of_the_fused_kernel_falls_back_or_refuses_in_one_line(
     monkeypatch, caplog, failure
 ):
     from collage_train.errors import ConfigError
-    from collage_train.optim import kernels
+    from collage_train.optim.collage import kernels
 
     def fails(mode, device_type):
         raise failure

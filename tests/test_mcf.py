@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collage_train.precision import mcf
+from collage_train.optim.collage import mcf
 
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 

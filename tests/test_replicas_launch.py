@@ -237,7 +237,7 @@ def test_resuming_replicas_with_another_world_size_is_refused(
     shutil.copytree(two_replicas, run_dir)
     args = [*overrides(corpus_dir, cache_dir), "train.resume=true", f"hydra.run.dir={run_dir}"]
     result = torchrun(*args, ranks=1)
-    assert result.returncode == 2
+    assert result.returncode == 1  # torchrun reports a failed worker as 1, whatever its status
     assert result.error_lines == [
         f"error: {checkpoint.latest_checkpoint(run_dir)} was written by 2 replicas and this run "
         "has 1; each replica's inner state is its own: resume with 2 processes "

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collage_train.metrics import model_state_bytes
-from collage_train.optim import AdamW, SplitMasterAdamW, decay_param_groups
-from collage_train.precision import get_strategy, remainder
+from collage_train.optim import AdamW, SplitMasterAdamW, decay_param_groups, remainder
+from collage_train.precision import get_strategy
 from collage_train.trainer import Trainer
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}

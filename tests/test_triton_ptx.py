@@ -4,7 +4,7 @@
 SASS, with the ptxas Triton ships) on a CPU machine. Every variant the optimizer can
 launch (mode x EDQ tracking x update return, 32- and 64-bit element counts) is compiled
 for sm_80 (A100) and sm_90 (H100), and its PTX must do what bitwise parity with the
-eager reference needs (collage_triton's docstring): correctly rounded division and
+eager reference needs (triton_kernel's docstring): correctly rounded division and
 square root, no flush-to-zero, no fused multiply-add in fp32 (the eager kernels round
 every product before an add), and round-to-nearest-even conversions to bf16.
 
@@ -26,7 +26,7 @@ triton = pytest.importorskip("triton")  # a dev dependency; absent only off Linu
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from collage_train.optim.collage_triton import (  # noqa: E402
+from collage_train.optim.collage.triton_kernel import (  # noqa: E402
     _MODES,
     BLOCK,
     NUM_WARPS,

@@ -21,8 +21,8 @@ import triton.language as tl
 from triton.runtime import interpreter
 
 from collage_train.metrics.descent import partials_close
-from collage_train.optim.collage_math import collage_tensor_step, step_scalars
-from collage_train.optim.collage_triton import BLOCK, triton_tensor_step
+from collage_train.optim.collage.step_math import collage_tensor_step, step_scalars
+from collage_train.optim.collage.triton_kernel import BLOCK, triton_tensor_step
 
 SIZES = (1, BLOCK - 1, BLOCK + 1, 2 * BLOCK + 3)
 STEPS = 5

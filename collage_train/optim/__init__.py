@@ -2,7 +2,7 @@
 
 from collage_train.optim.adamw import AdamW
 from collage_train.optim.clipping import clip_grad_norm
-from collage_train.optim.collage_adamw import CollageAdamW
+from collage_train.optim.collage.adamw import CollageAdamW
 from collage_train.optim.param_groups import decay_param_groups
 from collage_train.optim.schedule import warmup_cosine_lr
 from collage_train.optim.split_adamw import SplitMasterAdamW

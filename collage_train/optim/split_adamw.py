@@ -1,7 +1,7 @@
 """SplitMasterAdamW: fp32-master AdamW whose master costs 2 bytes beyond the bf16 weight.
 
 The fp32 master weight is never stored whole: its bf16 rounding *is* the model's weight
-and the optimizer keeps only the 16-bit remainder (``precision.remainder``). Each step
+and the optimizer keeps only the 16-bit remainder (``optim.remainder``). Each step
 joins weight and remainder into the exact fp32 master, runs the very AdamW update of
 ``AdamW(master_dtype=torch.float32)`` (fp32 moments, same kernels, same order), rounds
 the result into the weight and splits off the new remainder. The trajectory is
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from collage_train.optim import remainder
 from collage_train.optim.adamw import AdamW
-from collage_train.precision import remainder
 
 
 class SplitMasterAdamW(AdamW):

@@ -78,8 +78,8 @@ class PrecisionStrategy:
 
         ``kernel`` ("eager" or "compiled") picks the implementation of the Collage step.
         """
-        # Imported here: the optimizers use precision.mcf, so a module-level import
-        # would make the two packages import each other.
+        # Imported here: importing a strategy record should not load the optimizers and
+        # their kernels (the planner and the config check read the records alone).
         from collage_train.optim import AdamW, CollageAdamW, SplitMasterAdamW
 
         hyperparameters = {

@@ -1,7 +1,7 @@
 """The Collage step as one hand-written Triton kernel for CUDA tensors.
 
 One program reads a block of each input once (theta, dtheta, m, v, dv, g: bf16), runs
-``collage_math.collage_tensor_step``'s arithmetic with every bf16 rounding written out,
+``step_math.collage_tensor_step``'s arithmetic with every bf16 rounding written out,
 writes the new state once, and, when EDQ is tracked, stores the block's six partial
 sums (``metrics.descent.FIELDS``) beside it; a deterministic sum over the blocks
 finishes them. So EDQ costs six floats per block instead of another pass over the
@@ -155,7 +155,7 @@ def _collage_step_kernel(
 def triton_tensor_step(
     mode: str, block: int = BLOCK, num_warps: int = NUM_WARPS, bit_rounding: bool = _INTERPRETED
 ) -> Callable[..., torch.Tensor | None]:
-    """A drop-in for ``collage_math.compiled_tensor_step(mode)`` on contiguous CUDA tensors.
+    """A drop-in for ``step_math.compiled_tensor_step(mode)`` on contiguous CUDA tensors.
 
     Same positional tensors and scalars, ``track``/``return_update`` as keywords; returns
     the six EDQ partial sums (fp32, on the device) or the intended update. ``block``,

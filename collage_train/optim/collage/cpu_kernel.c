@@ -1,8 +1,8 @@
 /* The CollageAdamW step on one contiguous range of bf16 tensors, for CPUs.
  *
- * The same arithmetic as collage_math.collage_tensor_step, element for element: fp32
+ * The same arithmetic as step_math.collage_tensor_step, element for element: fp32
  * operations on widened bf16 values, each result that the reference rounds to bf16
- * rounded here to nearest-even on its bits (rb). Compiled by collage_cpu.py with
+ * rounded here to nearest-even on its bits (rb). Compiled by cpu_kernel.py with
  * -O3 -march=native -ffp-contract=off: no fused multiply-adds (every product is rounded
  * to fp32 on its own, as in the reference), no reassociation, IEEE division and sqrt;
  * "#pragma omp simd" (with -fopenmp-simd, no OpenMP runtime) lets the compiler
@@ -153,7 +153,7 @@ static inline uint32_t pack(float low_rounded, float high_rounded) {
     return (bits_of(high_rounded) & 0xffff0000u) | (bits_of(low_rounded) >> 16);
 }
 
-/* The scalars of one step, in the order of collage_math.step_scalars (plus 1 - beta2). */
+/* The scalars of one step, in the order of step_math.step_scalars (plus 1 - beta2). */
 typedef struct {
     float one_minus_beta1, beta2, beta2_hi, beta2_lo, one_minus_beta2, inv_sqrt_bias2, eps,
         step_size, decay;

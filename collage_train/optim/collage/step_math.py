@@ -21,7 +21,7 @@ import math
 import torch
 
 from collage_train.metrics.descent import descent_partials
-from collage_train.precision import mcf
+from collage_train.optim.collage import mcf
 
 _BF16 = torch.bfloat16
 
@@ -160,16 +160,16 @@ def compiled_tensor_step(mode: str):
 def fused_tensor_step(mode: str, device_type: str):
     """The one-pass step of ``mode`` for tensors on ``device_type``.
 
-    CUDA runs the hand-written Triton kernel (``collage_triton``), the CPU the C kernel
-    (``collage_cpu``), other devices the TorchInductor compilation of
+    CUDA runs the hand-written Triton kernel (``triton_kernel``), the CPU the C kernel
+    (``cpu_kernel``), other devices the TorchInductor compilation of
     ``collage_tensor_step``. Same arguments as ``compiled_tensor_step``.
     """
     if device_type == "cuda":
-        from collage_train.optim.collage_triton import triton_tensor_step
+        from collage_train.optim.collage.triton_kernel import triton_tensor_step
 
         return triton_tensor_step(mode)
     if device_type == "cpu":
-        from collage_train.optim.collage_cpu import cpu_tensor_step
+        from collage_train.optim.collage.cpu_kernel import cpu_tensor_step
 
         return cpu_tensor_step(mode)
     return compiled_tensor_step(mode)

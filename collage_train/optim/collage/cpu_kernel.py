@@ -1,7 +1,7 @@
 """The fused CollageAdamW step on CPU: a small C kernel, built once per machine.
 
-``collage_cpu.c`` does one pass over each tensor (EDQ sums in the same pass) with the
-arithmetic of ``collage_math.collage_tensor_step``, bitwise. Its fast tiers leave out
+``cpu_kernel.c`` does one pass over each tensor (EDQ sums in the same pass) with the
+arithmetic of ``step_math.collage_tensor_step``, bitwise. Its fast tiers leave out
 roundings that are the identity in practice, and on x86 round with three floating-point
 operations whose failures the processor flags; each checks, block by block, that what
 it left out did not matter, and hands a block that fails to the next tier, down to an
@@ -44,7 +44,7 @@ _MODES = {"none": 0, "light": 1, "plus": 2}
 # Blocks the kernel handed from its fastest tier to the checked one, and to the exact
 # one, since the process started.
 _handed = [0, 0]
-_SOURCE = "collage_cpu.c"
+_SOURCE = "cpu_kernel.c"
 # Below this many elements one thread does the whole tensor (a thread hand-off costs
 # tens of microseconds); ranges are multiples of 64 elements (a cache line of bf16 x 2).
 _SPLIT_MIN_NUMEL = 1 << 16
@@ -138,13 +138,13 @@ def load_library() -> ctypes.CDLL:
     compiler = c_compiler()
     if compiler is None:
         raise KernelBuildError("no C compiler found (set CC, or install gcc or clang)")
-    source = resources.files("collage_train.optim").joinpath(_SOURCE).read_bytes()
+    source = resources.files("collage_train.optim.collage").joinpath(_SOURCE).read_bytes()
     flags = _flags()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
         b"\0".join(s.encode() for s in (version, *flags, _processor_identity())) + source
     ).hexdigest()[:20]
-    target = cache_dir() / f"collage_cpu-{key}.so"
+    target = cache_dir() / f"cpu_kernel-{key}.so"
     if not target.exists():
         try:
             _build(compiler, flags, source, target)
@@ -204,7 +204,7 @@ def _ranges(n: int, workers: int) -> list[tuple[int, int]]:
 def cpu_tensor_step(mode: str) -> Callable[..., torch.Tensor | None]:
     """The fused step of ``mode`` for contiguous CPU bf16 tensors.
 
-    Same positional tensors and scalars as ``collage_math.collage_tensor_step`` (1-D),
+    Same positional tensors and scalars as ``step_math.collage_tensor_step`` (1-D),
     ``track`` and ``return_update`` as keywords; returns the six EDQ partial sums (fp32)
     or the intended update. Raises KernelBuildError when the kernel cannot be built.
     """

@@ -1,7 +1,7 @@
 """Which implementation of the Collage step a run uses: eager reference or compiled kernel.
 
 ``optim.kernel=auto`` runs the fused step (one pass per tensor: the C kernel of
-``collage_cpu`` on CPU, the Triton kernel on GPU, TorchInductor elsewhere) when its
+``cpu_kernel`` on CPU, the Triton kernel on GPU, TorchInductor elsewhere) when its
 compiler is there (a C compiler on CPU, Triton on GPU), the model is large enough for
 the one-off build to pay for itself, and the fused kernel reproduces the eager
 reference bit for bit on this device (checked once per process by
@@ -25,8 +25,8 @@ import torch
 
 from collage_train.errors import ConfigError, first_line
 from collage_train.metrics.descent import partials_close
-from collage_train.optim.collage_cpu import KernelBuildError, c_compiler
-from collage_train.optim.collage_math import (
+from collage_train.optim.collage.cpu_kernel import KernelBuildError, c_compiler
+from collage_train.optim.collage.step_math import (
     collage_tensor_step,
     fused_tensor_step,
     step_scalars,

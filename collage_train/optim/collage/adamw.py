@@ -13,7 +13,7 @@ Collage (Yu et al., ICML 2024) keeps no fp32 copy of anything. Per element:
 c1 = 1 - beta1^t and c2 = 1 - beta2^t come from an integer step count, in float64 on
 the host; the beta2 remainder is computed in float64 whatever the default dtype. Weight
 decay is part of u, so it is compensated too. The model always computes with theta (the
-bf16 parameter). The arithmetic lives in ``collage_math.collage_tensor_step``, one
+bf16 parameter). The arithmetic lives in ``step_math.collage_tensor_step``, one
 tensor at a time with every rounding explicit; ``kernel="compiled"`` runs it as one
 fused kernel per tensor (the C kernel on CPU, Triton on CUDA: one pass over the data,
 EDQ sums included), bitwise identical to ``kernel="eager"``. The default, ``"auto"``,
@@ -37,13 +37,13 @@ from collage_train.metrics.descent import FIELDS, descent_partials
 from collage_train.optim.base import TrackingOptimizer, chunk_numel_for
 
 __all__ = ["CollageAdamW", "chunk_numel_for"]
-from collage_train.optim.collage_math import (
+from collage_train.optim.collage.kernels import choose_kernel
+from collage_train.optim.collage.step_math import (
     collage_tensor_step,
     fused_tensor_step,
     min_fused_numel,
     step_scalars,
 )
-from collage_train.optim.kernels import choose_kernel
 
 MODES = ("none", "light", "plus")
 KERNELS = ("auto", "eager", "compiled")
