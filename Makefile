@@ -28,7 +28,7 @@ train: $(STAMP)
 	$(PY) -m collage_train $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=25 $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -77,32 +77,49 @@ def _remove_shm_buffers(port: int) -> tuple[str, ...]:
 
 
 def _launch(
-    name: str, options: list[str], args: tuple[str, ...], cwd: Path, timeout: float
+    name: str, options: list[str], args: tuple[str, ...], cwd: Path, timeout: float, ranks: int
 ) -> Result:
-    """``NAME --master_port PORT OPTIONS ARGS`` (a launcher of this environment) on CPU,
-    on a free port; then removes the run's DeepSpeed /dev/shm files, naming them in the
-    result."""
+    """``NAME --master_port PORT OPTIONS ARGS`` (a launcher of this environment) on CPU, on
+    a free port, with the machine's cores shared out as OpenMP threads (one per rank on 2
+    cores, as on CI): the one launcher of every multi-process test. Retries a port another
+    process took between choosing and binding it; removes the run's DeepSpeed /dev/shm
+    files, naming them in the result."""
     launcher = shutil.which(name) or str(Path(sys.executable).parent / name)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "DS_ACCELERATOR": "cpu"}
-    port = _free_port()
-    command = [launcher, "--master_port", str(port), *options, *args]
-    try:
-        proc = subprocess.run(
-            command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-        )
-    finally:
-        left = _remove_shm_buffers(port)
-    return Result(proc.returncode, proc.stdout, proc.stderr, left)
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "WANDB_SILENT": "true",
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
+    }
+    for _ in range(3):
+        port = _free_port()
+        command = [launcher, "--master_port", str(port), *options, *args]
+        try:
+            proc = subprocess.run(
+                command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+            )
+        finally:
+            left = _remove_shm_buffers(port)
+        result = Result(proc.returncode, proc.stdout, proc.stderr, left)
+        if "address already in use" not in result.stderr.lower():
+            break
+    return result
 
 
 def run_deepspeed(*args: str, ranks: int = 2, timeout: float = 900) -> Result:
     """``deepspeed --num_gpus RANKS --no_local_rank --module collage_train ARGS`` on CPU."""
     options = ["--num_gpus", str(ranks), "--no_local_rank", "--module", "collage_train"]
-    return _launch("deepspeed", options, args, REPO, timeout)
+    return _launch("deepspeed", options, args, REPO, timeout, ranks)
 
 
-def run_torchrun(*args: str, cwd: Path, ranks: int = 2, timeout: float = 900) -> Result:
-    """``torchrun --nproc_per_node RANKS -m collage_train ARGS`` on CPU, from ``cwd``."""
-    return _launch(
-        "torchrun", ["--nproc_per_node", str(ranks), "-m", "collage_train"], args, cwd, timeout
-    )
+def run_torchrun(
+    *args: str,
+    cwd: Path = REPO,
+    ranks: int = 2,
+    entry: str = "-m collage_train",
+    timeout: float = 900,
+) -> Result:
+    """``torchrun --nproc_per_node RANKS ENTRY ARGS`` on CPU, from ``cwd``."""
+    options = ["--nproc_per_node", str(ranks), *entry.split()]
+    return _launch("torchrun", options, args, cwd, timeout, ranks)

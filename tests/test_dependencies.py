@@ -52,3 +52,23 @@ def test_floors_cover_what_the_code_uses_and_deepspeed_is_capped():
     assert floor(ranges["transformers"]) >= Version("4.53")  # transformers.masking_utils
     assert floor(ranges["deepspeed"]) >= Version("0.18.3")  # bf16 optimizer states
     assert any(s.operator == "<" for s in ranges["deepspeed"].specifier)
+
+
+def test_every_declared_dependency_is_imported_by_the_package():
+    """Declared means used: each dependency provides a module that collage_train imports."""
+    import ast
+    from importlib.metadata import packages_distributions
+
+    imported: set[str] = set()
+    for path in (REPO / "collage_train").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    provided: dict[str, set[str]] = {}
+    for module, distributions in packages_distributions().items():
+        for distribution in distributions:
+            provided.setdefault(canonicalize_name(distribution), set()).add(module)
+    unused = [name for name in declared() if not provided.get(name, set()) & imported]
+    assert not unused, f"declared but never imported: {unused}"

@@ -13,15 +13,13 @@ Run these alone with ``pytest -m replicas``.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import REPO, Result, _free_port, run_cli, run_deepspeed
+from cli_runner import REPO, run_cli, run_deepspeed
+from cli_runner import run_torchrun as torchrun
 from hydra import compose, initialize_config_dir
 from replica_sim import simulate_replicas
 from safetensors.torch import load_file
@@ -58,21 +56,6 @@ def overrides(corpus: Path, cache: Path, *extra: str) -> list[str]:
         "comm.checksum_every=1",  # every outer step: a diverging rank fails the run
         *extra,
     ]
-
-
-def torchrun(*args: str, entry: str = "-m collage_train", ranks: int = 2) -> Result:
-    """``torchrun --nproc_per_node RANKS ENTRY ARGS`` with one thread per rank; retries a
-    port that another process took between choosing and binding it."""
-    launcher = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    for _ in range(3):
-        command = [launcher, "--nproc_per_node", str(ranks), "--master_port", str(_free_port())]
-        command += [*entry.split(), *args]
-        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-        result = Result(proc.returncode, proc.stdout, proc.stderr)
-        if "address already in use" not in result.stderr.lower():
-            return result
-    return result
 
 
 def records(run_dir: Path) -> list[dict]:
