@@ -19,8 +19,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from collage_train import checkpoint
+from collage_train.trainer import gradient_accumulation_steps
+from collage_train.checkpoint.full_state import ZERO_ENGINES, layout_of, needs_reshard
+from collage_train.checkpoint.universal import UNIVERSAL
 from collage_train.comm.settings import comm_name, uses_replicas
 from collage_train.errors import CheckpointError, ConfigError
+from collage_train.precision import strategy_for
+
+# Layouts an elastic resume reads per parameter on any engine and number of ranks.
+RESHARDABLE = ("single", *ZERO_ENGINES, UNIVERSAL)
 
 # Settings a run is defined by: changing one on resume would make another run (another
 # model, numerics, data or token count per step) under the same name.
@@ -138,35 +145,45 @@ def check_resume(path: Path, cfg: DictConfig, world_size: int) -> list[str]:
             f"{path} was written with precision={meta.get('precision')}, this run uses "
             f"precision={precision}; resume with the same strategy"
         )
-    written_by = meta.get("distributed", "single")
-    if written_by != cfg.distributed.name:
-        raise ConfigError(
-            f"{path} was written with distributed={written_by}, this run uses "
-            f"distributed={cfg.distributed.name}; resume with the same engine, or "
-            "export its weights with python -m collage_train.export and start a new run"
-        )
     written_comm = meta.get("comm", "ddp")
     if written_comm != comm_name(cfg.comm):
         raise ConfigError(
             f"{path} was written with comm={written_comm}, this run uses "
             f"comm={comm_name(cfg.comm)}; resume with the same communication"
         )
+    layout = layout_of(meta)
     saved_world = int(meta.get("world_size", 1))
-    if saved_world != world_size and uses_replicas(cfg.comm):
+    if needs_reshard(meta, cfg.distributed.name, world_size):
+        _check_reshard(path, cfg, layout, saved_world, world_size)
+    return check_settings(path, meta.get("config", {}), OmegaConf.to_container(cfg, resolve=True))
+
+
+def _check_reshard(
+    path: Path, cfg: DictConfig, layout: str, saved_world: int, world_size: int
+) -> None:
+    """Refuse an elastic resume (another engine or number of ranks) where it cannot work."""
+    if uses_replicas(cfg.comm):
         raise ConfigError(
             f"{path} was written by {saved_world} replicas and this run has {world_size}; "
             "each replica's inner state is its own: resume with "
             f"{saved_world} processes (torchrun --nproc_per_node {saved_world})"
         )
-    if saved_world != world_size:
+    if not strategy_for(cfg.precision).runs_under_zero:
         raise ConfigError(
-            f"{path} was written by {saved_world} data-parallel ranks and this run has "
-            f"{world_size}; ZeRO checkpoints are tied to the data-parallel size: resume with "
-            f"{saved_world} ranks (deepspeed --num_gpus/--num_nodes)"
+            f"{path} was written by distributed={layout} on {saved_world} rank(s); "
+            f"precision={cfg.precision.name} resumes only with the engine and number of "
+            "processes that wrote it"
         )
-    return check_settings(
-        path, meta.get("config", {}), OmegaConf.to_container(cfg, resolve=True)
-    )
+    train = cfg.train
+    try:
+        gradient_accumulation_steps(train.global_batch_size, train.micro_batch_size, world_size)
+    except ConfigError as err:
+        raise ConfigError(f"{path} cannot continue on {world_size} rank(s): {err}") from None
+    if layout not in RESHARDABLE:
+        raise ConfigError(
+            f"{path} was written by distributed={layout}, which cannot be resharded; resume "
+            "with the engine and number of ranks that wrote it"
+        )
 
 
 def record_changes(run_dir: Path, step: int, changes: list[str]) -> None:

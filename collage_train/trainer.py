@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from collage_train import checkpoint, init_from
+from collage_train.checkpoint.full_state import needs_reshard, open_full_state
 from collage_train.comm.settings import check_schedule, comm_name, uses_replicas
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm, probe_gflops
 from collage_train.data import build_data
@@ -311,9 +312,14 @@ class Trainer:
         return final
 
     def resume_from(self, path: Path) -> None:
-        """Restore model, optimizer, loader position, RNG and step from a checkpoint."""
+        """Restore model, optimizer, loader position, RNG and step from a checkpoint, also
+        one written by another engine or number of ranks (read per parameter)."""
+        meta = checkpoint.read_meta(path)
         try:
-            client_state = self.engine.load(path)
+            if needs_reshard(meta, self.cfg.distributed.name, self.engine.world_size):
+                client_state = self._load_resharded(path)
+            else:
+                client_state = self.engine.load(path)
         except (RuntimeError, ValueError, KeyError) as err:
             first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise ConfigError(
@@ -321,6 +327,33 @@ class Trainer:
                 "resume with the configuration it was written with"
             ) from None
         self.load_state_dict(client_state)
+
+    def _load_resharded(self, path: Path) -> dict[str, Any]:
+        """Elastic resume: every rank reads its share of each parameter's state."""
+        named = list(self.model.named_parameters())
+        names = {param: name for name, param in named}
+        groups = decay_param_groups(self.model, self.cfg.optim.weight_decay)
+        state = open_full_state(path, [names[p] for g in groups for p in g["params"]])
+        state.check_model({n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in named}, path)
+        client_state = self.engine.load_full(state)
+        loader = client_state["loader"]  # its position counts samples: rank-independent
+        client_state["loader"] = {**loader, "world_size": self.engine.world_size}
+        if self.engine.is_main:
+            kept = ", ".join(sorted(state.read(named[0][0], 0, 1)))
+            lost = (
+                "per-rank RNG streams (every rank continues from rank 0's generator)"
+                if max(state.world_size, self.engine.world_size) > 1
+                else "nothing"
+            )
+            print(
+                f"elastic resume: {path.name} was written by {state.layout} on "
+                f"{state.world_size} rank(s), continuing with "
+                f"distributed={self.cfg.distributed.name} on {self.engine.world_size}; "
+                f"carried over: {kept}, step, data position, rank 0's RNG; "
+                f"not carried over: {lost}",
+                flush=True,
+            )
+        return client_state
 
     # -------------------------------------------------------------- stepping
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from collage_train.checkpoint.full_state import FullState
 from collage_train.precision.base import PrecisionStrategy
 
 # A contiguous run [start, stop) of a flat optimizer tensor that belongs to one layer group.
@@ -94,6 +95,10 @@ class Engine(Protocol):
 
     def load(self, directory: Path) -> dict[str, Any]:
         """Restore model and optimizer state from ``directory``; return the client state."""
+
+    def load_full(self, state: FullState) -> dict[str, Any]:
+        """Elastic resume: take this rank's share of a rank-independent state; return the
+        client state (not offered by the replica engine)."""
 
     def full_weights(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
         """A context in which the module holds all of its weights (for export)."""

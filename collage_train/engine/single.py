@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from collage_train import checkpoint
+from collage_train.checkpoint.full_state import INDEX_COMPONENTS, FullState
 from collage_train.engine.base import Segment, StepOutcome, unchanged
 from collage_train.errors import ConfigError
 from collage_train.metrics import model_state_bytes
@@ -125,11 +126,15 @@ class SingleProcessEngine:
         """One process: no process group to leave."""
 
     def save(self, directory: Path, client_state: dict[str, Any]) -> None:
+        """model.pt, optimizer.pt (its state by index, and ``param_names`` naming each
+        index, so that other layouts can read it per parameter) and trainer.pt."""
+        names = {param: name for name, param in self.model.named_parameters()}
+        param_names = [names[p] for group in self.optimizer.param_groups for p in group["params"]]
         checkpoint.write_tensors(
             directory,
             {
                 "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": {**self.optimizer.state_dict(), "param_names": param_names},
                 "trainer": client_state,
             },
         )
@@ -138,6 +143,20 @@ class SingleProcessEngine:
         self.model.load_state_dict(checkpoint.load_checkpoint_file(directory, "model", self.device))
         self.optimizer.load_state_dict(checkpoint.load_checkpoint_file(directory, "optimizer"))
         return checkpoint.load_checkpoint_file(directory, "trainer")
+
+    def load_full(self, state: FullState) -> dict[str, Any]:
+        """Elastic resume: weights and optimizer state of each parameter from the
+        rank-independent ``state``, bit for bit; returns the client state."""
+        for name, param in self.model.named_parameters():
+            components = state.read(name)
+            with torch.no_grad():
+                param.copy_(components.pop("weight").view(param.shape))
+            restored: dict[str, Any] = {"step": state.steps[name]}
+            for key, value in components.items():
+                shaped = value if key in INDEX_COMPONENTS else value.view(param.shape)
+                restored[key] = shaped.to(self.device, copy=True)
+            self.optimizer.state[param] = restored
+        return state.trainer
 
     def full_weights(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
         return unchanged(self.model)

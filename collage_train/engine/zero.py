@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from collage_train.checkpoint.full_state import INDEX_COMPONENTS, FullState
+from collage_train.checkpoint.pieces import Piece
 from collage_train.engine.base import Segment, StepOutcome, unchanged
 from collage_train.engine.deepspeed_config import (
     GradientDtypes,
@@ -26,7 +28,7 @@ from collage_train.engine.deepspeed_config import (
 )
 from collage_train.engine.launch import check_process_group, init_process_group, local_rank
 from collage_train.engine.zero_memory import ZeroStateBytes, zero_state_bytes
-from collage_train.errors import ConfigError
+from collage_train.errors import CheckpointError, ConfigError
 from collage_train.metrics.memory import storage_bytes
 from collage_train.precision.base import PrecisionStrategy
 
@@ -274,6 +276,87 @@ class ZeroEngine:
         if path is None or not client_state or "trainer" not in client_state:
             raise ConfigError(f"{directory} is not a readable DeepSpeed checkpoint of this run")
         return client_state["trainer"]
+
+    def partition_pieces(self) -> list[list[Piece]]:
+        """Per flat master partition of this rank: where each parameter's elements lie in it.
+
+        Stages 1 and 2: DeepSpeed's own fragment addresses (offset in the parameter and in
+        the partition); stage 3: shard ``rank`` of each parameter, concatenated.
+        """
+        zero = self._zero_optimizer()
+        names = {param: name for name, param in self.model.named_parameters()}
+        layout: list[list[Piece]] = []
+        for index in range(len(self.master_partitions())):
+            pieces = []
+            if self.stage < 3:
+                for param in zero.bit16_groups[index]:
+                    mapping = getattr(param, "_hp_mapping", None)
+                    if mapping is not None:
+                        low, high = mapping.lp_fragment_address, mapping.hp_fragment_address
+                        pieces.append(Piece(names[param], index, low.start, high.start, low.numel))
+            else:
+                position = 0
+                for param in zero.fp16_groups[index]:
+                    shard = int(param.partition_numel())
+                    start = self.rank * shard
+                    count = max(0, min(shard, int(param.ds_numel) - start))
+                    if count:
+                        pieces.append(Piece(names[param], index, start, position, count))
+                    position += shard
+            layout.append(pieces)
+        return layout
+
+    def load_full(self, state: FullState) -> dict[str, Any]:
+        """Elastic resume: fill this rank's master partitions and optimizer state with its
+        slices of the rank-independent ``state``, then let DeepSpeed set the weights from
+        the masters as after a step (all ranks call this together). Returns the client
+        state."""
+        zero = self._zero_optimizer()
+        if self.stage == 3:
+            zero.checkpoint_event_prologue()  # every parameter partitioned
+        for pieces, flat in zip(self.partition_pieces(), self.master_partitions(), strict=True):
+            self._fill_partition(state, pieces, flat)
+        if self.stage < 3:
+            zero.update_lp_params()  # bf16 partition <- master, all-gathered into the weights
+        else:
+            for fp32, fp16 in zip(
+                zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat, strict=True
+            ):
+                if fp32.numel():
+                    fp16.data.copy_(fp32.data)
+            for index, flat in enumerate(zero.fp16_partitioned_groups_flat):
+                params = zero.fp16_partitioned_groups[index]
+                for param, view in zip(params, zero.unflatten(flat, params), strict=True):
+                    param.data = view.data
+            zero.checkpoint_event_epilogue()  # parameters kept whole are gathered again
+        return state.trainer
+
+    def _fill_partition(self, state: FullState, pieces: list[Piece], flat: torch.Tensor) -> None:
+        restored: dict[str, torch.Tensor] = {}
+        positions: dict[str, list[torch.Tensor]] = {}  # index components, e.g. remainder ties
+        step = None
+        for piece in pieces:
+            components = state.read(piece.name, piece.param_start, piece.param_stop)
+            weight, master = components.pop("weight"), components.pop("master", None)
+            source = master if master is not None else weight
+            if source.dtype != flat.dtype:
+                raise CheckpointError(
+                    f"the checkpoint holds {piece.name}'s master in {source.dtype}, this run "
+                    f"in {flat.dtype}: it was written with another precision strategy"
+                )
+            flat.data[piece.flat_start : piece.flat_start + piece.numel].copy_(source)
+            for key, value in components.items():
+                if key in INDEX_COMPONENTS:
+                    positions.setdefault(key, []).append(value.to(flat.device) + piece.flat_start)
+                    continue
+                if key not in restored:
+                    restored[key] = torch.zeros(flat.numel(), dtype=value.dtype, device=flat.device)
+                restored[key][piece.flat_start : piece.flat_start + piece.numel].copy_(value)
+            step = state.steps[piece.name]
+        if step is None:  # only padding here: the optimizer starts this partition afresh
+            return
+        restored.update({key: torch.cat(parts) for key, parts in positions.items()})
+        self.optimizer.state[flat] = {"step": step, **restored}
 
     def comm_metrics(self) -> dict[str, Any]:
         """The gradient reduction and accumulation dtypes (DeepSpeed's collectives are

@@ -146,6 +146,21 @@ def _gather_manifest(tmp: Path) -> dict[str, dict[str, int]]:
     return files
 
 
+def seal(tmp: Path, meta: dict[str, Any], extra_files: dict[str, bytes] | None = None) -> None:
+    """Write extra files, then ``meta.json`` (last) listing every file of ``tmp`` with its
+    size and CRC-32: the ranks' shares written by ``manifest_share`` (computed here for a
+    single writer that wrote none) and the extra files."""
+    if not list(tmp.glob(f"{_SHARE}*.json")):
+        manifest_share(tmp, 0, 1)
+    files = _gather_manifest(tmp)
+    for name, data in (extra_files or {}).items():
+        _write_file(tmp / name, lambda handle, data=data: handle.write(data))
+        files[name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    meta_bytes = json.dumps({**meta, "files": files}, indent=2).encode()
+    _write_file(tmp / META, lambda handle: handle.write(meta_bytes))
+    _fsync_dir(tmp)
+
+
 def commit_checkpoint(
     run_dir: Path,
     step: int,
@@ -154,23 +169,13 @@ def commit_checkpoint(
     keep: int,
     extra_files: dict[str, bytes] | None = None,
 ) -> Path:
-    """Write extra files and ``meta.json`` into ``tmp``, then rename it to ``step-N``.
+    """``seal`` ``tmp`` with ``meta`` and the extra files, then rename it to ``step-N``.
 
-    ``meta.json`` lists every file with its size and CRC-32: the ranks' shares written by
-    ``manifest_share`` (computed here for a single writer that wrote none) and the extra
-    files. Replaces an existing checkpoint of the same step, then deletes all but the
+    Replaces an existing checkpoint of the same step, then deletes all but the
     newest ``keep`` checkpoints. Returns the checkpoint's directory.
     """
     root = checkpoint_dir(run_dir)
-    if not list(tmp.glob(f"{_SHARE}*.json")):
-        manifest_share(tmp, 0, 1)
-    files = _gather_manifest(tmp)
-    for name, data in (extra_files or {}).items():
-        _write_file(tmp / name, lambda handle, data=data: handle.write(data))
-        files[name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
-    meta_bytes = json.dumps({"step": step, **meta, "files": files}, indent=2).encode()
-    _write_file(tmp / META, lambda handle: handle.write(meta_bytes))
-    _fsync_dir(tmp)
+    seal(tmp, {"step": step, **meta}, extra_files)
 
     final = root / f"step-{step}"
     if final.exists():
@@ -251,13 +256,20 @@ def verify_checkpoint_files(path: Path) -> None:
     parses the pickles without reading the tensor data. Call it before anything that
     loads the files less strictly (DeepSpeed's engine and ``zero_to_fp32``) opens them.
     """
-    allowed = [(_Record, name) for name in DEEPSPEED_RECORDS]
     for file in sorted(path.rglob("*.pt")):
-        try:
-            with torch.serialization.safe_globals(allowed):
-                torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, OSError) as err:
-            raise _refusal(file, err) from None
+        open_restricted(file)
+
+
+def open_restricted(file: Path) -> Any:
+    """The contents of a checkpoint's ``.pt`` file, DeepSpeed's shards included, read with
+    the restricted unpickler (DeepSpeed's records become inert ``_Record``s) and its
+    storages memory-mapped: a tensor's data is read from disk only where it is used."""
+    allowed = [(_Record, name) for name in DEEPSPEED_RECORDS]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, OSError) as err:
+        raise _refusal(file, err) from None
 
 
 def load_checkpoint_file(path: Path, name: str, map_location: str | torch.device = "cpu") -> Any:

@@ -1,0 +1,271 @@
+"""Any checkpoint of a run, read as rank-independent state of each parameter.
+
+``open_full_state`` reads a single-process checkpoint, a ZeRO-1/2/3 checkpoint of any
+number of ranks, or the rank-independent layout (``collage_train.checkpoint.universal``)
+behind one interface: ``read(name, start, stop)`` returns, for elements ``[start, stop)``
+of the flattened parameter ``name``, one 1-D tensor per component:
+
+- ``weight``: what the model computes with, in the model's dtype;
+- ``master``: the fp32 master, only where the strategy keeps one apart from the weight
+  (mixed_fp32: the optimizer's ``master`` in one process, DeepSpeed's fp32 partition
+  under ZeRO);
+- every optimizer-state tensor under its own name (``exp_avg``, ``exp_avg_sq``,
+  Collage's ``dtheta`` and ``dv``, split_fp32's ``remainder``), in its saved dtype;
+- ``remainder_ties`` (split_fp32): the tie positions inside the range, as indices from
+  ``start``.
+
+Invariants: values are returned bit for bit as saved (no dtype conversion; the weight
+of a ZeRO checkpoint is DeepSpeed's master partition rounded to the model's dtype, which
+is exactly how DeepSpeed sets the weights); files are opened with the restricted
+unpickler and memory-mapped, so reading one range touches only that range's bytes and
+never more than one parameter's state is in memory; a checkpoint whose parameters do not
+tile this model's is refused in one line (``pieces.check_tiling``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from collage_train import checkpoint
+from collage_train.checkpoint.pieces import (
+    Piece,
+    check_tiling,
+    overlapping,
+    zero3_rank_pieces,
+    zero12_pieces,
+)
+from collage_train.checkpoint.universal import UNIVERSAL, read_trainer_state
+from collage_train.errors import CheckpointError
+
+INDEX_COMPONENTS = ("remainder_ties",)  # positions, not one value per element
+ZERO_ENGINES = ("zero1", "zero2", "zero3")
+
+Reader = Callable[[str, int, int], dict[str, torch.Tensor]]
+
+
+@dataclass
+class FullState:
+    """Per-parameter state of one checkpoint, whatever layout wrote it."""
+
+    layout: str  # single | zero1 | zero2 | zero3 | universal
+    world_size: int  # ranks that wrote it
+    shapes: dict[str, tuple[int, ...]]  # every parameter, in the model's order
+    steps: dict[str, int]  # the optimizer's step count of each parameter
+    trainer: dict[str, Any]  # the trainer's client state (rank 0's)
+    per_rank_rng: bool  # the writer's ranks had RNG streams of their own
+    _reader: Reader = field(repr=False)
+
+    def numel(self, name: str) -> int:
+        return math.prod(self.shapes[name])
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> dict[str, torch.Tensor]:
+        """Every component of elements ``[start, stop)`` of parameter ``name`` (1-D)."""
+        stop = self.numel(name) if stop is None else stop
+        return self._reader(name, start, stop)
+
+    def check_model(self, shapes: dict[str, tuple[int, ...]], where: Path) -> None:
+        """Refuse in one line unless this state has exactly the parameters ``shapes``."""
+        if self.shapes == shapes:
+            return
+        if set(self.shapes) != set(shapes):
+            differ = sorted(set(self.shapes) ^ set(shapes))[:3]
+            raise CheckpointError(
+                f"{where} holds another model (parameters differ: {', '.join(differ)}); "
+                "resume with the model it was written with"
+            )
+        name = next(n for n in shapes if self.shapes[n] != shapes[n])
+        raise CheckpointError(
+            f"{where} holds another model ({name} is {list(self.shapes[name])} there, "
+            f"{list(shapes[name])} here); resume with the model it was written with"
+        )
+
+
+def _slice_index(ties: torch.Tensor, lo: int, hi: int, shift: int) -> torch.Tensor:
+    """Positions in ``[lo, hi)`` of a flat tensor, moved by ``shift``."""
+    inside = ties[(ties >= lo) & (ties < hi)]
+    return inside - lo + shift
+
+
+def _weight_and_master(out: dict[str, torch.Tensor], weight_dtype: torch.dtype) -> None:
+    """Name a master partition ``weight`` where it is the weight, else add its rounding."""
+    master = out.pop("master")
+    if master.dtype == weight_dtype:
+        out["weight"] = master
+    else:
+        out["weight"] = master.to(weight_dtype)
+        out["master"] = master
+
+
+# ----------------------------------------------------------------- one process
+
+
+def _single(path: Path, names_by_index: list[str] | None) -> FullState:
+    model = checkpoint.open_restricted(path / "model.pt")
+    optimizer = checkpoint.open_restricted(path / "optimizer.pt")
+    trainer = checkpoint.open_restricted(path / "trainer.pt")
+    names = optimizer.get("param_names") or names_by_index
+    order = [i for group in optimizer["param_groups"] for i in group["params"]]
+    if names is None or len(names) != len(order):
+        raise CheckpointError(
+            f"{path} does not name its optimizer's parameters; resume it on one process"
+        )
+    state_of = {names[position]: optimizer["state"].get(index, {}) for position, index in
+                enumerate(order)}  # fmt: skip
+    missing = [name for name in state_of if name not in model]
+    if missing:
+        raise CheckpointError(f"{path}: model.pt lacks parameter {missing[0]}")
+    shapes = {name: tuple(model[name].shape) for name in state_of}
+
+    def read(name: str, start: int, stop: int) -> dict[str, torch.Tensor]:
+        out = {"weight": model[name].reshape(-1)[start:stop].clone()}
+        for key, value in state_of[name].items():
+            if key in INDEX_COMPONENTS:
+                out[key] = _slice_index(value, start, stop, 0)
+            elif torch.is_tensor(value) and value.dim() > 0:
+                out[key] = value.reshape(-1)[start:stop].clone()
+        return out
+
+    steps = {name: int(state.get("step", 0)) for name, state in state_of.items()}
+    return FullState("single", 1, shapes, steps, trainer, False, read)
+
+
+# ------------------------------------------------------------------------ ZeRO
+
+
+def _zero(path: Path, stage: int, world_size: int) -> FullState:
+    optim_files = [
+        sorted(path.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+        for rank in range(world_size)
+    ]
+    if any(len(found) != 1 for found in optim_files):
+        raise CheckpointError(
+            f"{path} does not hold one optimizer shard per rank of its {world_size} ranks"
+        )
+    optims = [checkpoint.open_restricted(found[0])["optimizer_state_dict"] for found in optim_files]
+    model_name = f"{'' if stage < 3 else 'zero_pp_rank_0_'}mp_rank_00_model_states.pt"
+    model_states = checkpoint.open_restricted(path / model_name)
+    group_shapes = [dict(group) for group in model_states["param_shapes"]]
+    shapes = {name: tuple(shape) for group in group_shapes for name, shape in group.items()}
+    module = model_states["module"]
+    weight_dtype = next(module[name].dtype for name in shapes if name in module)
+    if stage < 3:
+        layout = zero12_pieces([optim["param_slice_mappings"] for optim in optims])
+        states = [_group_states(optim["base_optimizer_state"]) for optim in optims]
+        masters = [optim["single_partition_of_fp32_groups"] for optim in optims]
+    else:
+        numels = [[(name, math.prod(shape)) for name, shape in group.items()]
+                  for group in group_shapes]  # fmt: skip
+        layout = [zero3_rank_pieces(numels, rank, world_size) for rank in range(world_size)]
+        states = [_group_states(optim["optimizer_state_dict"]) for optim in optims]
+        masters = [optim["fp32_flat_groups"] for optim in optims]
+    check_tiling(layout, {name: math.prod(shape) for name, shape in shapes.items()}, str(path))
+    by_name: dict[str, list[tuple[int, Piece]]] = {}
+    for rank, pieces in enumerate(layout):
+        for piece in pieces:
+            by_name.setdefault(piece.name, []).append((rank, piece))
+
+    def read(name: str, start: int, stop: int) -> dict[str, torch.Tensor]:
+        parts: dict[str, list[torch.Tensor]] = {}
+        for rank, piece in by_name[name]:
+            if not overlapping([piece], name, start, stop):
+                continue
+            lo, hi = max(start, piece.param_start), min(stop, piece.param_stop)
+            flat_lo = piece.flat_start + lo - piece.param_start
+            flat_hi = flat_lo + hi - lo
+            group = states[rank][piece.group]
+            parts.setdefault("master", []).append(masters[rank][piece.group][flat_lo:flat_hi])
+            for key, value in group.items():
+                if key in INDEX_COMPONENTS:
+                    parts.setdefault(key, []).append(
+                        _slice_index(value, flat_lo, flat_hi, lo - start)
+                    )
+                elif torch.is_tensor(value) and value.dim() > 0:
+                    parts.setdefault(key, []).append(value[flat_lo:flat_hi])
+        out = {key: torch.cat(values) for key, values in parts.items()}
+        _weight_and_master(out, weight_dtype)
+        return out
+
+    steps = {
+        piece.name: int(states[rank][piece.group].get("step", 0))
+        for rank, pieces in enumerate(layout)
+        for piece in pieces
+    }
+    return FullState(
+        f"zero{stage}", world_size, shapes, steps, model_states["trainer"],
+        world_size > 1, read,
+    )  # fmt: skip
+
+
+def _group_states(saved: Any) -> list[dict[str, Any]]:
+    """The client optimizer's state of each parameter group (one flat tensor per group)."""
+    if isinstance(saved, dict) and "state" in saved:
+        state = saved["state"]
+        return [state.get(index, {}) for index in range(len(saved["param_groups"]))]
+    return list(saved)  # DeepSpeed's elastic form: a list, one state per group
+
+
+# ------------------------------------------------------------- rank-independent
+
+
+def _universal(path: Path, meta: dict[str, Any]) -> FullState:
+    params = meta["parameters"]
+    shapes = {name: tuple(entry["shape"]) for name, entry in params.items()}
+    steps = {name: int(entry["step"]) for name, entry in params.items()}
+
+    def read(name: str, start: int, stop: int) -> dict[str, torch.Tensor]:
+        out = {}
+        with safe_open(path / params[name]["file"], framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if key in INDEX_COMPONENTS:
+                    out[key] = _slice_index(handle.get_tensor(key), start, stop, 0)
+                else:
+                    out[key] = handle.get_slice(key)[start:stop]
+        return out
+
+    source = meta.get("converted_from", {})
+    return FullState(
+        UNIVERSAL, int(source.get("world_size", 1)), shapes, steps,
+        read_trainer_state(path), bool(source.get("per_rank_rng")), read,
+    )  # fmt: skip
+
+
+def layout_of(meta: dict[str, Any]) -> str:
+    """``single``, ``zero1``..``zero3`` or ``universal``: how a checkpoint is laid out."""
+    if meta.get("layout") == UNIVERSAL:
+        return UNIVERSAL
+    return str(meta.get("distributed", "single"))
+
+
+def open_full_state(path: Path, names_by_index: list[str] | None = None) -> FullState:
+    """The per-parameter state of checkpoint ``path``; ``names_by_index`` names the
+    optimizer's parameters of a single-process checkpoint written before it named them."""
+    meta = checkpoint.read_meta(path)
+    layout = layout_of(meta)
+    try:
+        if layout == UNIVERSAL:
+            return _universal(path, meta)
+        if layout in ZERO_ENGINES:
+            return _zero(path, int(layout[-1]), int(meta.get("world_size", 1)))
+        if layout == "single":
+            return _single(path, names_by_index)
+    except (KeyError, IndexError, TypeError, ValueError, OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(
+            f"{path} is not a readable {layout} checkpoint ({type(err).__name__}: {err})"
+        ) from None
+    raise CheckpointError(f"{path} was written by distributed={layout}, which cannot be resharded")
+
+
+def needs_reshard(meta: dict[str, Any], distributed: str, world_size: int) -> bool:
+    """Whether a checkpoint with ``meta`` must be read per parameter (another layout or
+    number of ranks) rather than by the engine's own loader."""
+    if layout_of(meta) != distributed:
+        return True
+    return int(meta.get("world_size", 1)) != world_size

@@ -1,0 +1,107 @@
+"""Where each parameter's elements lie in the flat tensors an optimizer updates.
+
+A ``Piece`` says that elements ``[param_start, param_start + numel)`` of the flattened
+parameter ``name`` sit at ``[flat_start, flat_start + numel)`` of flat tensor ``group`` of
+one rank. Every layout is a list of pieces per rank:
+
+- one process: each parameter is its own flat tensor, one piece covering it whole;
+- ZeRO stages 1 and 2: each parameter group is concatenated (with DeepSpeed's alignment
+  padding) and cut into equal partitions, so a parameter may be split between ranks;
+  DeepSpeed records each rank's fragments (``param_slice_mappings``: start in the rank's
+  partition and length) in flat order, and a parameter's fragments over the ranks, in
+  rank order, tile it;
+- ZeRO stage 3: each parameter is cut into ``ceil(numel / N)``-element shards (the last
+  one padded), and rank ``r``'s flat tensor concatenates shard ``r`` of each parameter of
+  the group, in the order of DeepSpeed's ``param_shapes``.
+
+Invariant: over all ranks of a layout, the pieces of a parameter tile ``[0, numel)``
+exactly once; padding belongs to no piece. ``check_tiling`` refuses a layout that breaks
+this, so a checkpoint that does not describe this model is never silently misread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from collage_train.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous run of one parameter's elements inside one flat tensor of one rank."""
+
+    name: str
+    group: int
+    param_start: int
+    flat_start: int
+    numel: int
+
+    @property
+    def param_stop(self) -> int:
+        return self.param_start + self.numel
+
+
+def zero12_pieces(slice_mappings: list[list[dict[str, Any]]]) -> list[list[Piece]]:
+    """Pieces of every rank of a ZeRO-1/2 checkpoint from its ranks' ``param_slice_mappings``
+    (per rank, per group: parameter name -> fragment with ``start`` and ``numel``)."""
+    consumed: dict[str, int] = {}
+    layout: list[list[Piece]] = []
+    for per_group in slice_mappings:
+        pieces = []
+        for group, fragments in enumerate(per_group):
+            for name, fragment in fragments.items():
+                numel, start = int(fragment.numel), int(fragment.start)
+                pieces.append(Piece(name, group, consumed.get(name, 0), start, numel))
+                consumed[name] = consumed.get(name, 0) + numel
+        layout.append(pieces)
+    return layout
+
+
+def zero3_rank_pieces(
+    group_numels: list[list[tuple[str, int]]], rank: int, world_size: int
+) -> list[Piece]:
+    """Pieces of ``rank`` at ZeRO-3 from each group's (name, numel) in flat order."""
+    pieces = []
+    for group, params in enumerate(group_numels):
+        offset = 0
+        for name, numel in params:
+            shard = math.ceil(numel / world_size)
+            start = rank * shard
+            count = max(0, min(shard, numel - start))
+            if count:
+                pieces.append(Piece(name, group, start, offset, count))
+            offset += shard
+    return pieces
+
+
+def check_tiling(layout: Iterable[list[Piece]], numels: dict[str, int], where: str) -> None:
+    """Refuse a layout whose pieces do not tile every parameter of ``numels`` exactly once."""
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for pieces in layout:
+        for piece in pieces:
+            covered.setdefault(piece.name, []).append((piece.param_start, piece.param_stop))
+    foreign = sorted(set(covered) - set(numels))
+    missing = sorted(set(numels) - set(covered))
+    if foreign or missing:
+        names = ", ".join((foreign or missing)[:3])
+        what = "parameters this model does not have" if foreign else "no state for parameters"
+        raise CheckpointError(f"{where} holds {what} ({names}): it is another model's")
+    for name, spans in covered.items():
+        position = 0
+        for start, stop in sorted(spans):
+            if start != position:
+                break
+            position = stop
+        if position != numels[name]:
+            raise CheckpointError(
+                f"{where} does not hold parameter {name} whole ({numels[name]} elements "
+                "expected): it is another model's or damaged"
+            )
+
+
+def overlapping(pieces: list[Piece], name: str, start: int, stop: int) -> list[Piece]:
+    """The pieces of ``name`` that hold any element of ``[start, stop)``."""
+    return [p for p in pieces if p.name == name and p.param_start < stop and start < p.param_stop]

@@ -1,0 +1,119 @@
+"""The rank-independent checkpoint layout: one safetensors file of full tensors per parameter.
+
+A directory in this layout holds:
+
+- ``params/NAME.safetensors``: parameter ``NAME``'s components (``weight``, ``master``
+  where kept, every optimizer-state tensor, split_fp32's ``remainder_ties``), each the
+  full tensor flattened to 1-D in its saved dtype;
+- ``trainer.json`` and ``trainer.safetensors``: the trainer's client state (step, data
+  position, RNG), its tensors in the safetensors file;
+- ``model_config.json`` and ``tokenizer.model``, copied from the source;
+- ``meta.json``, written last: the source's metadata with ``layout: universal``,
+  ``converted_from`` (engine and ranks of the source), ``parameters`` (shape, optimizer
+  step and file of each) and ``files`` (size and CRC-32 of every file).
+
+Invariants: nothing in it is pickled, so reading it can run no code; it is written
+into a hidden temporary directory next to its final place and renamed into place after
+``meta.json`` (``checkpoint.seal``), as every checkpoint; the writer holds one
+parameter's state in memory at a time. Any engine resumes from it on any number of
+ranks (``collage_train.checkpoint.full_state``); its next checkpoint is again in that
+engine's own layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from collage_train import checkpoint
+from collage_train.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from collage_train.checkpoint.full_state import FullState
+
+UNIVERSAL = "universal"
+COPIED = ("model_config.json", "tokenizer.model")
+_TENSOR = "__tensor__"
+
+
+def _split_tensors(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """``tree`` with each tensor replaced by a reference into ``tensors``."""
+    if torch.is_tensor(tree):
+        key = f"t{len(tensors)}"
+        tensors[key] = tree.contiguous()
+        return {_TENSOR: key}
+    if isinstance(tree, dict):
+        return {str(key): _split_tensors(value, tensors) for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        return [_split_tensors(value, tensors) for value in tree]
+    return tree
+
+
+def _join_tensors(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(tree, dict):
+        if set(tree) == {_TENSOR}:
+            return tensors[tree[_TENSOR]]
+        return {key: _join_tensors(value, tensors) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_join_tensors(value, tensors) for value in tree]
+    return tree
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """The trainer's client state of a checkpoint in this layout."""
+    tensors = load_file(path / "trainer.safetensors")
+    return _join_tensors(json.loads((path / "trainer.json").read_text()), tensors)
+
+
+def _file_name(name: str) -> str:
+    if "/" in name or name.startswith("."):
+        raise CheckpointError(f"parameter name {name!r} cannot name a file")
+    return f"params/{name}.safetensors"
+
+
+def write_universal(source: Path, state: FullState, out: Path) -> Path:
+    """Write ``state`` (read from checkpoint ``source``) into directory ``out`` in this layout.
+
+    ``out`` must not exist; an unfinished write leaves only a hidden ``.NAME.tmp``.
+    """
+    if out.exists():
+        raise CheckpointError(f"{out} already exists; name a new directory")
+    tmp = out.parent / f".{out.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "params").mkdir(parents=True)
+    parameters = {}
+    for name, shape in state.shapes.items():
+        components = {key: value.contiguous() for key, value in state.read(name).items()}
+        file = _file_name(name)
+        save_file(components, str(tmp / file))
+        parameters[name] = {"shape": list(shape), "step": state.steps.get(name, 0), "file": file}
+    tensors: dict[str, torch.Tensor] = {}
+    tree = _split_tensors(state.trainer, tensors)
+    save_file(tensors, str(tmp / "trainer.safetensors"))
+    (tmp / "trainer.json").write_text(json.dumps(tree))
+    extra = {name: (source / name).read_bytes() for name in COPIED if (source / name).is_file()}
+    source_meta = checkpoint.read_meta(source)
+    meta = {
+        **{key: value for key, value in source_meta.items() if key != "files"},
+        "layout": UNIVERSAL,
+        "converted_from": {
+            "distributed": state.layout,
+            "world_size": state.world_size,
+            "per_rank_rng": state.per_rank_rng,
+        },
+        "parameters": parameters,
+    }
+    for file in tmp.rglob("*"):  # written by safetensors and json: make them durable
+        if file.is_file():
+            with file.open("rb") as handle:
+                os.fsync(handle.fileno())
+    checkpoint.seal(tmp, meta, extra)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(tmp, out)
+    return out
