@@ -36,12 +36,12 @@ prefetched). Allocator fragmentation and the CUDA context are left to
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from collage_train.batch import accumulation_steps, micro_batch_choices
 from collage_train.engine.deepspeed_config import GradientDtypes
 from collage_train.engine.zero_memory import zero_state_bytes
 from collage_train.optim.base import chunk_numel_for
@@ -334,49 +334,22 @@ def estimate(
     return plan
 
 
-def accumulation_steps(global_batch: int, micro_batch: int, gpus: int) -> int:
-    """Micro-batches per optimizer step on each GPU (at least one)."""
-    return max(1, math.ceil(global_batch / (micro_batch * gpus)))
-
-
 def largest_micro_batch(
-    shape: ModelShape,
-    setting: Setting,
-    *,
-    budget: float,
-    global_batch: int,
-    checkpointing: bool,
-    limit: int = 1 << 16,
+    shape: ModelShape, setting: Setting, *, budget: float, global_batch: int, checkpointing: bool
 ) -> int:
-    """The largest micro-batch whose step peak fits ``budget`` bytes (0: none fits).
+    """The largest micro-batch the trainer accepts (``batch.micro_batch_choices``: it splits
+    the global batch exactly) whose step peak fits ``budget`` bytes; 0 when none fits.
 
-    The peak grows with the micro-batch except where gradient accumulation stops (the
-    accumulated gradients no longer overlap the backward pass), so each regime is
-    searched on its own: with accumulation below ``global_batch / gpus``, without above.
+    The peak is not monotonic in the micro-batch where gradient accumulation stops (the
+    accumulated gradients no longer overlap the backward pass), and a global batch has
+    few divisors, so every choice is estimated.
     """
-    whole = math.ceil(global_batch / setting.gpus)  # from here on: one micro-batch per step
-
-    def fits(micro: int, accum_steps: int) -> bool:
+    best = 0
+    for micro in micro_batch_choices(global_batch, setting.gpus):
+        accum = accumulation_steps(global_batch, micro, setting.gpus)
         plan = estimate(
-            shape, setting, micro_batch=micro, accum_steps=accum_steps, checkpointing=checkpointing
+            shape, setting, micro_batch=micro, accum_steps=accum, checkpointing=checkpointing
         )
-        return plan.peak <= budget
-
-    best = _last_true(lambda micro: fits(micro, 2), 1, min(whole - 1, limit))
-    if whole <= limit and fits(whole, 1):
-        best = max(best, _last_true(lambda micro: fits(micro, 1), whole, limit))
+        if plan.peak <= budget:
+            best = micro
     return best
-
-
-def _last_true(predicate: Any, low: int, high: int) -> int:
-    """The largest x in [low, high] with predicate(x), for a predicate true then false (0: none)."""
-    if high < low or not predicate(low):
-        return 0
-    step = 1
-    while low + step <= high and predicate(low + step):  # gallop, then bisect
-        low, step = low + step, step * 2
-    high = min(low + step, high + 1)  # predicate(high) is false or high is past the range
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if predicate(middle) else (low, middle)
-    return low

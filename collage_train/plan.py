@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from collage_train.batch import accumulation_steps
 from collage_train.engine.deepspeed_config import GradientDtypes, gradient_dtypes
 from collage_train.errors import CollageError, ConfigError
 from collage_train.memory_plan import (
@@ -27,7 +28,6 @@ from collage_train.memory_plan import (
     MemoryEstimate,
     ModelShape,
     Setting,
-    accumulation_steps,
     estimate,
     largest_micro_batch,
 )

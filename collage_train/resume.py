@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from collage_train import checkpoint
-from collage_train.trainer import gradient_accumulation_steps
+from collage_train.batch import accumulation_steps
 from collage_train.checkpoint.full_state import ZERO_ENGINES, layout_of, needs_reshard
 from collage_train.checkpoint.universal import UNIVERSAL
 from collage_train.comm.settings import comm_name, uses_replicas
@@ -176,7 +176,7 @@ def _check_reshard(
         )
     train = cfg.train
     try:
-        gradient_accumulation_steps(train.global_batch_size, train.micro_batch_size, world_size)
+        accumulation_steps(train.global_batch_size, train.micro_batch_size, world_size)
     except ConfigError as err:
         raise ConfigError(f"{path} cannot continue on {world_size} rank(s): {err}") from None
     if layout not in RESHARDABLE:

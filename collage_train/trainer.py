@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from collage_train import checkpoint, init_from
+from collage_train.batch import accumulation_steps
 from collage_train.checkpoint.full_state import needs_reshard, open_full_state
 from collage_train.comm.settings import check_schedule, comm_name, uses_replicas
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm, probe_gflops
@@ -56,18 +57,6 @@ from collage_train.optim.collage.kernels import choose_kernel
 from collage_train.precision import strategy_for
 
 _VERSIONED_PACKAGES = ("torch", "transformers", "sentencepiece", "hydra-core", "wandb", "numpy")
-
-
-def gradient_accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
-    """Micro-steps per optimizer step; the global batch must split evenly."""
-    per_pass = micro_batch * world_size
-    if micro_batch < 1 or global_batch < 1 or global_batch % per_pass != 0:
-        raise ConfigError(
-            f"train.global_batch_size={global_batch} is not divisible by "
-            f"train.micro_batch_size={micro_batch} x world size {world_size}; "
-            f"use a global batch that is a multiple of {per_pass}"
-        )
-    return global_batch // per_pass
 
 
 def package_versions() -> dict[str, str]:
@@ -123,7 +112,7 @@ class Trainer:
             )
         self.engine = build_engine(cfg.distributed, cfg.comm, device=train.device)
         self.device = self.engine.device
-        self.accum_steps = gradient_accumulation_steps(
+        self.accum_steps = accumulation_steps(
             train.global_batch_size, train.micro_batch_size, self.engine.world_size
         )
 

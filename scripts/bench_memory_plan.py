@@ -28,9 +28,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from runs import append_results
 
+from collage_train.batch import accumulation_steps
 from collage_train.cli import config_dir
 from collage_train.config import register_schemas
-from collage_train.memory_plan import ModelShape, Setting, accumulation_steps, estimate
+from collage_train.memory_plan import ModelShape, Setting, estimate
 from collage_train.metrics.live_memory import LiveTensorBytes
 from collage_train.precision import get_strategy
 from collage_train.trainer import Trainer

@@ -10,13 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from collage_train.batch import accumulation_steps, micro_batch_choices
 from collage_train.engine.deepspeed_config import GradientDtypes
 from collage_train.memory_plan import (
     DEEPSPEED_REDUCE_BUCKET,
     STEP_TRANSIENT,
     ModelShape,
     Setting,
-    accumulation_steps,
     block_bytes_per_token,
     estimate,
     largest_micro_batch,
@@ -248,7 +248,8 @@ def test_checkpointing_trades_activations_for_recompute():
 
 @pytest.mark.parametrize("ckpt", [False, True])
 @pytest.mark.parametrize("gpus,stage", [(1, 0), (8, 2)])
-def test_largest_micro_batch_is_the_boundary_of_what_fits(ckpt, gpus, stage):
+def test_largest_micro_batch_is_the_largest_accepted_one_that_fits(ckpt, gpus, stage):
+    """Only micro-batches the trainer accepts (they split the global batch) are offered."""
     shape, setting = _shape(), Setting(get_strategy("collage_plus"), stage, gpus=gpus)
     budget, global_batch = 78 * 2**30, 512
 
@@ -261,29 +262,30 @@ def test_largest_micro_batch_is_the_boundary_of_what_fits(ckpt, gpus, stage):
     best = largest_micro_batch(
         shape, setting, budget=budget, global_batch=global_batch, checkpointing=ckpt
     )
-    assert best >= 1 and peak(best) <= budget
-    assert all(peak(m) > budget for m in range(best + 1, best + 64))
+    choices = micro_batch_choices(global_batch, gpus)
+    assert best in choices and peak(best) <= budget
+    assert all(peak(m) > budget for m in choices if m > best)
     assert largest_micro_batch(shape, setting, budget=1e9, global_batch=8, checkpointing=ckpt) == 0
 
 
 def test_largest_micro_batch_sees_past_the_end_of_accumulation():
-    """Without accumulation no earlier gradients overlap the start of backward: a larger
-    batch fits. (Under activation checkpointing the recomputed blocks still meet the
-    gradients of the blocks after them, so there the effect is small.)"""
+    """Without accumulation no earlier gradients overlap the start of backward: the whole
+    per-GPU batch can fit where half of it, accumulated twice, does not. (Under activation
+    checkpointing the recomputed blocks still meet the gradients of the blocks after them,
+    so there the effect is small.)"""
     shape = _shape(num_params=1_300_000_000, vocab=8192, seq_len=256)  # gradients > a sequence
     setting = Setting(get_strategy("bf16"), 0)
 
-    def peak(micro: int, global_batch: int) -> float:
-        accum = accumulation_steps(global_batch, micro, 1)
+    def peak(micro: int, accum: int) -> float:
         return estimate(
             shape, setting, micro_batch=micro, accum_steps=accum, checkpointing=False
         ).peak
 
-    budget = peak(16, 16) + 1  # 16 fits as the whole batch, 15 with accumulation need not
-    assert peak(15, 16) > budget
+    budget = peak(10, 1) + 1  # 10 fits as the whole batch, 5 accumulated twice does not
+    assert peak(5, 2) > budget
     assert (
-        largest_micro_batch(shape, setting, budget=budget, global_batch=16, checkpointing=False)
-        == 16
+        largest_micro_batch(shape, setting, budget=budget, global_batch=10, checkpointing=False)
+        == 10
     )
 
 

@@ -8,16 +8,9 @@ from collage_train.cli import train
 from collage_train.config import register_schemas
 from collage_train.errors import ConfigError, OutOfMemory
 from collage_train.metrics import RecordingSink
-from collage_train.trainer import Trainer, gradient_accumulation_steps
+from collage_train.trainer import Trainer
 
 register_schemas()
-
-
-def test_accumulation_steps():
-    assert gradient_accumulation_steps(16, 4, 1) == 4
-    assert gradient_accumulation_steps(16, 4, 2) == 2
-    with pytest.raises(ConfigError, match="not divisible"):
-        gradient_accumulation_steps(16, 3, 1)
 
 
 def test_accumulated_micro_batches_equal_one_large_batch(make_cfg, tmp_path):
