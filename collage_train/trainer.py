@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from collage_train import checkpoint, init_from
 from collage_train.batch import accumulation_steps
 from collage_train.checkpoint.full_state import needs_reshard, open_full_state
-from collage_train.comm.settings import check_schedule, comm_name, uses_replicas
+from collage_train.comm.settings import align_to_outer_steps, comm_name, uses_replicas
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm, probe_gflops
 from collage_train.data import build_data
 from collage_train.engine import build_engine
@@ -103,7 +103,6 @@ class Trainer:
             raise ConfigError(
                 f"train.stop_at_step={train.stop_at_step} must lie in 1..{train.max_steps}"
             )
-        check_schedule(cfg.comm, train, cfg.distributed.name)
         self.strategy = strategy_for(cfg.precision)
         if not self.strategy.runs_under_zero and cfg.distributed.name != "single":
             raise ConfigError(
@@ -112,6 +111,9 @@ class Trainer:
             )
         self.engine = build_engine(cfg.distributed, cfg.comm, device=train.device)
         self.device = self.engine.device
+        for note in align_to_outer_steps(cfg.comm, train):
+            if self.engine.is_main:
+                print(note, flush=True)
         self.accum_steps = accumulation_steps(
             train.global_batch_size, train.micro_batch_size, self.engine.world_size
         )

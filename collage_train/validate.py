@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from collage_train.config import JobConfig
 from collage_train.errors import ConfigError
@@ -39,7 +39,56 @@ def validate(cfg: DictConfig) -> None:
     if cfg.metrics.edq_every is not None and cfg.metrics.edq_every < 0:
         raise ConfigError(f"metrics.edq_every must be 0 (off) or more, got {cfg.metrics.edq_every}")
     check_model_extra(cfg.model)
+    check_applies(cfg)
     check_wandb(cfg.logging.wandb)
+
+
+# Settings that only some choices read: (key, the choices that read it). Set to anything
+# but the schema's default under another choice, a setting would be silently ignored.
+ONLY_FOR = {
+    "comm.sync_every": ("comm", ("diloco", "sparseloco")),
+    "comm.outer_lr": ("comm", ("diloco", "sparseloco")),
+    "comm.outer_momentum": ("comm", ("diloco", "sparseloco")),
+    "comm.nesterov": ("comm", ("diloco", "sparseloco")),
+    "comm.checksum_every": ("comm", ("diloco", "sparseloco")),
+    "comm.error_feedback": ("comm", ("sparseloco",)),
+    "comm.chunk": ("comm", ("sparseloco",)),
+    "comm.topk": ("comm", ("sparseloco",)),
+    "comm.bits": ("comm", ("sparseloco",)),
+    "distributed.zero_stage": ("distributed", ("zero1", "zero2", "zero3")),
+    "distributed.offload_optimizer": ("distributed", ("zero1", "zero2", "zero3")),
+    "distributed.offload_param": ("distributed", ("zero3",)),
+    "distributed.deepspeed": ("distributed", ("zero1", "zero2", "zero3")),
+}
+
+
+def check_applies(cfg: DictConfig) -> None:
+    """Refuse a setting the chosen comm method or engine would ignore (``comm=diloco
+    comm.topk=8``, ``distributed=single distributed.offload_optimizer=true``), and a ZeRO
+    stage other than the engine's name says (``distributed=zero2 distributed.zero_stage=3``)."""
+    defaults = OmegaConf.structured(JobConfig)
+    for key, (group, readers) in ONLY_FOR.items():
+        chosen = str(OmegaConf.select(cfg, f"{group}.name"))
+        value, default = OmegaConf.select(cfg, key), OmegaConf.select(defaults, key)
+        if chosen in readers or value == default:
+            continue
+        readers_text = "|".join(readers)
+        raise ConfigError(
+            f"{key}={_show(value)} applies to {group}={readers_text} only; {group}={chosen} "
+            f"would ignore it: remove it, or choose {group}={readers_text}"
+        )
+    name, stage = str(cfg.distributed.name), cfg.distributed.zero_stage
+    if name.startswith("zero") and stage is not None and f"zero{stage}" != name:
+        raise ConfigError(
+            f"distributed.zero_stage={stage} contradicts distributed={name}: the stage follows "
+            f"from the engine's name; choose distributed=zero{stage} and drop zero_stage"
+        )
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, DictConfig | ListConfig):
+        return str(OmegaConf.to_container(value))
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def check_known_keys(cfg: DictConfig) -> None:

@@ -77,12 +77,27 @@ def test_a_multi_rank_single_launch_points_to_the_replica_methods(monkeypatch):
         build_engine(cfg.distributed, cfg.comm, device="cpu")
 
 
-@pytest.mark.parametrize("key", ["max_steps", "eval_every"])
-def test_training_must_end_and_validate_on_an_outer_step(make_cfg, tmp_path, key):
-    cfg = make_cfg("comm=diloco", "comm.sync_every=3", "train.max_steps=6", "train.eval_every=3")
-    cfg.train[key] = 4
-    with pytest.raises(ConfigError, match=f"train.{key}=4 must be a multiple of comm.sync_every"):
-        Trainer(cfg, tmp_path, sinks=[])
+def test_training_ends_and_validates_on_an_outer_step_derived_from_sync_every(
+    make_cfg, tmp_path, capsys
+):
+    """A user who sets comm.sync_every alone gets a run: max_steps and eval_every are
+    rounded up to outer steps, each change said in one line."""
+    cfg = make_cfg("comm=diloco", "comm.sync_every=3", "train.max_steps=7", "train.eval_every=4")
+    capsys.readouterr()
+    Trainer(cfg, tmp_path, sinks=[])
+    assert (cfg.train.max_steps, cfg.train.eval_every) == (9, 6)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "comm.sync_every=3" in line]
+    assert lines == [
+        "train.max_steps=7 -> 9: a multiple of comm.sync_every=3 (replicas share one model "
+        "only after an outer step)",
+        "train.eval_every=4 -> 6: a multiple of comm.sync_every=3 (replicas share one model "
+        "only after an outer step)",
+    ]
+    aligned = make_cfg("comm=diloco", "comm.sync_every=3", "train.max_steps=6")
+    aligned.train.eval_every = 3
+    capsys.readouterr()
+    Trainer(aligned, tmp_path / "aligned", sinks=[])
+    assert "comm.sync_every" not in capsys.readouterr().out  # nothing to say
 
 
 def test_zero_with_replicas_ends_in_one_error_line(tiny):

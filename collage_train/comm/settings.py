@@ -78,8 +78,8 @@ def check_engine(cfg: Any, distributed: str) -> None:
 
 
 def outer_settings(cfg: Any) -> OuterSettings:
-    """The outer-step settings of a checked ``diloco``/``sparseloco`` sub-config."""
-    check_comm(cfg)
+    """The outer-step settings of a checked ``diloco``/``sparseloco`` sub-config (checked
+    once, by ``check_engine`` when the engine is built)."""
     return OuterSettings(
         method=str(cfg.name),
         lr=float(cfg.outer_lr),
@@ -90,17 +90,22 @@ def outer_settings(cfg: Any) -> OuterSettings:
     )
 
 
-def check_schedule(comm_cfg: Any, train_cfg: Any, distributed: str) -> None:
-    """``check_engine``, and: replicas agree only after an outer step, so training and
-    validation must fall on one."""
-    check_engine(comm_cfg, distributed)
+def align_to_outer_steps(comm_cfg: Any, train_cfg: Any) -> list[str]:
+    """Replicas hold one shared model only after an outer step, so training must end and
+    validate on one: round ``train.max_steps`` and ``train.eval_every`` up to multiples of
+    ``comm.sync_every`` in ``train_cfg`` (a checked config), and return one line per value
+    changed. The user changes one setting (``comm.sync_every``) and the run derives the rest."""
     if not uses_replicas(comm_cfg):
-        return
-    every = comm_cfg.sync_every
+        return []
+    every = int(comm_cfg.sync_every)
+    notes = []
     for key in ("max_steps", "eval_every"):
-        value = train_cfg[key]
-        _require(
-            value % every == 0,
-            f"train.{key}={value} must be a multiple of comm.sync_every={every}: the "
-            "replicas hold one shared model only after an outer step",
-        )
+        value = int(train_cfg[key])
+        aligned = -(-value // every) * every
+        if aligned != value:
+            train_cfg[key] = aligned
+            notes.append(
+                f"train.{key}={value} -> {aligned}: a multiple of comm.sync_every={every} "
+                "(replicas share one model only after an outer step)"
+            )
+    return notes

@@ -1,0 +1,127 @@
+"""Defaults compose: every option of every config group, every experiment and every training
+command the README shows is accepted with the other defaults (composed by Hydra, then the
+start-up checks); a setting the chosen option would ignore is one error line."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from collage_train import cli
+from collage_train.batch import accumulation_steps
+from collage_train.comm.settings import align_to_outer_steps, check_engine
+from collage_train.errors import ConfigError
+from collage_train.precision import strategy_for
+from collage_train.validate import validate
+
+CONFIGS = Path(cli.config_dir())
+GROUPS = ("model", "precision", "data", "distributed", "comm", "optim", "train", "logging")
+README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+
+
+def compose_and_check(overrides: list[str], ranks: int = 2):
+    """What a launch of ``ranks`` processes checks before it builds anything (one process
+    unless a ZeRO engine or replicas): the composed config, validate(), the strategy record,
+    the engine/comm pairing, the batch split."""
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    validate(cfg)
+    strategy_for(cfg.precision)
+    check_engine(cfg.comm, cfg.distributed.name)
+    single = cfg.distributed.name == "single" and cfg.comm.name == "ddp"
+    accumulation_steps(
+        cfg.train.global_batch_size, cfg.train.micro_batch_size, 1 if single else ranks
+    )
+    align_to_outer_steps(cfg.comm, OmegaConf.create(OmegaConf.to_container(cfg.train)))
+    return cfg
+
+
+def group_options() -> list[str]:
+    options = [
+        f"{group}={path.stem}"
+        for group in GROUPS
+        for path in sorted((CONFIGS / group).glob("*.yaml"))
+    ]
+    options += [f"+experiment={p.stem}" for p in sorted((CONFIGS / "experiment").glob("*.yaml"))]
+    return options
+
+
+@pytest.mark.parametrize("override", group_options())
+def test_every_group_option_works_with_the_other_defaults(override):
+    cfg = compose_and_check([override])
+    group, _, option = override.lstrip("+").partition("=")
+    if group in ("model", "precision", "distributed", "comm"):
+        assert cfg[group].name == option
+
+
+def readme_training_commands() -> list[tuple[int, list[str]]]:
+    """Each training command of README.md (python -m collage_train, deepspeed/torchrun ...
+    collage_train; continuation lines joined) as (ranks it launches, its overrides)."""
+    text = README.replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        line = line.split("#")[0]
+        match = re.search(r"(?:-m|--module) collage_train (.*)$", line)
+        if not match or line.lstrip().startswith("|"):
+            continue
+        words = shlex.split(match[1].split("`")[0])  # an inline example ends at its backtick
+        ranks = re.search(r"(?:--num_gpus|--nproc_per_node) (\d+)", line)
+        overrides = [w for w in words if "=" in w and not w.startswith(("-", "model.init_from="))]
+        commands.append((int(ranks[1]) if ranks else 1, overrides))
+    return commands
+
+
+def test_the_readme_shows_training_commands():
+    commands = readme_training_commands()
+    assert len(commands) >= 5, commands
+    assert (2, ["comm=sparseloco", "comm.sync_every=10"]) in commands
+
+
+@pytest.mark.parametrize(
+    ("ranks", "overrides"), readme_training_commands(), ids=lambda x: str(x).replace(" ", "")
+)
+def test_every_readme_training_command_composes(ranks, overrides):
+    compose_and_check(overrides, ranks)
+
+
+def test_sparseloco_with_its_own_sync_every_needs_nothing_else():
+    """The README's kind of example: only comm.sync_every changes; eval_every (default 100)
+    and max_steps follow it instead of refusing the run."""
+    cfg = compose_and_check(["comm=sparseloco", "comm.sync_every=7"])
+    notes = align_to_outer_steps(cfg.comm, cfg.train)
+    assert cfg.train.eval_every % 7 == 0 and cfg.train.max_steps % 7 == 0
+    assert len(notes) == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["comm=diloco", "comm.topk=8"], "comm.topk=8 applies to comm=sparseloco only"),
+        (["comm.sync_every=4"], "comm.sync_every=4 applies to comm=diloco|sparseloco only"),
+        (
+            ["distributed.offload_optimizer=true"],
+            "distributed.offload_optimizer=true applies to distributed=zero1|zero2|zero3 only",
+        ),
+        (
+            ["distributed=zero2", "distributed.offload_param=true"],
+            "distributed.offload_param=true applies to distributed=zero3 only",
+        ),
+        (
+            ["+distributed.deepspeed.zero_optimization={overlap_comm: true}"],
+            "distributed.deepspeed={'zero_optimization': {'overlap_comm': True}} applies to",
+        ),
+        (
+            ["distributed=zero2", "distributed.zero_stage=3"],
+            "distributed.zero_stage=3 contradicts distributed=zero2",
+        ),
+    ],
+)
+def test_a_setting_the_choice_would_ignore_is_one_error(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as error:
+        compose_and_check(overrides)
+    assert "\n" not in str(error.value)
