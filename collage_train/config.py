@@ -57,7 +57,7 @@ class DataConfig:
     config_name: str | None = None
     revision: str | None = None  # hub dataset commit, branch or tag (data=hf)
     split: str = "train"
-    streaming: bool = False
+    streaming: bool = False  # data=hf: each rank reads and tokenizes its share on the fly
     data_files: list[str] | None = None
     text_field: str = "text"
     max_documents: int | None = None
@@ -65,6 +65,7 @@ class DataConfig:
     vocab_size: int = 8192
     tokenizer_train_chars: int = 4_000_000
     val_fraction: float = 0.01
+    val_documents: int = 1000  # data.streaming: documents held out at the stream's head
     cache_dir: str = "${oc.env:COLLAGE_CACHE_DIR,'~/.cache/collage_train'}"
     tokenizer: str | None = None  # an existing tokenizer (HF directory, tokenizer.json, .model)
     shard_tokens: int = 1 << 26  # tokens per prepared shard file

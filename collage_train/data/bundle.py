@@ -3,6 +3,8 @@
 The first process of each node (``LOCAL_RANK`` 0, or rank 0 when unset) prepares the
 corpus if it is not prepared yet; the others wait for its manifest on the file system,
 printing progress (no collective, so no ``distributed.timeout_minutes`` bound).
+With ``data.streaming`` nothing is prepared: each rank reads, tokenizes and packs its share
+of the stream on the fly (``collage_train.data.stream_data``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from collage_train.data.mixture import MixtureLoader
 from collage_train.data.settings import DataSettings
 from collage_train.data.shards import load_prepared, prepare_mixture, prepare_shards
 from collage_train.data.store import ConcatTokens, ShardedTokens, open_splits
+from collage_train.data.stream_data import open_stream
+from collage_train.data.streaming import StreamingLoader
 from collage_train.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -31,7 +35,7 @@ class DataBundle:
     """Everything the trainer needs from the data pipeline."""
 
     tokenizer: Tokenizer
-    train_loader: TokenLoader | MixtureLoader
+    train_loader: TokenLoader | MixtureLoader | StreamingLoader
     val_tokens: ShardedTokens | ConcatTokens | np.ndarray
     meta: dict[str, Any]
     seq_len: int
@@ -75,8 +79,26 @@ def build_data(
     rank: int = 0,
     world_size: int = 1,
 ) -> DataBundle:
-    """Prepare (or reuse, or wait for) the corpus for ``cfg`` and build the loaders."""
+    """Prepare (or reuse, or wait for) the corpus for ``cfg`` and build the loaders; a stream
+    (``data.streaming``) is opened instead, unprepared."""
     settings = DataSettings.from_config(cfg)
+    if settings.streaming:
+        stream = open_stream(
+            settings,
+            seq_len=seq_len,
+            micro_batch_size=micro_batch_size,
+            rank=rank,
+            world_size=world_size,
+        )
+        return DataBundle(
+            tokenizer=stream.tokenizer,
+            train_loader=stream.train_loader,
+            val_tokens=stream.val_tokens,
+            meta=stream.meta,
+            seq_len=seq_len,
+            rank=rank,
+            world_size=world_size,
+        )
     if settings.mixture is not None:
         return build_mixture(
             settings,

@@ -54,11 +54,17 @@ class DataSettings:
     num_workers: int | None = None
     revision: str | None = None
     mixture: tuple[MixtureEntry, ...] | None = None
+    val_documents: int = 1000  # data.streaming: documents held out at the stream's head
 
     @classmethod
     def from_config(cls, cfg: Any) -> DataSettings:
         """Build settings from an attribute-style config (DictConfig, namespace, dataclass)."""
         mixture = _field(cfg, "mixture")
+        if mixture and _field(cfg, "streaming"):
+            raise DataError(
+                "data.streaming: a data.mixture cannot be streamed; set data.streaming=false "
+                "to prepare its sources into shards"
+            )
         if mixture:
             return cls._with_mixture(cfg, mixture)
         source = str(getattr(cfg, "source", "stdlib"))
@@ -70,6 +76,12 @@ class DataSettings:
         name = getattr(cfg, "name", None)
         if source == "hf" and not name:
             raise DataError("data.name: set a dataset name or local path for source 'hf'")
+        streaming = bool(getattr(cfg, "streaming", False))
+        if streaming and source != "hf":
+            raise DataError(
+                f"data.streaming: applies to data=hf only, not source {source!r}; local files "
+                "are prepared into shards (drop data.streaming)"
+            )
         max_documents = getattr(cfg, "max_documents", None)
         if max_documents is not None:
             max_documents = _positive_int("max_documents", max_documents)
@@ -87,7 +99,7 @@ class DataSettings:
             name=None if name is None else str(name),
             config_name=None if config_name is None else str(config_name),
             split=str(getattr(cfg, "split", "train")),
-            streaming=bool(getattr(cfg, "streaming", False)),
+            streaming=streaming,
             data_files=_strings(getattr(cfg, "data_files", None)),
             text_field=str(getattr(cfg, "text_field", "text")),
             max_documents=max_documents,
@@ -101,6 +113,7 @@ class DataSettings:
             shard_tokens=_positive_int("shard_tokens", getattr(cfg, "shard_tokens", 1 << 26)),
             revision=None if getattr(cfg, "revision", None) is None else str(cfg.revision),
             num_workers=None if num_workers is None else _positive_int("num_workers", num_workers),
+            val_documents=_positive_int("val_documents", getattr(cfg, "val_documents", 1000)),
         )
 
     @classmethod
@@ -131,6 +144,11 @@ class DataSettings:
             except DataError as exc:
                 raise DataError(f"{where} ({label}): {exc}") from None
             entries.append(MixtureEntry(label, float(weight), settings))
+            if settings.streaming:
+                raise DataError(
+                    f"{where} ({label}): a mixture cannot stream its sources (data.streaming); "
+                    "set streaming: false to prepare them into shards"
+                )
         labels = [entry.label for entry in entries]
         if len(set(labels)) != len(labels):
             raise DataError(f"data.mixture: labels must differ, got {labels}")
