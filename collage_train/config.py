@@ -1,9 +1,12 @@
-"""Typed schema of the Hydra configuration.
+"""Typed schema of the Hydra configuration, and the one source of its defaults.
 
 Every config group (model/, data/, precision/, ...) is validated against one of
 these dataclasses, so a misspelt key or a wrongly typed value is rejected by Hydra
-with its own message instead of being silently ignored. Each builder receives only
-its own sub-config (``cfg.model``, ``cfg.data``, ...), never the whole tree.
+with its own message instead of being silently ignored. Each field's default and its
+documentation live here; the YAML files under configs/ hold only what an option changes
+(tests/test_config_compose.py refuses a YAML value equal to the default here). Each
+builder receives only its own sub-config (``cfg.model``, ``cfg.data``, ...), never the
+whole tree.
 """
 
 from __future__ import annotations
@@ -19,18 +22,20 @@ from omegaconf import MISSING
 class ModelConfig:
     """Architecture of a GPT (GPT-2 layout), OPT or Llama decoder, built with random init."""
 
-    family: str = MISSING  # "gpt", "opt" or "llama"
-    name: str = MISSING
-    hidden_size: int = MISSING
-    num_layers: int = MISSING
-    num_heads: int = MISSING
+    family: str = MISSING  # gpt (GPT-2 architecture) | opt | llama
+    name: str = MISSING  # the preset's name (configs/model/NAME.yaml), used in run paths
+    hidden_size: int = MISSING  # width of the residual stream
+    num_layers: int = MISSING  # decoder blocks
+    num_heads: int = MISSING  # attention (query) heads
     # None: 4 x hidden_size (gpt, opt); Llama's SwiGLU rule 8/3 x hidden_size rounded up to
     # a multiple of 256 (llama)
     ffn_hidden_size: int | None = None
-    init_std: float = 0.02
-    dropout: float = 0.0
+    init_std: float = 0.02  # std of the normal init of weights
+    dropout: float = 0.0  # dropout probability (attention dropout only in Llama)
     # None: the tokenizer's vocabulary size. Set it to pad the embedding.
     vocab_size: int | None = None
+    # transformers' attention: sdpa (PyTorch scaled_dot_product_attention, flash on GPU) |
+    # eager | flash_attention_2
     attn_implementation: str = "sdpa"
     # Llama only (null elsewhere): key/value heads of grouped-query attention (None: one
     # per query head), the rotary base and the RMSNorm epsilon.
@@ -52,23 +57,24 @@ class DataConfig:
     """Corpus source, tokenizer and packing."""
 
     source: str = "stdlib"  # stdlib | files | hf
-    paths: list[str] = field(default_factory=list)
-    name: str | None = None
-    config_name: str | None = None
+    paths: list[str] = field(default_factory=list)  # data=files: files and directories
+    name: str | None = None  # data=hf: the dataset (a hub name or a local builder)
+    config_name: str | None = None  # data=hf: the dataset's configuration
     revision: str | None = None  # hub dataset commit, branch or tag (data=hf)
-    split: str = "train"
+    split: str = "train"  # data=hf: the split read
     streaming: bool = False  # data=hf: each rank reads and tokenizes its share on the fly
-    data_files: list[str] | None = None
-    text_field: str = "text"
-    max_documents: int | None = None
-    seq_len: int = 256
-    vocab_size: int = 8192
-    tokenizer_train_chars: int = 4_000_000
-    val_fraction: float = 0.01
+    data_files: list[str] | None = None  # data=hf: files of a local builder (json, parquet)
+    text_field: str = "text"  # the field holding each document's text (JSONL, parquet, hf)
+    max_documents: int | None = None  # cap the documents read (useful with streaming)
+    seq_len: int = 256  # context length of the model and of every sample
+    vocab_size: int = 8192  # SentencePiece BPE vocabulary trained on the corpus
+    tokenizer_train_chars: int = 4_000_000  # characters fed to tokenizer training
+    val_fraction: float = 0.01  # share of tokens held out for validation
     val_documents: int = 1000  # data.streaming: documents held out at the stream's head
+    # tokenizers and token shards; $COLLAGE_CACHE_DIR when set
     cache_dir: str = "${oc.env:COLLAGE_CACHE_DIR,'~/.cache/collage_train'}"
     tokenizer: str | None = None  # an existing tokenizer (HF directory, tokenizer.json, .model)
-    shard_tokens: int = 1 << 26  # tokens per prepared shard file
+    shard_tokens: int = 1 << 26  # tokens per prepared shard file (2^26)
     num_workers: int | None = None  # tokenizing processes (null: every available core)
     # Several sources sampled by weight: [{label: web, weight: 3, paths: [...]}, ...]
     mixture: list[Any] | None = None
@@ -90,36 +96,44 @@ class PrecisionConfig:
 class OptimConfig:
     """AdamW hyper-parameters and the learning-rate schedule."""
 
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    lr: float = 1e-3  # peak learning rate, reached after warmup_steps
+    min_lr: float = 1e-4  # cosine floor, reached at train.max_steps
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2)
     eps: float = 1e-8
-    weight_decay: float = 0.1
-    warmup_steps: int = 20
-    grad_clip: float = 1.0  # 0 disables clipping
-    kernel: str = "auto"  # Collage step: auto | compiled (fused kernel) | eager (reference)
+    weight_decay: float = 0.1  # decoupled, on matrices only (not norms and biases)
+    warmup_steps: int = 20  # linear warm-up from 0 to lr
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    # Collage/bf16 step: auto (fused for >= 20M parameters when its compiler is there: a C
+    # compiler on CPU, Triton on CUDA) | compiled (one fused kernel per tensor, bitwise with
+    # eager) | eager (the reference)
+    kernel: str = "auto"
 
 
 @dataclass
 class TrainConfig:
     """Length, batch, evaluation and checkpoint cadence of a run."""
 
-    max_steps: int = 200
+    max_steps: int = 200  # optimizer steps; the lr schedule spans exactly these
+    # end early (with a checkpoint) at this step, e.g. for time-limited jobs
     stop_at_step: int | None = None
-    micro_batch_size: int = 8
-    global_batch_size: int = 16  # sequences per optimizer step, all ranks together
+    micro_batch_size: int = 8  # sequences per forward/backward on one device
+    # sequences per optimizer step over all ranks (gradient accumulation fills the gap)
+    global_batch_size: int = 16
     seed: int = 1234
-    device: str = "auto"  # auto | cpu | cuda
-    eval_every: int = 100
-    eval_batches: int = 8  # micro-batches per validation, all ranks together
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
-    resume: bool = False
-    export_hf: bool = True
-    compile: bool = False  # torch.compile the model's forward (and so its backward)
-    activation_checkpointing: bool = False  # recompute each block's activations in backward
-    # CPU only: bf16 matrix products as native kernels, as fp32 GEMMs rounded to bf16, or
-    # whichever a start-up probe finds faster (collage_train/cpu_bf16.py)
+    device: str = "auto"  # auto (CUDA when present, else CPU) | cpu | cuda
+    eval_every: int = 50  # validation every N steps (and always at the end)
+    eval_batches: int = 8  # micro-batches of held-out data per validation, all ranks together
+    checkpoint_every: int = 100  # checkpoints/step-N every N steps (and at the end)
+    keep_checkpoints: int = 2  # keep the newest K checkpoints
+    resume: bool = False  # continue from the newest checkpoint in hydra.run.dir
+    export_hf: bool = True  # write hf/ (transformers format + tokenizer) at the end
+    # torch.compile the model's forward and so its backward (seconds to minutes first)
+    compile: bool = False
+    # keep only block inputs, recompute the rest in backward
+    activation_checkpointing: bool = False
+    # CPU only: bf16 matrix products as native kernels | fp32 (an fp32 GEMM on the exact bf16
+    # operands, rounded once: the GPU's arithmetic, 10-60x faster on CPUs without
+    # AVX512-BF16/AMX) | auto (a start-up probe picks the faster; collage_train/cpu_bf16.py)
     cpu_bf16_gemm: str = "auto"  # auto | native | fp32
 
 
@@ -129,11 +143,11 @@ class WandbConfig:
 
     # None: from the environment (WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY), else offline
     # and collage_train; a value set here wins over the environment
-    mode: str | None = None  # online | offline | disabled
-    project: str | None = None
-    entity: str | None = None
-    name: str | None = None
-    group: str | None = None
+    mode: str | None = None  # online | offline (sync later with `wandb sync`) | disabled
+    project: str | None = None  # null: $WANDB_PROJECT, else collage_train
+    entity: str | None = None  # null: $WANDB_ENTITY, else your W&B default
+    name: str | None = None  # null: <strategy>-<run directory name>
+    group: str | None = None  # null: <model>-<strategy>, so strategies overlay in dashboards
     tags: list[str] = field(default_factory=list)
 
 
@@ -141,9 +155,9 @@ class WandbConfig:
 class LoggingConfig:
     """Where metrics go and how often."""
 
-    log_every: int = 10
-    console: str = "rich"  # rich | plain | none
-    plots: bool = True  # write the run's plots/ at the end
+    log_every: int = 10  # steps between metric records (console, metrics.jsonl, W&B)
+    console: str = "rich"  # rich (progress bar with ETA) | plain | none
+    plots: bool = True  # write plots/ (loss, EDQ, throughput, memory) at the end
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -165,14 +179,16 @@ class DistributedConfig:
 
     name: str = "single"
     zero_stage: int | None = None  # 1, 2 or 3 for the ZeRO engines
-    offload_optimizer: bool = False  # optimizer state and master weights in host memory
+    # optimizer state and master weights in host memory (precision=mixed_fp32 or fp32)
+    offload_optimizer: bool = False
     offload_param: bool = False  # ZeRO-3 only: parameters in host memory
-    timeout_minutes: int = 30  # collective-operation timeout
+    timeout_minutes: int = 30  # collective-operation timeout before a hung rank fails the job
     # ZeRO only: dtype of the gradient reduce-scatter/all-reduce and of gradient
     # accumulation; auto follows the strategy (engine/deepspeed_config.GradientDtypes)
     reduce_dtype: str = "auto"  # auto | fp32 | bf16
     grad_accum_dtype: str = "auto"  # auto | fp32 | bf16
-    deepspeed: dict[str, Any] = field(default_factory=dict)  # extra DeepSpeed config keys
+    # any other DeepSpeed config key, e.g. {zero_optimization: {overlap_comm: true}}
+    deepspeed: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -186,15 +202,21 @@ class CommConfig:
     """
 
     name: str = "ddp"
-    sync_every: int = 10  # H: inner steps between outer steps
+    # H: inner steps between outer steps (the paper's 512M run: 15); train.max_steps and
+    # train.eval_every round up to multiples of it
+    sync_every: int = 10
     outer_lr: float = 1.0  # outer SGD learning rate
     outer_momentum: float = 0.0  # outer SGD momentum (0: none)
     nesterov: bool = False  # Nesterov form of the outer momentum
-    error_feedback: float = 0.95  # beta of SparseLoCo's error feedback
-    chunk: int = 4096  # SparseLoCo: elements per top-k chunk
-    topk: int = 64  # SparseLoCo: entries kept per chunk
-    bits: int = 2  # SparseLoCo: bits per kept value (1..8), or 32 for raw fp32 values
-    checksum_every: int = 10  # outer steps between replica checksums; 0: never
+    # SparseLoCo: beta of the error feedback, e <- beta * e + pseudo-gradient
+    error_feedback: float = 0.95
+    chunk: int = 4096  # SparseLoCo: elements per top-k chunk (the paper's 64 x 64 tiles)
+    # SparseLoCo: entries kept per chunk (64/4096 = 1.56%; the paper's 512M run: 128)
+    topk: int = 64
+    # SparseLoCo: bits per kept value, 1..8 (4 bins over 6 sigma for 2), or 32 for raw fp32
+    bits: int = 2
+    # outer steps between a float64 checksum of every replica's weights; 0: never
+    checksum_every: int = 10
 
 
 @dataclass

@@ -7,12 +7,13 @@ from __future__ import annotations
 import re
 import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from collage_train import cli
+from collage_train import cli, config
 from collage_train.batch import accumulation_steps
 from collage_train.comm.settings import align_to_outer_steps, check_engine
 from collage_train.errors import ConfigError
@@ -125,3 +126,47 @@ def test_a_setting_the_choice_would_ignore_is_one_error(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as error:
         compose_and_check(overrides)
     assert "\n" not in str(error.value)
+
+
+SCHEMAS = {
+    "model": config.ModelConfig,
+    "data": config.DataConfig,
+    "precision": config.PrecisionConfig,
+    "optim": config.OptimConfig,
+    "train": config.TrainConfig,
+    "logging": config.LoggingConfig,
+    "distributed": config.DistributedConfig,
+    "comm": config.CommConfig,
+}
+NAMING_KEYS = ("name", "family", "source")  # say which option a file is, default or not
+
+
+def repeated_defaults(node: Any, defaults: Any, prefix: str) -> list[str]:
+    found = []
+    for key, value in node.items():
+        default = defaults.get(key) if isinstance(defaults, dict) else None
+        if isinstance(value, dict) and isinstance(default, dict) and value:
+            found += repeated_defaults(value, default, f"{prefix}{key}.")
+        elif key not in NAMING_KEYS and key in defaults and value == default:
+            found.append(f"{prefix}{key}")
+    return found
+
+
+@pytest.mark.parametrize("group", sorted(SCHEMAS))
+def test_the_schema_is_the_one_source_of_defaults(group):
+    """A YAML file sets only what its option changes: a value equal to the schema's default
+    would be a second source that can drift from it (train.eval_every once read 50 in
+    configs/ and 100 in the schema)."""
+    defaults = OmegaConf.to_container(OmegaConf.structured(SCHEMAS[group]))
+    for path in sorted((CONFIGS / group).glob("*.yaml")):
+        values = OmegaConf.to_container(OmegaConf.load(path)) or {}
+        repeated = repeated_defaults(values, defaults, f"{group}.")
+        assert not repeated, f"{path.name} repeats the schema's defaults: {repeated}"
+
+
+def test_the_check_finds_a_repeated_default():
+    defaults = {"a": 1, "b": {"c": None, "d": 2}, "name": "x"}
+    assert repeated_defaults({"a": 1, "b": {"c": None, "d": 3}, "name": "x"}, defaults, "") == [
+        "a",
+        "b.c",
+    ]
