@@ -1,13 +1,13 @@
 """Quality study: every precision strategy x beta2 on the same tiny model, same data order.
 
-For each strategy (fp32, mixed_fp32, bf16, collage_light, collage_plus, scalify) and each beta2
-(0.95, 0.999) it trains ``--model`` (default gpt_tiny; llama_tiny for the Llama family) on
-the embedded corpus, with an lr schedule that decays 100x (so that late updates fall
-below bf16's rounding), and reports the final validation loss, the mean normalised EDQ
-and the mean lost-update fraction over the run. With ``--seeds N`` every cell is trained
-with N seeds (train.seed = 1..N: initialisation and data order) and reported as the mean
-and the sample standard deviation, so that a difference between strategies can be told
-from seed noise.
+For each strategy (fp32, mixed_fp32, split_fp32, bf16, collage_light, collage_plus, scalify:
+every configs/precision option) and each beta2 (0.95, 0.999) it trains ``--model`` (default
+gpt_tiny; llama_tiny for the Llama family) on the embedded corpus, with an lr schedule that
+decays 100x (so that late updates fall below bf16's rounding), and reports the final
+validation loss, the mean normalised EDQ and the mean lost-update fraction over the run.
+With ``--seeds N`` every cell is trained with N seeds (train.seed = 1..N: initialisation
+and data order) and reported as the mean and the sample standard deviation, so that a
+difference between strategies can be told from seed noise.
 
     python scripts/quality_study.py                 # 300 steps a run, about an hour on 2 cores
     python scripts/quality_study.py --steps 150     # a quicker look
@@ -27,7 +27,15 @@ from pathlib import Path
 
 from runs import append_results, run_training
 
-STRATEGIES = ("fp32", "mixed_fp32", "bf16", "collage_light", "collage_plus", "scalify")
+STRATEGIES = (
+    "fp32",
+    "mixed_fp32",
+    "split_fp32",
+    "bf16",
+    "collage_light",
+    "collage_plus",
+    "scalify",
+)
 
 
 def study_run(
@@ -128,7 +136,7 @@ def seeds_table(cells: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt_tiny")
     parser.add_argument("--steps", type=int, default=300)
@@ -143,7 +151,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
 
     rows = []
     start = time.perf_counter()

@@ -36,3 +36,12 @@ def test_seeds_are_aggregated_per_cell_with_mean_and_sample_sd():
     table = quality_study.seeds_table(cells).splitlines()
     assert table[0].startswith("| precision | beta2 | seeds |") and len(table) == 4
     assert "| bf16 | 0.999 | 3 | 5.2000 ± 0.2000 |" in table[2]
+
+
+def test_default_grid_covers_every_precision_strategy():
+    configs = Path(__file__).resolve().parent.parent / "configs" / "precision"
+    strategies = {path.stem for path in configs.glob("*.yaml")}
+    assert "split_fp32" in strategies
+    args = quality_study.parse_args([])
+    assert sorted(args.precisions) == sorted(strategies)
+    assert args.beta2 == [0.95, 0.999] and args.seeds == 1 and args.model == "gpt_tiny"
