@@ -48,6 +48,11 @@ def prepare(overrides: list[str]) -> list[Path]:
     except (HydraException, OmegaConfBaseException) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise DataError(f"bad override ({first}); {USAGE}") from None
+    if settings.streaming:
+        raise DataError(
+            "data.streaming: a stream is not prepared, training reads and tokenizes it on the "
+            "fly; drop data.streaming to prepare the dataset into shards"
+        )
     if settings.mixture is not None:
         return prepare_mixture(settings)
     return [prepare_shards(settings)]

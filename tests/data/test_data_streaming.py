@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from collage_train import prepare
 from collage_train.data import DataError, Tokenizer, TokenLoader, build_data, stream_data
 from collage_train.data.settings import DataSettings
 from collage_train.data.shards import load_prepared, prepare_shards
@@ -303,3 +304,14 @@ def test_a_state_of_another_run_is_refused(stream_cfg: MakeCfg, tmp_path: Path) 
     beyond = {**state, "positions": {"0": {"epoch": 0, "document": 10_000, "offset": 0}}}
     with pytest.raises(DataError, match="the stream changed"):
         loader.load_state_dict(beyond)
+
+
+def test_prepare_refuses_a_stream_in_one_line(
+    stream: tuple[Path, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Training would not reuse shards of a stream, so the prepare command writes none."""
+    argv = ["data=hf", "data.name=json", f"data.data_files=[{stream[0]}]", "data.streaming=true"]
+    assert prepare.main([*argv, f"data.cache_dir={tmp_path / 'cache'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: data.streaming: a stream is not prepared")
+    assert not (tmp_path / "cache").exists()
