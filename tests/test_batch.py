@@ -10,7 +10,7 @@ def test_accumulation_steps_split_the_global_batch_exactly():
     assert accumulation_steps(16, 4, 1) == 4
     assert accumulation_steps(16, 4, 2) == 2
     assert accumulation_steps(16, 16, 1) == 1
-    with pytest.raises(ConfigError, match="not divisible .* multiple of 3"):
+    with pytest.raises(ConfigError, match=r"not divisible .* multiple of 3"):
         accumulation_steps(16, 3, 1)
     with pytest.raises(ConfigError, match="micro_batch_size must be at least 1 sequence, got 0"):
         accumulation_steps(16, 0, 1)
