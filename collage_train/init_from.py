@@ -9,10 +9,11 @@ read local files only.
   not used. ``model.dropout`` and ``model.attn_implementation`` still apply.
 - The weights are loaded in fp32 (``load_pretrained``); the precision strategy casts
   them as it casts a fresh model. Strategies that keep a higher-precision master
-  (mixed_fp32's fp32 master, split_fp32's remainder) take it from the fp32 weights
-  (``seed_masters``, on the single engine; under ZeRO DeepSpeed builds its masters from
-  the cast weights). AdamW's moments, Collage's dtheta and dv start from zero, as in any
-  new run: only the weights carry over.
+  (mixed_fp32's fp32 master, split_fp32's remainder) take it from the fp32 weights:
+  ``seed_masters`` on the single engine (replicas included, before their outer state is
+  taken), ``seed_zero_masters`` under ZeRO 1-3 (each rank's slices of DeepSpeed's flat
+  master partitions, after DeepSpeed built them from the cast weights). AdamW's moments,
+  Collage's dtheta and dv start from zero, as in any new run: only the weights carry over.
 - The tokenizer is the directory's unless ``data.tokenizer`` names another
   (``data_config``); its vocabulary must fit the model's embedding.
 
@@ -174,6 +175,15 @@ def data_config(data_cfg: DictConfig, init_from: str | None) -> DictConfig:
     return copy
 
 
+def _keeps_master(strategy: Any) -> bool:
+    return strategy.master_dtype is not None or getattr(strategy, "master_remainder", False)
+
+
+def _fp32_weights(init_from: str) -> dict[str, torch.Tensor]:
+    """The directory's fp32 weights by parameter name."""
+    return {name: p.detach() for name, p in _from_pretrained(init_from).named_parameters()}
+
+
 def seed_masters(
     optimizer: torch.optim.Optimizer, model: torch.nn.Module, strategy: Any, init_from: str
 ) -> bool:
@@ -183,13 +193,31 @@ def seed_masters(
     remainder built from the cast weights would drop their low bits. Collage's dtheta is
     left at zero (its compensation starts empty, as in any new run).
     """
-    keeps_master = strategy.master_dtype is not None or getattr(strategy, "master_remainder", False)
-    if not keeps_master or not hasattr(optimizer, "load_full_precision_weights"):
+    if not _keeps_master(strategy) or not hasattr(optimizer, "load_full_precision_weights"):
         return False
-    source = _from_pretrained(init_from)
-    weights = dict(source.named_parameters())
+    weights = _fp32_weights(init_from)
     name_of = {id(p): name for name, p in model.named_parameters()}
     optimizer.load_full_precision_weights(
-        [weights[name_of[id(p)]].detach() for p in optimizer.ordered_params()]
+        [weights[name_of[id(p)]] for p in optimizer.ordered_params()]
     )
+    return True
+
+
+def seed_zero_masters(engine: Any, optimizer: Any, strategy: Any, init_from: str) -> bool:
+    """``seed_masters`` under ZeRO, after ``engine.prepare``: DeepSpeed's flat master
+    partitions (what the client optimizer updates) get this rank's slices of the fp32
+    weights (mixed_fp32: the fp32 partition; split_fp32: the bf16 partition's remainder).
+    The bf16 weights are the rounding of the same values already; padding is left as it is.
+    """
+    if not _keeps_master(strategy):
+        return False
+    weights = _fp32_weights(init_from)
+    for pieces, flat in zip(engine.partition_pieces(), engine.master_partitions(), strict=True):
+        value = flat.detach().to(torch.float32, copy=True)
+        for piece in pieces:
+            source = weights[piece.name].reshape(-1)
+            value[piece.flat_start : piece.flat_start + piece.numel] = source[
+                piece.param_start : piece.param_start + piece.numel
+            ]
+        optimizer.load_full_precision_weight(flat, value)
     return True

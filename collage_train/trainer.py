@@ -185,6 +185,10 @@ class Trainer:
             accum_steps=self.accum_steps,
             grad_clip=cfg.optim.grad_clip,
         )
+        if cfg.model.init_from and cfg.distributed.name != "single":  # DeepSpeed's masters
+            init_from.seed_zero_masters(
+                self.engine, self.optimizer, self.strategy, cfg.model.init_from
+            )
         self.optimizer.descent_segments = self.engine.descent_segments(group_of)
         if isinstance(self.optimizer, TrackingOptimizer):  # bound the step's transients
             self.optimizer.step_chunk_numel = chunk_numel_for(

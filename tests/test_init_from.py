@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from zero_rank import one_zero_rank
 
 from collage_train.cli import run
 from collage_train.trainer import Trainer
@@ -194,3 +195,40 @@ def test_the_planner_reads_the_directorys_architecture(exported, make_cfg_module
     assert (shape.family, shape.hidden, shape.heads, shape.ffn) == ("llama", 32, 4, 88)
     assert shape.kv_width == 16 and shape.vocab == 512
     assert shape.num_params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(("precision", "stage"), [("mixed_fp32", 3), ("split_fp32", 2)])
+def test_zero_masters_start_from_the_fp32_weights(
+    exported, make_cfg_module, tmp_path, monkeypatch, precision, stage
+):
+    """One in-process ZeRO rank: DeepSpeed builds its flat masters from the bf16 weights;
+    each element of this rank's partitions must hold the directory's fp32 value instead
+    (stage 3: per-parameter shards; stage 2: DeepSpeed's fragments of the flat group)."""
+    directory, _ = exported
+    one_zero_rank(monkeypatch)
+    cfg = make_cfg_module(
+        *ONE_BATCH,
+        f"precision={precision}",
+        f"distributed=zero{stage}",
+        f"model.init_from={directory}",
+    )
+    trainer = Trainer(cfg, tmp_path / "run", sinks=[])
+    try:
+        fp32 = AutoModelForCausalLM.from_pretrained(directory).state_dict()
+        engine = trainer.engine
+        seen = 0
+        for pieces, flat in zip(engine.partition_pieces(), engine.master_partitions(), strict=True):
+            master = trainer.optimizer._full_precision(flat).reshape(-1)
+            for piece in pieces:
+                want = fp32[piece.name].reshape(-1)[piece.param_start :][: piece.numel]
+                got = master[piece.flat_start :][: piece.numel]
+                assert torch.equal(got, want), piece.name
+                seen += piece.numel
+        assert seen == sum(fp32[name].numel() for name, _ in trainer.model.named_parameters())
+        with engine.full_weights() as model:
+            for name, param in model.named_parameters():
+                assert torch.equal(param.detach(), fp32[name].to(param.dtype)), name
+        batch, loss = first_batch_and_loss(trainer)
+        assert loss == pytest.approx(reference_loss(directory, batch), rel=5e-3)
+    finally:
+        trainer.engine.close()

@@ -89,7 +89,13 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
                     f"weight of shape {tuple(value.shape)} given for a parameter of shape "
                     f"{tuple(param.shape)}"
                 )
-            self._load_full_precision(param, value.to(param.device, torch.float32))
+            self.load_full_precision_weight(param, value)
+
+    @torch.no_grad()
+    def load_full_precision_weight(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Set one parameter's full-precision value, whether or not ``param_groups`` lists it
+        now (ZeRO-3 lists its flat master partitions there only during a step)."""
+        self._load_full_precision(param, value.to(param.device, torch.float32))
 
     def _full_precision(self, param: torch.Tensor) -> torch.Tensor:
         """The parameter is the whole value (fp32 weights, or bf16 with nothing beside it)."""
