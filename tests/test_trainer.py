@@ -201,11 +201,25 @@ def test_activation_checkpointing_recomputes_the_same_gradients(make_cfg, tmp_pa
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+# A 2-layer Llama, 32 wide: 4 query heads sharing 2 key/value heads (GQA), SwiGLU 88 wide.
+LLAMA = (
+    "model=llama_tiny",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=88",
+)
+
+
 @pytest.mark.slow
-def test_compiled_model_trains_like_the_eager_one(make_cfg, tmp_path):
-    """train.compile=true: the same losses as eager to fp32 rounding, summary says so."""
-    _, eager_stats = _three_steps(make_cfg("precision=fp32"), tmp_path / "eager")
-    cfg = make_cfg("precision=fp32", "train.compile=true")
+@pytest.mark.parametrize("model", [("model=gpt_tiny",), LLAMA], ids=["gpt", "llama"])
+def test_compiled_model_trains_like_the_eager_one(make_cfg, tmp_path, model):
+    """train.compile=true: the same losses and gradient norms as eager to fp32 rounding
+    (Llama: rotary embeddings, GQA and SwiGLU traced too)."""
+    _, eager_stats = _three_steps(make_cfg(*model, "precision=fp32"), tmp_path / "eager")
+    cfg = make_cfg(*model, "precision=fp32", "train.compile=true")
     trainer, stats = _three_steps(cfg, tmp_path / "compiled")
+    assert type(trainer.model).__name__ == (
+        "LlamaForCausalLM" if model == LLAMA else "GPT2LMHeadModel"
+    )
     assert stats == pytest.approx(eager_stats, rel=1e-4)
     assert trainer.model._compiled_call_impl is not None  # nn.Module.compile() took effect
