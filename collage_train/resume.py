@@ -6,6 +6,10 @@ time), and only with settings that leave the run the same run. A damaged newer
 checkpoint is set aside (renamed ``step-N.damaged``, so that rotation never counts it)
 with one printed line saying why; with none intact, or with a setting that defines the
 run changed, the resume is refused in one line and nothing in the run directory changes.
+Another engine or number of ranks is an elastic resume (the checkpoint is read per
+parameter, ``checkpoint.full_state``), refused only for replicas, whose states are
+their own, for strategies that do not run under ZeRO, and for a world size that does
+not divide the global batch.
 """
 
 from __future__ import annotations

@@ -140,32 +140,44 @@ def _one_zero_rank(monkeypatch) -> None:
             monkeypatch.setattr(groups, name, None)
 
 
-def test_one_process_checkpoint_resumes_under_zero3_element_for_element(
-    make_cfg, tmp_path, monkeypatch
+@pytest.mark.parametrize(("precision", "stage"), [("mixed_fp32", 3), ("split_fp32", 2)])
+def test_one_process_checkpoint_resumes_under_zero_element_for_element(
+    make_cfg, tmp_path, monkeypatch, precision, stage
 ):
-    """mixed_fp32: fp32 masters live in the optimizer in one process and in DeepSpeed's
-    flat partition under ZeRO; every tensor must arrive bit for bit, the weights too."""
-    single = Trainer(make_cfg("precision=mixed_fp32"), tmp_path / "run", sinks=[])
+    """mixed_fp32's fp32 masters live in the optimizer in one process and in DeepSpeed's
+    flat partition under ZeRO; split_fp32's tie positions move into the flat partition's
+    numbering. Every tensor must arrive bit for bit, the weights too."""
+    single = Trainer(make_cfg(f"precision={precision}"), tmp_path / "run", sinks=[])
     for _ in range(2):
         single.train_step()
+    if precision == "split_fp32":
+        _plant_ties(single)
     path = single.save_checkpoint()
     expected = _state_of(single)
     _one_zero_rank(monkeypatch)
-    zero = Trainer(make_cfg("precision=mixed_fp32", "distributed=zero3"), tmp_path / "run",
-                   sinks=[])  # fmt: skip
+    cfg = make_cfg(f"precision={precision}", f"distributed=zero{stage}")
+    zero = Trainer(cfg, tmp_path / "run", sinks=[])
     try:
         zero.resume_from(path)
         assert zero.step == 2
         flats = zero.engine.master_partitions()
         for pieces, flat in zip(zero.engine.partition_pieces(), flats, strict=True):
-            state = zero.optimizer.state[flat]
+            state, ties = zero.optimizer.state[flat], []
             for piece in pieces:
                 want = expected[piece.name]
                 span = slice(piece.flat_start, piece.flat_start + piece.numel)
-                assert torch.equal(flat[span], want["master"].reshape(-1)), piece.name
-                for key in ("exp_avg", "exp_avg_sq"):
-                    assert torch.equal(state[key][span], want[key].reshape(-1)), (piece, key)
+                master = want.get("master", want["weight"])
+                assert torch.equal(flat[span], master.reshape(-1)), piece.name
                 assert state["step"] == want["step"]
+                for key, value in want.items():
+                    if key == "remainder_ties":
+                        ties.append(value + piece.flat_start)
+                    elif key not in ("weight", "master", "step"):
+                        assert torch.equal(state[key][span], value.reshape(-1)), (piece, key)
+            if ties:
+                assert torch.equal(state["remainder_ties"], torch.cat(ties))
+        if precision == "split_fp32":
+            assert sum(zero.optimizer.state[f]["remainder_ties"].numel() for f in flats) >= 2
         with zero.engine.full_weights() as model:
             for name, param in model.named_parameters():
                 assert torch.equal(param.detach(), expected[name]["weight"]), name

@@ -16,6 +16,11 @@ with ``weights_only=True``, and every ``.pt`` file of a checkpoint, DeepSpeed's 
 included (DeepSpeed 0.19.8 opens them with ``weights_only=False``), is first verified
 with the same restricted unpickler, which admits tensors, plain containers and only the
 three record classes DeepSpeed writes (``verify_checkpoint_files``).
+
+The rest of the package reads a checkpoint of any layout per parameter for an elastic
+resume (``full_state``, with ``pieces`` saying where each parameter's elements lie on
+each rank) and writes the rank-independent layout (``universal``; ``python -m
+collage_train.checkpoint convert``).
 """
 
 from __future__ import annotations
