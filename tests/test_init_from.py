@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    OPTConfig,
+    OPTForCausalLM,
+)
 from zero_rank import one_zero_rank
 
 from collage_train.cli import run
+from collage_train.precision import available
 from collage_train.trainer import Trainer
 
 LLAMA = [
@@ -67,11 +74,11 @@ def reference_loss(directory, batch: torch.Tensor) -> float:
 
 
 def test_every_strategy_starts_from_the_exported_weights(exported, make_cfg_module, tmp_path):
-    """First loss = the directory's model on that batch (bf16 rounding); the tokenizer is the
-    directory's (data.vocab_size ignored); masters hold the fp32 weights, Collage's dtheta
-    and every moment start at zero."""
+    """Every strategy: first loss = the directory's model on that batch (bf16 rounding; fp32:
+    exact); the tokenizer is the directory's (data.vocab_size ignored); masters hold the fp32
+    weights, Collage's dtheta and every moment start at zero."""
     directory, tokenizer = exported
-    for name in ("bf16", "mixed_fp32", "split_fp32", "collage_plus"):
+    for name in available():
         cfg = make_cfg_module(
             *ONE_BATCH, f"precision={name}", f"model.init_from={directory}", "data.vocab_size=999"
         )
@@ -90,7 +97,8 @@ def test_every_strategy_starts_from_the_exported_weights(exported, make_cfg_modu
         for param_name, param in trainer.model.named_parameters():
             assert torch.equal(param, fp32[param_name].to(param.dtype)), param_name
         batch, loss = first_batch_and_loss(trainer)
-        assert loss == pytest.approx(reference_loss(directory, batch), rel=5e-3), name
+        rel = 1e-6 if name == "fp32" else 5e-3  # bf16 weights; scalify's fp8 products
+        assert loss == pytest.approx(reference_loss(directory, batch), rel=rel), name
         if name == "collage_plus":
             for state in trainer.optimizer.state.values():
                 assert state["dtheta"].abs().max() < 1e-2  # one step's worth, not the low bits
@@ -121,6 +129,30 @@ def test_a_local_gpt2_directory_needs_a_tokenizer(exported, make_cfg_module, tmp
     assert trainer.model.config.resid_pdrop == 0.0  # model.dropout, not GPT2Config's 0.1
     batch, loss = first_batch_and_loss(trainer)
     assert loss == pytest.approx(reference_loss(gpt2, batch), rel=1e-5)
+
+
+def test_a_local_opt_directory(exported, make_cfg_module, tmp_path):
+    """save_pretrained of a random OPT (learned positions offset by 2, ReLU FFN, its own
+    dropout fields): trains from it under bf16, first loss = the directory's model's."""
+    directory, _ = exported
+    opt = tmp_path / "opt"
+    torch.manual_seed(0)
+    config = OPTConfig(
+        vocab_size=600, hidden_size=32, word_embed_proj_dim=32, num_hidden_layers=2,
+        num_attention_heads=4, ffn_dim=64, max_position_embeddings=64,
+    )  # fmt: skip
+    OPTForCausalLM(config).save_pretrained(opt)
+    cfg = make_cfg_module(
+        *ONE_BATCH, "precision=bf16", f"model.init_from={opt}", f"data.tokenizer={directory}"
+    )
+    trainer = Trainer(cfg, tmp_path / "opt-run", sinks=[])
+    assert type(trainer.model).__name__ == "OPTForCausalLM"
+    assert trainer.model.config.dropout == trainer.model.config.attention_dropout == 0.0
+    fp32 = OPTForCausalLM.from_pretrained(opt).state_dict()
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(param, fp32[name].to(torch.bfloat16)), name
+    batch, loss = first_batch_and_loss(trainer)
+    assert loss == pytest.approx(reference_loss(opt, batch), rel=5e-3)
 
 
 @pytest.mark.parametrize(
