@@ -1,15 +1,15 @@
 """The Llama family end to end: every precision strategy, activation checkpointing, the
-HF export (loads in AutoModelForCausalLM and AutoTokenizer, generates), and the ZeRO and
-replica engines through their launchers."""
+HF export (loads in AutoModelForCausalLM and AutoTokenizer, generates), ZeRO-1/2/3 and a
+DiLoCo replica in this process, SparseLoCo replicas through torchrun."""
 
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
 from cli_runner import run_torchrun, tiny_overrides
+from zero_rank import one_zero_rank
 
 from collage_train.precision import available
 from collage_train.trainer import Trainer
@@ -66,30 +66,17 @@ def test_llama_checkpointing_and_export(make_cfg, tmp_path):
     assert out.shape == (1, ids.shape[1] + 5)
 
 
-def test_llama_under_zero3_in_process(make_cfg, tmp_path, monkeypatch):
-    """One ZeRO-3 rank in this process (DeepSpeed's engine, GQA and SwiGLU weights
-    partitioned and gathered; DeepSpeed keeps its groups, so one stage per process):
-    Collage-plus trains the Llama and the gathered export loads."""
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_llama_under_zero_in_process(make_cfg, tmp_path, monkeypatch, stage):
+    """One ZeRO rank in this process (DeepSpeed's engine; stage 3: GQA and SwiGLU weights
+    partitioned and gathered): Collage-plus trains the Llama and the gathered export loads."""
     from transformers import AutoModelForCausalLM
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    for key, value in dict(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    ).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    from deepspeed.utils import groups  # forget groups of an earlier in-process ZeRO run
-
-    for name, value in vars(groups).copy().items():
-        if name.startswith("_") and name.isupper() and isinstance(value, dict):
-            monkeypatch.setattr(groups, name, {})
-        elif name.startswith("_") and name.isupper() and type(value).__name__ == "ProcessGroup":
-            monkeypatch.setattr(groups, name, None)
-    cfg = make_cfg(*LLAMA, *FAST, "precision=collage_plus", "distributed=zero3")
+    one_zero_rank(monkeypatch)
+    cfg = make_cfg(*LLAMA, *FAST, "precision=collage_plus", f"distributed=zero{stage}")
     trainer = Trainer(cfg, tmp_path, sinks=[])
     try:
+        assert trainer.engine.deepspeed_config["zero_optimization"]["stage"] == stage
         losses = [trainer.train_step()["loss"] for _ in range(3)]
         trainer.export_hf(tmp_path / "hf")
     finally:
@@ -97,6 +84,27 @@ def test_llama_under_zero3_in_process(make_cfg, tmp_path, monkeypatch):
     assert losses[-1] < losses[0] - 0.02, losses
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert model.config.num_key_value_heads == 2 and model.config.intermediate_size == 88
+
+
+def test_llama_one_diloco_replica_trains_like_the_plain_optimizer(make_cfg, tmp_path):
+    """comm=diloco in this process, a world of one syncing every step with outer lr 1 and
+    no momentum: each outer step hands the inner step's result back unchanged, so the Llama's
+    losses and weights equal comm=ddp's bit for bit (mixed_fp32: the fp32 masters go
+    through the outer step)."""
+    common = (*LLAMA, *FAST, "precision=mixed_fp32")
+    diloco = ("comm=diloco", "comm.sync_every=1", "comm.outer_lr=1", "comm.outer_momentum=0")
+    plain = Trainer(make_cfg(*common), tmp_path / "plain", sinks=[])
+    replica = Trainer(make_cfg(*common, *diloco), tmp_path / "replica", sinks=[])
+    try:
+        assert type(replica.engine).__name__ == "ReplicaEngine"
+        for _ in range(3):
+            assert replica.train_step()["loss"] == plain.train_step()["loss"]
+        assert replica.engine.counters["outer_steps"] == 3
+        mine, theirs = replica.model.state_dict(), plain.model.state_dict()
+        assert all(torch.equal(mine[name], theirs[name]) for name in theirs)
+        assert mine["model.layers.0.self_attn.k_proj.weight"].shape == (16, 32)  # 2 kv heads
+    finally:
+        replica.engine.close()
 
 
 @pytest.mark.slow
