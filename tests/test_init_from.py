@@ -264,3 +264,22 @@ def test_zero_masters_start_from_the_fp32_weights(
         assert loss == pytest.approx(reference_loss(directory, batch), rel=5e-3)
     finally:
         trainer.engine.close()
+
+
+def test_a_diloco_replica_shares_the_fp32_weights(exported, make_cfg_module, tmp_path):
+    """One in-process DiLoCo replica under mixed_fp32: the masters are seeded before the
+    replica takes its outer copy, so the shared weights are the directory's fp32 values."""
+    directory, _ = exported
+    cfg = make_cfg_module(
+        *ONE_BATCH, "precision=mixed_fp32", "comm=diloco", f"model.init_from={directory}"
+    )
+    trainer = Trainer(cfg, tmp_path / "run", sinks=[])
+    try:
+        fp32 = AutoModelForCausalLM.from_pretrained(directory).state_dict()
+        name_of = {id(p): name for name, p in trainer.model.named_parameters()}
+        params = trainer.optimizer.ordered_params()
+        for param, shared in zip(params, trainer.engine.outer.shared, strict=True):
+            want = fp32[name_of[id(param)]]
+            assert torch.equal(shared.reshape(-1), want.reshape(-1)), name_of[id(param)]
+    finally:
+        trainer.engine.close()
