@@ -47,8 +47,14 @@ def tiny_overrides(corpus: Path, cache: Path, run_dir: Path) -> list[str]:
     ]
 
 
-def run_cli(*args: str, module: str = "collage_train", timeout: float = 600) -> Result:
+def run_cli(
+    *args: str, module: str = "collage_train", timeout: float = 600, threads: int | None = None
+) -> Result:
+    """``python -m MODULE ARGS``; ``threads`` sets its OpenMP threads (a run compared with a
+    launch's ranks must use theirs: the thread count changes how CPU GEMMs round)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     proc = subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=REPO,
@@ -76,6 +82,11 @@ def _remove_shm_buffers(port: int) -> tuple[str, ...]:
     return tuple(path.name for path in left)
 
 
+def rank_threads(ranks: int) -> int:
+    """OpenMP threads per rank of a launch: the machine's cores shared out."""
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
 def _launch(
     name: str, options: list[str], args: tuple[str, ...], cwd: Path, timeout: float, ranks: int
 ) -> Result:
@@ -90,7 +101,7 @@ def _launch(
         "PYTHONUNBUFFERED": "1",
         "WANDB_SILENT": "true",
         "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
+        "OMP_NUM_THREADS": str(rank_threads(ranks)),
     }
     for _ in range(3):
         port = _free_port()

@@ -5,10 +5,9 @@ and targets are in test_zero.py."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
+from zero_rank import one_zero_rank
 
 from collage_train import checkpoint
 from collage_train.checkpoint.__main__ import convert
@@ -120,26 +119,6 @@ def test_zero3_pieces_tile_each_parameter_and_refuse_another_model():
         check_tiling(layout, {"a": 6, "b": 4, "c": 1}, "ckpt")
 
 
-def _one_zero_rank(monkeypatch) -> None:
-    """Launch variables of a world of one, and DeepSpeed's groups of an earlier in-process
-    ZeRO run forgotten (as test_llama.py's in-process ZeRO-3 run does)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    for key, value in dict(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    ).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    from deepspeed.utils import groups
-
-    for name, value in vars(groups).copy().items():
-        if name.startswith("_") and name.isupper() and isinstance(value, dict):
-            monkeypatch.setattr(groups, name, {})
-        elif name.startswith("_") and name.isupper() and type(value).__name__ == "ProcessGroup":
-            monkeypatch.setattr(groups, name, None)
-
-
 @pytest.mark.parametrize(("precision", "stage"), [("mixed_fp32", 3), ("split_fp32", 2)])
 def test_one_process_checkpoint_resumes_under_zero_element_for_element(
     make_cfg, tmp_path, monkeypatch, precision, stage
@@ -154,7 +133,7 @@ def test_one_process_checkpoint_resumes_under_zero_element_for_element(
         _plant_ties(single)
     path = single.save_checkpoint()
     expected = _state_of(single)
-    _one_zero_rank(monkeypatch)
+    one_zero_rank(monkeypatch)
     cfg = make_cfg(f"precision={precision}", f"distributed=zero{stage}")
     zero = Trainer(cfg, tmp_path / "run", sinks=[])
     try:

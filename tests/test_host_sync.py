@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import socket
 import sys
 import weakref
 from collections import Counter
@@ -25,6 +24,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from zero_rank import one_zero_rank
 
 from collage_train import trainer as trainer_module
 from collage_train.errors import TrainingDiverged
@@ -171,14 +171,7 @@ def test_single_process_steps_never_wait_for_the_device(make_cfg, tmp_path, prec
 def test_zero_steps_add_no_waits_of_their_own(make_cfg, tmp_path, monkeypatch):
     """One rank of ZeRO-2 in this process: DeepSpeed's step may read what it needs; the
     project's own code around it reads nothing until the settle."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    for key, value in dict(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    ).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    one_zero_rank(monkeypatch)
     cfg = make_cfg("precision=collage_plus", "distributed=zero2", *RUN)
     (tmp_path / "run").mkdir()
     trainer = Trainer(cfg, tmp_path / "run", sinks=[])

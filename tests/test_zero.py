@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import Result, run_cli, run_deepspeed, run_torchrun, tiny_overrides
+from cli_runner import Result, rank_threads, run_cli, run_deepspeed, run_torchrun, tiny_overrides
 from safetensors.torch import load_file
 from tiny_config import compose_tiny
 
@@ -51,7 +51,10 @@ def runs(corpus_dir, cache_dir, tmp_path_factory):
                 f"distributed={distributed}",
                 *extra,
             ]
-            result = run_cli(*args) if distributed == "single" else run_deepspeed(*args)
+            if distributed == "single":  # at a rank's thread count: the same GEMM roundings
+                result = run_cli(*args, threads=rank_threads(2))
+            else:
+                result = run_deepspeed(*args)
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
             assert not result.leftover_shm, result.leftover_shm  # engine/zero.py unlinks them
             done[key] = (run_dir, result)
