@@ -1,9 +1,54 @@
 """Bad input ends in one clear error line, exit status 2, and an untouched run directory; a
-run that starts and then fails (out of memory, diverged) exits with 1."""
+run that starts and then fails (out of memory, diverged) exits with 1.
+
+In-process through what a launch runs (Hydra's composition, the start-up callback, then
+``cli.run``): a subprocess adds nothing here but seconds. The real entry point is driven in
+``test_unknown_precision_is_rejected_by_hydra`` and in tests/test_cli_e2e.py.
+"""
+
+from dataclasses import dataclass
 
 import pytest
+from cli_runner import tiny_overrides
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+
+from collage_train import cli
+from collage_train.rundir import RunDirectoryCallback
 
 pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Outcome:
+    returncode: int
+    stderr: str
+
+    @property
+    def error_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.fixture
+def launch(corpus_dir, cache_dir, tmp_path, capsys):
+    """``python -m collage_train`` on the tiny setup in ``tmp_path/run``, in this process."""
+    run_dir = tmp_path / "run"
+
+    def _launch(*extra: str) -> Outcome:
+        overrides = [*tiny_overrides(corpus_dir, cache_dir, run_dir), *extra]
+        capsys.readouterr()
+        with initialize_config_dir(config_dir=cli.config_dir(), version_base="1.3"):
+            launched = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+            cfg = compose(config_name="config", overrides=overrides)  # what the task receives
+        try:
+            RunDirectoryCallback().on_run_start(config=launched)
+        except SystemExit as refused:
+            return Outcome(int(refused.code), capsys.readouterr().err)
+        status = cli.run(cfg, run_dir)
+        return Outcome(status, capsys.readouterr().err)
+
+    _launch.run_dir = run_dir
+    return _launch
 
 
 def assert_clean_error(result, *fragments, status=2):
@@ -21,58 +66,63 @@ def test_unknown_precision_is_rejected_by_hydra(tiny):
     assert "Traceback" not in result.stderr
 
 
-def test_misspelt_key_is_rejected(tiny):
-    result = tiny("train.max_step=3")
-    assert result.returncode != 0 and "max_step" in result.stderr
+def test_misspelt_key_is_rejected(corpus_dir, cache_dir, tmp_path):
+    overrides = [*tiny_overrides(corpus_dir, cache_dir, tmp_path / "run"), "train.max_step=3"]
+    with (
+        initialize_config_dir(config_dir=cli.config_dir(), version_base="1.3"),
+        pytest.raises(HydraException, match="max_step"),
+    ):
+        compose(config_name="config", overrides=overrides)
 
 
-def test_missing_data_path(tiny, tmp_path):
-    assert_clean_error(tiny(f"data.paths=[{tmp_path}/nope.txt]"), "does not exist")
+def test_missing_data_path(launch, tmp_path):
+    assert_clean_error(launch(f"data.paths=[{tmp_path}/nope.txt]"), "does not exist")
 
 
-def test_empty_data_file(tiny, tmp_path):
+def test_empty_data_file(launch, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    assert_clean_error(tiny(f"data.paths=[{empty}]"), "no text")
+    assert_clean_error(launch(f"data.paths=[{empty}]"), "no text")
 
 
-def test_vocab_larger_than_model(tiny):
+def test_vocab_larger_than_model(launch):
     assert_clean_error(
-        tiny("model.vocab_size=100"), "tokenizer has 512 tokens", "model.vocab_size=100"
+        launch("model.vocab_size=100"), "tokenizer has 512 tokens", "model.vocab_size=100"
     )
 
 
-def test_global_batch_not_divisible(tiny):
-    assert_clean_error(tiny("train.global_batch_size=10"), "not divisible")
+def test_global_batch_not_divisible(launch):
+    assert_clean_error(launch("train.global_batch_size=10"), "not divisible")
 
 
-def test_unknown_cpu_bf16_gemm_setting(tiny):
+def test_unknown_cpu_bf16_gemm_setting(launch):
     assert_clean_error(
-        tiny("train.cpu_bf16_gemm=fast"), "train.cpu_bf16_gemm", "auto, native, fp32"
+        launch("train.cpu_bf16_gemm=fast"), "train.cpu_bf16_gemm", "auto, native, fp32"
     )
 
 
-def test_out_of_memory_is_reported_with_a_hint(tiny):
+def test_out_of_memory_is_reported_with_a_hint(launch):
     # Each block's matrices would need terabytes: the allocator refuses at once.
-    result = tiny("model.hidden_size=1048576", "model.num_heads=1", "model.num_layers=1")
+    result = launch("model.hidden_size=1048576", "model.num_heads=1", "model.num_layers=1")
     assert_clean_error(result, "out of memory", "micro_batch_size", "ZeRO", status=1)
 
 
-def test_existing_run_is_not_overwritten(tiny):
-    assert tiny("train.max_steps=4", "train.export_hf=false").returncode == 0
-    ckpt = tiny.run_dir / "checkpoints" / "step-4" / "model.pt"
+def test_existing_run_is_not_overwritten(launch):
+    assert launch("train.max_steps=4", "train.export_hf=false").returncode == 0
+    ckpt = launch.run_dir / "checkpoints" / "step-4" / "model.pt"
     before = ckpt.read_bytes()
-    metrics_before = (tiny.run_dir / "metrics.jsonl").read_text()
-    assert_clean_error(tiny("train.max_steps=4"), "already holds checkpoints", "train.resume=true")
+    metrics_before = (launch.run_dir / "metrics.jsonl").read_text()
+    again = launch("train.max_steps=4")
+    assert_clean_error(again, "already holds checkpoints", "train.resume=true")
     assert ckpt.read_bytes() == before
-    assert (tiny.run_dir / "metrics.jsonl").read_text() == metrics_before
+    assert (launch.run_dir / "metrics.jsonl").read_text() == metrics_before
 
 
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny):
-    assert tiny("train.stop_at_step=4").returncode == 0
-    good = tiny.run_dir / "checkpoints" / "step-4" / "model.pt"
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(launch):
+    assert launch("train.stop_at_step=4").returncode == 0
+    good = launch.run_dir / "checkpoints" / "step-4" / "model.pt"
     before = good.read_bytes()
-    result = tiny(
+    result = launch(
         "train.resume=true",
         "optim.lr=1e38",
         "train.checkpoint_every=1",

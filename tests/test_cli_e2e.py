@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -98,14 +99,39 @@ def _final_state(run_dir, step):
     return load_checkpoint_file(ckpt, "model"), load_checkpoint_file(ckpt, "optimizer")
 
 
+@pytest.fixture
+def in_process(corpus_dir, cache_dir, capsys):
+    """The tiny setup run by ``cli.run`` in this process: (exit status, stdout, stderr)."""
+    from hydra import compose, initialize_config_dir
+
+    from collage_train import cli
+
+    def _run(*extra: str, run_dir) -> SimpleNamespace:
+        overrides = [*tiny_overrides(corpus_dir, cache_dir, run_dir), *extra]
+        with initialize_config_dir(config_dir=cli.config_dir(), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        capsys.readouterr()
+        status = cli.run(cfg, run_dir)
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=status, stdout=out.out, stderr=out.err)
+
+    return _run
+
+
 @pytest.mark.parametrize(
-    ("precision", "gemm"),
-    [("mixed_fp32", "auto"), ("bf16", "auto"), ("collage_light", "auto"), ("collage_plus", "fp32")],
+    ("precision", "gemm", "process"),
+    [
+        ("mixed_fp32", "auto", "in-process"),
+        ("bf16", "auto", "in-process"),
+        ("collage_light", "auto", "in-process"),
+        ("collage_plus", "fp32", "subprocess"),  # a fresh interpreter restores the RNG too
+    ],
 )
-def test_stop_and_resume_is_bitwise_identical(tiny, tmp_path, precision, gemm):
+def test_stop_and_resume_is_bitwise_identical(tiny, in_process, tmp_path, precision, gemm, process):
     # Dropout makes the RNG state part of what a resume must restore; collage_plus runs
     # its bf16 products as fp32 GEMMs on every CPU (the others as auto chooses).
     common = [f"precision={precision}", "model.dropout=0.1", f"train.cpu_bf16_gemm={gemm}"]
+    tiny = tiny if process == "subprocess" else in_process
     straight = tiny(*common, run_dir=tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr
     first = tiny(*common, "train.stop_at_step=4", run_dir=tmp_path / "chunked")
