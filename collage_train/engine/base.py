@@ -37,7 +37,6 @@ class StepOutcome:
 class Engine(Protocol):
     """The interface of ``SingleProcessEngine``, ``ZeroEngine`` and ``ReplicaEngine``."""
 
-    name: str
     device: torch.device
     rank: int
     world_size: int

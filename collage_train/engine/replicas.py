@@ -68,9 +68,7 @@ class ReplicaEngine(SingleProcessEngine):
         check_process_group(device)
         if device.type == "cuda":
             device = torch.device("cuda", local_rank())
-        super().__init__(
-            device=device, name="replicas", rank=dist.get_rank(), world_size=dist.get_world_size()
-        )
+        super().__init__(device=device, rank=dist.get_rank(), world_size=dist.get_world_size())
         self.outer: OuterState | None = None
         self.payload_bytes = 0
         self.dense_bytes = 0

@@ -55,7 +55,6 @@ class SingleProcessEngine:
     """Rank 0 of a world of one: plain backward, fp32-accumulated clipping, optimizer step."""
 
     device: torch.device
-    name: str = "single"
     rank: int = 0
     world_size: int = 1
     model: torch.nn.Module | None = field(default=None, repr=False)

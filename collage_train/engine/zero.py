@@ -82,8 +82,6 @@ def _merge_runs(segments: list[Segment]) -> list[Segment]:
 class ZeroEngine:
     """One data-parallel rank of a DeepSpeed ZeRO run."""
 
-    name = "deepspeed"
-
     def __init__(self, dist_cfg: Any, device: torch.device) -> None:
         self.dist_cfg = dist_cfg
         self.stage = int(dist_cfg.zero_stage)
@@ -244,15 +242,6 @@ class ZeroEngine:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-    def optimizer_state_numel(self) -> dict[str, int]:
-        """Elements of each optimizer-state component on this rank."""
-        totals: dict[str, int] = {}
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    totals[key] = totals.get(key, 0) + value.numel()
-        return totals
 
     # ----------------------------------------------------------- checkpoints
 
