@@ -16,8 +16,10 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -26,7 +28,17 @@ from collage_train import checkpoint
 from collage_train.data import Tokenizer
 from collage_train.errors import BAD_INPUT, WEIGHT_LOAD_ERRORS, CollageError, first_line
 from collage_train.precision import get_strategy
-from collage_train.trainer import export_model
+
+
+def export_model(model: torch.nn.Module, tokenizer: Any, target: Path) -> None:
+    """``save_pretrained`` plus the tokenizer into ``target``, replacing it atomically."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save(tmp)
+    if target.exists():
+        shutil.rmtree(target)
+    os.rename(tmp, target)
 
 
 def resolve_checkpoint(path: Path) -> Path:

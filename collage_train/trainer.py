@@ -9,11 +9,8 @@ optimizer state) goes through ``state_dict``/``load_state_dict``.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import platform
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -31,9 +28,11 @@ from collage_train.checkpoint.full_state import needs_reshard, open_full_state
 from collage_train.comm.settings import align_to_outer_steps, comm_name, uses_replicas
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm, probe_gflops
 from collage_train.data import build_data
+from collage_train.data.progress import write_json_atomic
 from collage_train.engine import build_engine
 from collage_train.engine.launch import local_world_size
 from collage_train.errors import ConfigError, OutOfMemory, TrainingDiverged
+from collage_train.export import export_model
 from collage_train.metrics import (
     Sink,
     available_memory,
@@ -702,20 +701,3 @@ def corpus_summary(meta: dict[str, Any]) -> dict[str, Any]:
     """The corpus facts worth keeping with a run's results (source, sizes, Python version)."""
     keys = ("vocab_size", "num_documents", "train_tokens", "val_tokens", "cache_dir")
     return {**meta.get("source", {}), **{key: meta[key] for key in keys if key in meta}}
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
-
-
-def export_model(model: torch.nn.Module, tokenizer: Any, target: Path) -> None:
-    """``save_pretrained`` plus the tokenizer into ``target``, replacing it atomically."""
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save(tmp)
-    if target.exists():
-        shutil.rmtree(target)
-    os.rename(tmp, target)

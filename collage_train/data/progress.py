@@ -53,7 +53,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     """Write ``obj`` as JSON to ``path`` through a flushed temporary file and a rename."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with tmp.open("w") as handle:
-        handle.write(json.dumps(obj, indent=1) + "\n")
+        handle.write(json.dumps(obj, indent=1, default=str) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
