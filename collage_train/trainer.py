@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-import platform
 import signal
 import time
 from collections.abc import Iterator
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from collage_train import checkpoint, init_from
+from collage_train import checkpoint, init_from, report
 from collage_train.batch import accumulation_steps
 from collage_train.checkpoint.full_state import needs_reshard, open_full_state
-from collage_train.comm.settings import align_to_outer_steps, comm_name, uses_replicas
+from collage_train.comm.settings import align_to_outer_steps, comm_name
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm, probe_gflops
 from collage_train.data import build_data
 from collage_train.data.progress import write_json_atomic
@@ -54,17 +52,6 @@ from collage_train.optim import decay_param_groups, warmup_cosine_lr
 from collage_train.optim.base import TrackingOptimizer, chunk_numel_for
 from collage_train.optim.collage.kernels import choose_kernel
 from collage_train.precision import strategy_for
-
-_VERSIONED_PACKAGES = ("torch", "transformers", "sentencepiece", "hydra-core", "wandb", "numpy")
-
-
-def package_versions() -> dict[str, str]:
-    """Versions of Python and the packages a run's numbers depend on."""
-    versions = {"python": platform.python_version()}
-    for name in ("collage_train", *_VERSIONED_PACKAGES):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            versions[name] = metadata.version(name)
-    return versions
 
 
 class _StopRequest:
@@ -523,10 +510,10 @@ class Trainer:
             **peak_memory(self.device),
             **descent,
             **self.engine.comm_metrics(),
-            **self._scale_metrics(),
+            **self.scale_metrics(),
         }
 
-    def _scale_metrics(self) -> dict[str, float]:
+    def scale_metrics(self) -> dict[str, float]:
         """Scale statistics of the optimizer (Scalify's ``scale_metrics``) and the model."""
         scale_metrics = getattr(self.optimizer, "scale_metrics", None)
         metrics = scale_metrics() if scale_metrics is not None else {}
@@ -603,24 +590,7 @@ class Trainer:
 
     def describe(self) -> str:
         """One line stating what this run trains, where, and with which batch."""
-        train = self.cfg.train
-        return (
-            f"{self.cfg.model.name} ({self.num_params / 1e6:.2f}M params) | "
-            f"precision={self.strategy.name} ({self.optimizer_kernel} step) | {self.device} | "
-            "global batch "
-            f"{train.global_batch_size} sequences x {self.cfg.data.seq_len} tokens = "
-            f"{self.tokens_per_step:,} tokens (micro-batch {train.micro_batch_size} x "
-            f"{self.accum_steps} accumulation x {self.engine.world_size} rank) | "
-            f"distributed={self.cfg.distributed.name} | {self._describe_comm()} | "
-            f"{train.max_steps} steps | {self.cpu_bf16_gemm.describe()}"
-        )
-
-    def _describe_comm(self) -> str:
-        comm = self.cfg.comm
-        if not uses_replicas(comm):
-            return f"comm={comm_name(comm)}"
-        replicas = self.engine.world_size
-        return f"comm={comm.name} ({replicas} replicas, outer step every {comm.sync_every})"
+        return report.describe(self)
 
     def _summary(
         self,
@@ -630,58 +600,10 @@ class Trainer:
         wall_time: float,
         start_step: int,
     ) -> dict[str, Any]:
-        elapsed = sum(w["time"] for w in timed)
-        tokens_per_s = self.tokens_per_step * len(timed) / elapsed if elapsed else None
-        train = self.cfg.train
-        summary = {
-            "model": self.cfg.model.name,
-            "precision": self.strategy.name,
-            "num_params": self.num_params,
-            "steps": self.step,
-            "steps_this_launch": self.step - start_step,
-            "tokens": self.step * self.tokens_per_step,
-            "global_batch_sequences": self.cfg.train.global_batch_size,
-            "global_batch_tokens": self.tokens_per_step,
-            "final_train_loss": last["loss"] if last else None,
-            "final_val_loss": val["val_loss"] if val else None,
-            "final_val_ppl": val["val_ppl"] if val else None,
-            "tokens_per_s": tokens_per_s,
-            "mfu": model_flops_utilisation(
-                tokens_per_s / self.engine.world_size, self.flops_per_token, self.peak_tflops
-            )
-            if tokens_per_s
-            else None,
-            "flops_per_token": self.flops_per_token,
-            "micro_batch_size": train.micro_batch_size,
-            "seq_len": self.cfg.data.seq_len,
-            "compile": train.compile,
-            "activation_checkpointing": train.activation_checkpointing,
-            "peak_mem_bytes": peak_memory(self.device)["peak_mem_bytes"],
-            "state_bytes_per_param": self.engine.state_bytes() / self.num_params,
-            "expected_state_bytes_per_param": self.engine.expected_state_bytes_per_param(
-                self.strategy
-            ),
-            "state_bytes_measure": self.engine.state_bytes_measure,
-            "distributed": self.cfg.distributed.name,
-            "comm": comm_name(self.cfg.comm),
-            **self.engine.comm_metrics(),
-            **self._scale_metrics(),
-            "world_size": self.engine.world_size,
-            "optimizer_kernel": self.optimizer_kernel,
-            **self.cpu_bf16_gemm.summary(),
-            "skipped_steps": self.skipped_steps,
-            "wall_time_s": wall_time,
-            "device": str(self.device),
-            "corpus": corpus_summary(self.data.meta),
-            **self.data.train_loader.metrics(),  # data.mixture: tokens per source
-            "versions": package_versions(),
-        }
+        """summary.json (and plots/) on rank 0, then every sink's summary."""
+        summary = report.run_summary(self, last, val, timed, wall_time, start_step)
         if self.engine.is_main:
-            write_json_atomic(self.run_dir / "summary.json", summary)
-            if self.cfg.logging.plots and (self.run_dir / "metrics.jsonl").is_file():
-                from collage_train.compare import load_run, write_report  # imports matplotlib
-
-                write_report([load_run(self.run_dir)], self.run_dir / "plots")
+            report.write_summary(self.run_dir, summary, plots=self.cfg.logging.plots)
         for sink in self.sinks:
             sink.summary(summary)
         return summary
@@ -695,9 +617,3 @@ class Trainer:
             if self.engine.is_main:
                 export_model(model, self.data.tokenizer, target)
         self.engine.barrier()
-
-
-def corpus_summary(meta: dict[str, Any]) -> dict[str, Any]:
-    """The corpus facts worth keeping with a run's results (source, sizes, Python version)."""
-    keys = ("vocab_size", "num_documents", "train_tokens", "val_tokens", "cache_dir")
-    return {**meta.get("source", {}), **{key: meta[key] for key in keys if key in meta}}

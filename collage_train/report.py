@@ -1,0 +1,131 @@
+"""What a run says about itself: the line describing it at the start, and ``summary.json``
+(with ``plots/``) at the end.
+
+Everything here reads a built ``Trainer`` and changes nothing; the trainer calls it and
+hands the summary to its sinks. The summary's keys are part of the public interface
+(shared/ARCHITECTURE.md): ``final_train_loss``, ``final_val_loss``, ``tokens_per_s``,
+``peak_mem_bytes``, ``state_bytes_per_param``, ``wall_time_s``, ``precision``, ``model``,
+``versions`` and the rest below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from collage_train.comm.settings import comm_name, uses_replicas
+from collage_train.data.progress import write_json_atomic
+from collage_train.metrics import model_flops_utilisation, peak_memory
+
+_VERSIONED_PACKAGES = ("torch", "transformers", "sentencepiece", "hydra-core", "wandb", "numpy")
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of Python and the packages a run's numbers depend on."""
+    versions = {"python": platform.python_version()}
+    for name in ("collage_train", *_VERSIONED_PACKAGES):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[name] = metadata.version(name)
+    return versions
+
+
+def corpus_summary(meta: dict[str, Any]) -> dict[str, Any]:
+    """The corpus facts worth keeping with a run's results (source, sizes, Python version)."""
+    keys = ("vocab_size", "num_documents", "train_tokens", "val_tokens", "cache_dir")
+    return {**meta.get("source", {}), **{key: meta[key] for key in keys if key in meta}}
+
+
+def describe(trainer: Any) -> str:
+    """One line stating what ``trainer`` trains, where, and with which batch."""
+    cfg, train = trainer.cfg, trainer.cfg.train
+    return (
+        f"{cfg.model.name} ({trainer.num_params / 1e6:.2f}M params) | "
+        f"precision={trainer.strategy.name} ({trainer.optimizer_kernel} step) | "
+        f"{trainer.device} | global batch "
+        f"{train.global_batch_size} sequences x {cfg.data.seq_len} tokens = "
+        f"{trainer.tokens_per_step:,} tokens (micro-batch {train.micro_batch_size} x "
+        f"{trainer.accum_steps} accumulation x {trainer.engine.world_size} rank) | "
+        f"distributed={cfg.distributed.name} | {_describe_comm(trainer)} | "
+        f"{train.max_steps} steps | {trainer.cpu_bf16_gemm.describe()}"
+    )
+
+
+def _describe_comm(trainer: Any) -> str:
+    comm = trainer.cfg.comm
+    if not uses_replicas(comm):
+        return f"comm={comm_name(comm)}"
+    replicas = trainer.engine.world_size
+    return f"comm={comm.name} ({replicas} replicas, outer step every {comm.sync_every})"
+
+
+def run_summary(
+    trainer: Any,
+    last: dict[str, Any] | None,
+    val: dict[str, float] | None,
+    timed: list[dict[str, float]],
+    wall_time: float,
+    start_step: int,
+) -> dict[str, Any]:
+    """The run's summary: sizes, final losses, throughput over the ``timed`` steps, memory,
+    state bytes, the settings that shaped the numbers, and the package versions."""
+    cfg, train, engine = trainer.cfg, trainer.cfg.train, trainer.engine
+    elapsed = sum(w["time"] for w in timed)
+    tokens_per_s = trainer.tokens_per_step * len(timed) / elapsed if elapsed else None
+    mfu = (
+        model_flops_utilisation(
+            tokens_per_s / engine.world_size, trainer.flops_per_token, trainer.peak_tflops
+        )
+        if tokens_per_s
+        else None
+    )
+    return {
+        "model": cfg.model.name,
+        "precision": trainer.strategy.name,
+        "num_params": trainer.num_params,
+        "steps": trainer.step,
+        "steps_this_launch": trainer.step - start_step,
+        "tokens": trainer.step * trainer.tokens_per_step,
+        "global_batch_sequences": train.global_batch_size,
+        "global_batch_tokens": trainer.tokens_per_step,
+        "final_train_loss": last["loss"] if last else None,
+        "final_val_loss": val["val_loss"] if val else None,
+        "final_val_ppl": val["val_ppl"] if val else None,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu,
+        "flops_per_token": trainer.flops_per_token,
+        "micro_batch_size": train.micro_batch_size,
+        "seq_len": cfg.data.seq_len,
+        "compile": train.compile,
+        "activation_checkpointing": train.activation_checkpointing,
+        "peak_mem_bytes": peak_memory(trainer.device)["peak_mem_bytes"],
+        "state_bytes_per_param": engine.state_bytes() / trainer.num_params,
+        "expected_state_bytes_per_param": engine.expected_state_bytes_per_param(
+            trainer.strategy
+        ),
+        "state_bytes_measure": engine.state_bytes_measure,
+        "distributed": cfg.distributed.name,
+        "comm": comm_name(cfg.comm),
+        **engine.comm_metrics(),
+        **trainer.scale_metrics(),
+        "world_size": engine.world_size,
+        "optimizer_kernel": trainer.optimizer_kernel,
+        **trainer.cpu_bf16_gemm.summary(),
+        "skipped_steps": trainer.skipped_steps,
+        "wall_time_s": wall_time,
+        "device": str(trainer.device),
+        "corpus": corpus_summary(trainer.data.meta),
+        **trainer.data.train_loader.metrics(),  # data.mixture: tokens per source
+        "versions": package_versions(),
+    }
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any], *, plots: bool) -> None:
+    """``summary.json``, atomically, and ``plots/`` from ``metrics.jsonl`` when asked."""
+    write_json_atomic(run_dir / "summary.json", summary)
+    if plots and (run_dir / "metrics.jsonl").is_file():
+        from collage_train.compare import load_run, write_report  # imports matplotlib
+
+        write_report([load_run(run_dir)], run_dir / "plots")
