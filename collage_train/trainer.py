@@ -28,12 +28,11 @@ from collage_train.cpu_bf16 import choose_cpu_bf16_gemm, probe_gflops
 from collage_train.data import build_data
 from collage_train.data.progress import write_json_atomic
 from collage_train.engine import build_engine
-from collage_train.engine.launch import local_world_size
-from collage_train.errors import ConfigError, OutOfMemory, TrainingDiverged
+from collage_train.errors import ConfigError, TrainingDiverged
 from collage_train.export import export_model
+from collage_train.memory_plan import check_state_fits
 from collage_train.metrics import (
     Sink,
-    available_memory,
     descent_metrics,
     detect_peak_tflops,
     layer_group,
@@ -116,13 +115,18 @@ class Trainer:
         )
         self.data.val_loader(train.micro_batch_size)  # fail now if validation cannot fill a batch
         tokenizer = self.data.tokenizer
-        self._check_memory(
+        check_state_fits(
             planned_parameter_count(
                 cfg.model,
                 vocab_size=tokenizer.vocab_size,
                 seq_len=cfg.data.seq_len,
                 eot_id=tokenizer.eot_id,
-            )
+            ),
+            self.strategy,
+            self.engine,
+            self.device,
+            model_name=cfg.model.name,
+            distributed=cfg.distributed.name,
         )
         model = build_model(
             cfg.model,
@@ -195,36 +199,6 @@ class Trainer:
         sums = self.engine.all_reduce_sum(torch.tensor([native, emulated], device=self.device))
         mean_native, mean_emulated = (sums / self.engine.world_size).tolist()
         return mean_native, mean_emulated
-
-    def _check_memory(self, num_params: int) -> None:
-        """Refuse a model whose state cannot fit, before the kernel's OOM killer would.
-
-        Needs at least the strategy's model-state bytes (this rank's share under ZeRO) on
-        the device, and on the host the fp32 build plus its cast copy, once for every
-        rank on this node (activations come on top of both).
-        """
-        param_bytes = self.strategy.param_dtype.itemsize
-        ranks_here = local_world_size() if self.engine.world_size > 1 else 1
-        needs = {"host": num_params * (4 + param_bytes) * ranks_here}
-        device_needs = num_params * self.engine.peak_state_bytes_per_param(self.strategy)
-        if self.device.type == "cuda":
-            needs[str(self.device)] = device_needs
-        else:
-            needs["host"] = max(needs["host"], device_needs * ranks_here)
-        for where, needed in needs.items():
-            device = self.device if where != "host" else torch.device("cpu")
-            available = available_memory(device)
-            if available is not None and needed > available:
-                raise OutOfMemory(
-                    f"out of memory: {self.cfg.model.name} has {num_params / 1e9:.2f}B "
-                    f"parameters and precision={self.strategy.name} with "
-                    f"distributed={self.cfg.distributed.name} needs at least "
-                    f"{needed / 2**30:.1f} GiB on {where} for weights, gradients and optimizer "
-                    f"state, but {available / 2**30:.1f} GiB is free (a smaller "
-                    "train.micro_batch_size cannot fix this); pick a smaller model or spread "
-                    "the model state over more GPUs with DeepSpeed ZeRO "
-                    "(distributed=zero2 or zero3)"
-                )
 
     # ----------------------------------------------------------------- state
 
