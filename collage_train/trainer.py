@@ -33,14 +33,13 @@ from collage_train.export import export_model
 from collage_train.memory_plan import check_state_fits
 from collage_train.metrics import (
     Sink,
-    descent_metrics,
     detect_peak_tflops,
     layer_group,
     model_flops_utilisation,
     peak_memory,
     reset_peak_memory,
 )
-from collage_train.metrics.descent import FIELDS
+from collage_train.metrics.descent import FIELDS, layer_group_metrics, layer_group_partials
 from collage_train.models import (
     build_model,
     count_parameters,
@@ -156,6 +155,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
         group_of = {p: layer_group(n) for n, p in self.model.named_parameters()}
         self.layer_groups = sorted(set(group_of.values()))
+        self.with_dtheta = self.strategy.collage_mode in ("light", "plus")  # EDQ's dtheta terms
         self.optimizer_kernel = choose_kernel(
             cfg.optim.kernel, self.device, self.num_params, self.strategy.collage_mode
         )
@@ -360,7 +360,16 @@ class Trainer:
         track = self.edq_every > 0 and (self.step + 1) % self.edq_every == 0
         self.optimizer.track_descent = track
         outcome = self.engine.step()  # clips, steps, clears gradients
-        descent = self._descent_partials() if track and outcome.applied else None
+        descent = (
+            layer_group_partials(
+                self.optimizer.last_descent,
+                self.optimizer.descent_segments,
+                self.layer_groups,
+                self.device,
+            )
+            if track and outcome.applied
+            else None
+        )
         self.optimizer.track_descent = False
         if not outcome.applied:
             self.skipped_steps += 1
@@ -401,7 +410,9 @@ class Trainer:
             stats["time"] = elapsed / size
         offset = size + 1
         for stats in descents:
-            stats["descent"] = self._descent_metrics(values[offset : offset + groups])
+            stats["descent"] = layer_group_metrics(
+                values[offset : offset + groups], self.layer_groups, self.with_dtheta
+            )
             offset += groups
         for stats in window:
             if not math.isfinite(stats["loss"]):
@@ -411,32 +422,6 @@ class Trainer:
                     "precision=mixed_fp32"
                 )
         return values[size] > 0
-
-    def _descent_partials(self) -> torch.Tensor:
-        """This rank's effective-descent partial sums of the last step, per layer group.
-
-        Each rank sums the partials of the elements it updated (under ZeRO a rank
-        updates a partition); ``_settle`` all-reduces them into the global sums.
-        """
-        index = {group: i for i, group in enumerate(self.layer_groups)}
-        sums = torch.zeros(len(self.layer_groups), len(FIELDS), device=self.device)
-        for param, partials in self.optimizer.last_descent.items():
-            segments = self.optimizer.descent_segments[param]
-            for (group, _, _), row in zip(segments, partials.reshape(-1, len(FIELDS)), strict=True):
-                sums[index[group]] += row.to(self.device)
-        return sums
-
-    def _descent_metrics(self, sums: list[float]) -> dict[str, float]:
-        """Effective-descent metrics for the model and per layer group from the global
-        sums (row-major, one row of ``FIELDS`` per layer group)."""
-        with_dtheta = self.strategy.collage_mode in ("light", "plus")
-        width = len(FIELDS)
-        rows = [sums[i : i + width] for i in range(0, len(sums), width)]
-        metrics = descent_metrics([sum(column) for column in zip(*rows, strict=True)], with_dtheta)
-        for group, partials in zip(self.layer_groups, rows, strict=True):
-            for key, value in descent_metrics(partials, with_dtheta).items():
-                metrics[f"{key}.{group}"] = value
-        return metrics
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

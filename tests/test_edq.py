@@ -45,3 +45,30 @@ def test_counts_must_match_exactly_and_nans_must_line_up():
     with_nan[0] = float("nan")
     assert partials_close(with_nan, with_nan.clone())
     assert not partials_close(with_nan, base)
+
+
+def test_layer_group_rows_sum_each_segment_into_its_group():
+    """A whole tensor is one segment; a flat partition spans several layer groups."""
+    from collage_train.metrics.descent import (
+        FIELDS,
+        descent_metrics,
+        layer_group_metrics,
+        layer_group_partials,
+    )
+
+    width = len(FIELDS)
+    whole, flat = torch.zeros(4), torch.zeros(10)
+    last = {
+        whole: torch.arange(width, dtype=torch.float32),  # one row
+        flat: torch.ones(2, width),  # two rows: block_0, then head
+    }
+    segments = {whole: [("block_0", 0, 4)], flat: [("block_0", 0, 6), ("head", 6, 10)]}
+    sums = layer_group_partials(last, segments, ["block_0", "head"], torch.device("cpu"))
+    assert torch.equal(sums[0], torch.arange(width, dtype=torch.float32) + 1)
+    assert torch.equal(sums[1], torch.ones(width))
+    metrics = layer_group_metrics(sums.flatten().tolist(), ["block_0", "head"], with_dtheta=True)
+    whole_model = descent_metrics(sums.sum(0).tolist(), True)
+    assert {k: metrics[k] for k in whole_model} == whole_model
+    for group, row in (("block_0", sums[0]), ("head", sums[1])):
+        for key, value in descent_metrics(row.tolist(), True).items():
+            assert metrics[f"{key}.{group}"] == value

@@ -102,3 +102,39 @@ def layer_group(name: str) -> str:
     if any(key in name for key in ("wte", "wpe", "embed_tokens", "embed_positions", "project_in")):
         return "embeddings"
     return "head"
+
+
+def layer_group_partials(
+    last_descent: dict[torch.Tensor, torch.Tensor],
+    segments: dict[torch.Tensor, list[tuple[str, int, int]]],
+    layer_groups: Sequence[str],
+    device: torch.device,
+) -> torch.Tensor:
+    """This rank's partial sums of the last step, one row of ``FIELDS`` per layer group.
+
+    ``last_descent`` holds each stepped parameter's partials, one row per segment of
+    ``segments[param]`` (``(layer group, start, stop)``; a whole tensor is one segment, a
+    ZeRO flat partition several). Each rank sums what it updated; an all-reduce of these
+    rows gives the global sums ``layer_group_metrics`` turns into metrics.
+    """
+    index = {group: i for i, group in enumerate(layer_groups)}
+    sums = torch.zeros(len(layer_groups), len(FIELDS), device=device)
+    for param, partials in last_descent.items():
+        rows = partials.reshape(-1, len(FIELDS))
+        for (group, _, _), row in zip(segments[param], rows, strict=True):
+            sums[index[group]] += row.to(device)
+    return sums
+
+
+def layer_group_metrics(
+    sums: Sequence[float], layer_groups: Sequence[str], with_dtheta: bool
+) -> dict[str, float]:
+    """The metrics of the whole model and, keyed ``metric.group``, of each layer group, from
+    global sums laid out as ``layer_group_partials`` lays them out (row-major)."""
+    width = len(FIELDS)
+    rows = [list(sums[i : i + width]) for i in range(0, len(sums), width)]
+    metrics = descent_metrics([sum(column) for column in zip(*rows, strict=True)], with_dtheta)
+    for group, partials in zip(layer_groups, rows, strict=True):
+        for key, value in descent_metrics(partials, with_dtheta).items():
+            metrics[f"{key}.{group}"] = value
+    return metrics
