@@ -78,7 +78,7 @@ def optimizer_shards(run_dir: Path, step: int) -> list[dict]:
         (path,) = (run_dir / "checkpoints" / f"step-{step}").glob(
             f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
         )
-        saved = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        saved = checkpoint.open_restricted(path)["optimizer_state_dict"]
         state = (saved.get("base_optimizer_state") or saved["optimizer_state_dict"])["state"]
         masters = saved.get("single_partition_of_fp32_groups") or saved["fp32_flat_groups"]
         shards.append({"state": state, "masters": masters})
@@ -299,7 +299,7 @@ def test_zero2_on_two_ranks_resumes_on_one_process(
     trainer.resume_from(step_4)
     assert trainer.step == 4
     named = dict(trainer.model.named_parameters())
-    shapes = torch.load(step_4 / "mp_rank_00_model_states.pt", weights_only=False)["param_shapes"]
+    shapes = checkpoint.open_restricted(step_4 / "mp_rank_00_model_states.pt")["param_shapes"]
     shards = optimizer_shards(zero_dir, 4)
     keys = ("exp_avg", "exp_avg_sq") + (("dtheta", "dv") if precision == "collage_plus" else ())
     for group, names in enumerate(shapes):
