@@ -330,6 +330,7 @@ def relative_gap(mine: torch.Tensor, theirs: torch.Tensor) -> float:
         ("zero1", "collage_plus", "zero3"),
         # no 8-step zero3 run of mixed_fp32 above: ZeRO-2 clips in fp32 as ZeRO-3 does
         ("single", "mixed_fp32", "zero2"),
+        ("zero1", "mixed_fp32", "zero2"),
     ],
 )
 def test_resume_on_two_zero3_ranks_from_another_layout(
