@@ -71,6 +71,20 @@ class SampleOrder:
         return values.astype(np.int64)
 
 
+def check_loader_shape(
+    seq_len: int, batch_size: int, rank: int, world_size: int, counter: str, value: int
+) -> None:
+    """Refuse a loader shape that cannot serve batches (``counter`` names the loader's own
+    non-negative setting: the prepared loader's seed, the streaming loader's skip)."""
+    if seq_len < 1 or batch_size < 1 or world_size < 1 or value < 0:
+        raise DataError(
+            f"data loader: seq_len ({seq_len}), batch_size ({batch_size}) and world_size "
+            f"({world_size}) must be positive and {counter} ({value}) non-negative"
+        )
+    if not 0 <= rank < world_size:
+        raise DataError(f"data loader: rank {rank} is outside [0, {world_size})")
+
+
 class TokenLoader:
     """Serve ``[batch_size, seq_len + 1]`` LongTensors of consecutive tokens.
 
@@ -96,13 +110,7 @@ class TokenLoader:
         world_size: int = 1,
         split: str = "train",
     ) -> None:
-        if seq_len < 1 or batch_size < 1 or world_size < 1 or seed < 0:
-            raise DataError(
-                f"data loader: seq_len ({seq_len}), batch_size ({batch_size}) and world_size "
-                f"({world_size}) must be positive and seed ({seed}) non-negative"
-            )
-        if not 0 <= rank < world_size:
-            raise DataError(f"data loader: rank {rank} is outside [0, {world_size})")
+        check_loader_shape(seq_len, batch_size, rank, world_size, "seed", seed)
         self.tokens = tokens
         self.seq_len = seq_len
         self.batch_size = batch_size

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from collage_train.data.errors import DataError
+from collage_train.data.loader import check_loader_shape
 from collage_train.data.shards import encode_task
 from collage_train.data.store import token_dtype
 from collage_train.data.tokenizer import Tokenizer
@@ -61,13 +62,7 @@ class StreamingLoader:
         stream: str = "",
         gather: Gather | None = None,
     ) -> None:
-        if seq_len < 1 or batch_size < 1 or world_size < 1 or skip < 0:
-            raise DataError(
-                f"data loader: seq_len ({seq_len}), batch_size ({batch_size}) and world_size "
-                f"({world_size}) must be positive and skip ({skip}) non-negative"
-            )
-        if not 0 <= rank < world_size:
-            raise DataError(f"data loader: rank {rank} is outside [0, {world_size})")
+        check_loader_shape(seq_len, batch_size, rank, world_size, "skip", skip)
         self.documents = documents
         self.tokenizer = tokenizer
         self.seq_len = seq_len
