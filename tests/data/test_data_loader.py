@@ -262,3 +262,26 @@ def test_reading_windows_leaves_no_shard_pages_resident(tmp_path: Path) -> None:
         loader.next_batch()
     assert len(tokens._open) == 4
     assert mapped_kib(tokens.paths) == 0  # every read gave its pages back
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ({"seq_len": 0}, r"seq_len \(0\).* must be positive"),
+        ({"batch_size": 0}, r"batch_size \(0\)"),
+        ({"rank": 2, "world_size": 2}, r"rank 2 is outside \[0, 2\)"),
+    ],
+)
+def test_both_loaders_refuse_a_shape_that_cannot_serve_batches(shape, message):
+    """The prepared and the streaming loader share one check and its messages."""
+    from collage_train.data.streaming import StreamingLoader
+
+    args = {"seq_len": 8, "batch_size": 2, "rank": 0, "world_size": 1, **shape}
+    with pytest.raises(DataError, match=message):
+        TokenLoader(np.arange(100, dtype=np.uint16), seed=0, **args)
+    with pytest.raises(DataError, match=message):
+        StreamingLoader(lambda: iter(()), tokenizer=None, **args)
+    with pytest.raises(DataError, match=r"seed \(-1\) non-negative"):
+        TokenLoader(np.arange(100, dtype=np.uint16), seq_len=8, batch_size=2, seed=-1)
+    with pytest.raises(DataError, match=r"skip \(-1\) non-negative"):
+        StreamingLoader(lambda: iter(()), tokenizer=None, seq_len=8, batch_size=2, skip=-1)
