@@ -86,7 +86,7 @@ def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None)
         checkpoint.verify_checkpoint_files(existing)
         changes = check_resume(existing, cfg, launched_world_size())
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, run_dir, sinks=[])
+    trainer = Trainer(cfg, run_dir)
     try:
         main = trainer.engine.is_main
         if main:
@@ -110,9 +110,8 @@ def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None)
                 start_step=trainer.step,
                 resume=existing is not None,
             ) + list(extra_sinks or [])
-        trainer.sinks = sinks
         try:
-            return trainer.fit()
+            return trainer.fit(sinks)
         finally:
             for sink in sinks:
                 sink.close()

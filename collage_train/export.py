@@ -4,7 +4,8 @@ PATH is a run directory (its newest checkpoint is used) or a ``checkpoints/step-
 directory, written by one process, by DeepSpeed ZeRO on any number of ranks, or by
 DiLoCo/SparseLoCo replicas (rank 0's replica; the shared model at an outer step). ZeRO
 shards are consolidated on the CPU (no launcher or GPU needed) and the weights are
-written in the run's parameter dtype (bf16 for every strategy but fp32). The output,
+written in the run's parameter dtype (bf16 for every strategy but fp32 and the Scalify
+ones; precision=scalify's scaled fp16 data is written as its fp32 values). The output,
 ``<run dir>/hf-step-N`` by default, loads with ``AutoModelForCausalLM.from_pretrained``.
 Every ``.pt`` file of the checkpoint is verified to unpickle without running code before
 any of it is loaded, whatever its ``meta.json`` claims (``checkpoint.verify_checkpoint_files``).
@@ -19,7 +20,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -28,13 +29,31 @@ from collage_train import checkpoint
 from collage_train.data import Tokenizer
 from collage_train.errors import BAD_INPUT, WEIGHT_LOAD_ERRORS, CollageError, first_line
 from collage_train.precision import get_strategy
+from collage_train.scalify.params import has_scaled_parameters, unscale_weights
+
+if TYPE_CHECKING:
+    from collage_train.engine import Engine
+
+
+def export_from_engine(engine: Engine, tokenizer: Any, target: Path) -> None:
+    """Export a training run's model from its engine: under ZeRO-3 every rank takes part in
+    gathering the weights (``engine.full_weights``); rank 0 writes."""
+    with engine.full_weights() as model:
+        if engine.is_main:
+            export_model(model, tokenizer, target)
+    engine.barrier()
 
 
 def export_model(model: torch.nn.Module, tokenizer: Any, target: Path) -> None:
-    """``save_pretrained`` plus the tokenizer into ``target``, replacing it atomically."""
+    """``save_pretrained`` plus the tokenizer into ``target``, replacing it atomically.
+
+    A model whose parameters are scaled fp16 (precision=scalify) is written as its fp32
+    values, ordinary weights (``scalify.params.unscale_weights``)."""
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    # precision=scalify holds scaled fp16 data and scales: write the values (fp32) instead
+    weights = unscale_weights(model.state_dict()) if has_scaled_parameters(model) else None
+    model.save_pretrained(tmp, state_dict=weights)
     tokenizer.save(tmp)
     if target.exists():
         shutil.rmtree(target)
@@ -52,13 +71,14 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The whole model's weights from checkpoint ``path``, in the run's parameter dtype."""
+    """The whole model's weights from checkpoint ``path``, in the run's parameter dtype
+    (fp32 values for precision=scalify's scaled fp16 data)."""
     checkpoint.verify_checkpoint_files(path)  # before DeepSpeed's unrestricted torch.load
     meta = checkpoint.read_meta(path)
     if (path / "replica-0").is_dir():  # comm=diloco|sparseloco: rank 0's replica
-        return checkpoint.load_checkpoint_file(path / "replica-0", "model")
-    if meta.get("distributed", "single") == "single":
-        return checkpoint.load_checkpoint_file(path, "model")
+        return unscale_weights(checkpoint.load_checkpoint_file(path / "replica-0", "model"))
+    if meta.get("distributed", "single") == "single":  # scalify's scaled data: the values
+        return unscale_weights(checkpoint.load_checkpoint_file(path, "model"))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

@@ -251,3 +251,12 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     attention = 12.0 * layers * heads * head_dim * seq_len
     return 6.0 * (count_parameters(model) - lookup_numel) + attention
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Keep each block's input and recompute the rest in backward, with transformers' own
+    switch (``gradient_checkpointing_enable``, renamed ``activation_checkpointing_enable``
+    in transformers 5.x), non-reentrant so that it composes with ZeRO and compile."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    enable = enable or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})

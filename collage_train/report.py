@@ -1,5 +1,5 @@
-"""What a run says about itself: the line describing it at the start, and ``summary.json``
-(with ``plots/``) at the end.
+"""What a run says about itself: the line describing it at the start, a record per logged
+window of steps, and ``summary.json`` (with ``plots/``) at the end.
 
 Everything here reads a built ``Trainer`` and changes nothing; the trainer calls it and
 hands the summary to its sinks. The summary's keys are part of the public interface
@@ -61,6 +61,42 @@ def _describe_comm(trainer: Any) -> str:
     return f"comm={comm.name} ({replicas} replicas, outer step every {comm.sync_every})"
 
 
+def train_record(trainer: Any, window: list[dict[str, Any]]) -> dict[str, Any]:
+    """The logged record of ``window`` (the settled steps since the last record): losses,
+    throughput, memory, the last EDQ measured in it, communication and scale counters."""
+    elapsed = sum(w["time"] for w in window)
+    tokens_per_s = trainer.tokens_per_step * len(window) / elapsed
+    world_size = trainer.engine.world_size
+    descent = next((w["descent"] for w in reversed(window) if w["descent"]), {})
+    loader = trainer.data.train_loader
+    return {
+        "step": trainer.step,
+        "tokens": trainer.step * trainer.tokens_per_step,
+        "epoch": loader.epoch,
+        **loader.metrics(),  # data.mixture: tokens per source
+        "loss": sum(w["loss"] for w in window) / len(window),
+        "lr": window[-1]["lr"],
+        "grad_norm": window[-1]["grad_norm"],
+        "skipped_steps": trainer.skipped_steps,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": tokens_per_s / world_size,
+        "step_time_s": elapsed / len(window),
+        "data_time_frac": sum(w["data_time"] for w in window) / elapsed,
+        "mfu": model_flops_utilisation(
+            tokens_per_s / world_size, trainer.flops_per_token, trainer.peak_tflops
+        ),
+        **peak_memory(trainer.device),
+        **descent,
+        **trainer.engine.comm_metrics(),
+        **scale_metrics(trainer),
+    }
+
+
+def scale_metrics(trainer: Any) -> dict[str, float]:
+    """Scale statistics of the optimizer's state and of the model (Scalify); none else."""
+    return {**trainer.optimizer.scale_metrics(), **trainer.strategy.model_metrics(trainer.model)}
+
+
 def run_summary(
     trainer: Any,
     last: dict[str, Any] | None,
@@ -109,7 +145,7 @@ def run_summary(
         "distributed": cfg.distributed.name,
         "comm": comm_name(cfg.comm),
         **engine.comm_metrics(),
-        **trainer.scale_metrics(),
+        **scale_metrics(trainer),
         "world_size": engine.world_size,
         "optimizer_kernel": trainer.optimizer_kernel,
         **trainer.cpu_bf16_gemm.summary(),

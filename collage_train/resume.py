@@ -135,6 +135,20 @@ def check_settings(path: Path, saved: dict[str, Any], current: dict[str, Any]) -
     return [f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items()]
 
 
+def identity(cfg: DictConfig, checkpoint_holds: tuple[str, ...], world_size: int) -> dict[str, Any]:
+    """What ``meta.json`` records of the run that wrote a checkpoint: the fields
+    ``check_resume`` compares (strategy, communication, engine, ranks, whole config)."""
+    return {
+        "precision": cfg.precision.name,
+        "holds": list(checkpoint_holds),
+        "model": cfg.model.name,
+        "distributed": cfg.distributed.name,
+        "comm": comm_name(cfg.comm),
+        "world_size": world_size,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+
+
 def check_resume(path: Path, cfg: DictConfig, world_size: int) -> list[str]:
     """Refuse resuming ``path`` with ``cfg`` on ``world_size`` ranks where the run would not
     be the same run; return the settings it changes as ``key old -> new`` lines.

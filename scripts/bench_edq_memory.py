@@ -40,11 +40,9 @@ def measure(model_name: str, seq_len: int, device: str, steps: int) -> list[dict
     from collage_train.cli import config_dir
     from collage_train.config import register_schemas
     from collage_train.engine import build_engine
-    from collage_train.metrics import layer_group
     from collage_train.metrics.live_memory import LiveTensorBytes
     from collage_train.models import build_model, count_parameters
     from collage_train.optim import decay_param_groups
-    from collage_train.optim.base import chunk_numel_for
     from collage_train.precision import get_strategy
 
     register_schemas()
@@ -60,7 +58,6 @@ def measure(model_name: str, seq_len: int, device: str, steps: int) -> list[dict
             model = build_model(cfg.model, vocab_size=8192, seq_len=seq_len, eot_id=2, seed=0)
             model = model.to(device=engine.device, dtype=strategy.param_dtype)
             num_params = count_parameters(model)
-            group_of = {p: layer_group(n) for n, p in model.named_parameters()}
             optimizer = strategy.build_optimizer(decay_param_groups(model, 0.1), cfg.optim)
             forward = engine.prepare(
                 model,
@@ -70,11 +67,11 @@ def measure(model_name: str, seq_len: int, device: str, steps: int) -> list[dict
                 accum_steps=1,
                 grad_clip=1.0,
             )
-            optimizer.descent_segments = engine.descent_segments(group_of)
             state_bytes = num_params * engine.peak_state_bytes_per_param(strategy)
-            optimizer.step_chunk_numel = chunk_numel_for(state_bytes) if chunked else WHOLE
-            if not chunked and hasattr(optimizer, "tracks_in_chunks"):
-                optimizer.tracks_in_chunks = False
+            if not chunked:  # prepare sized the chunks (engine.base.declare_layout): undo
+                optimizer.step_chunk_numel = WHOLE
+                if hasattr(optimizer, "tracks_in_chunks"):
+                    optimizer.tracks_in_chunks = False
             gen = torch.Generator().manual_seed(engine.rank)
             peaks: dict[bool, list[int]] = {False: [], True: []}
             for step in range(1 + 2 * steps):
@@ -83,13 +80,11 @@ def measure(model_name: str, seq_len: int, device: str, steps: int) -> list[dict
                 logits = forward(input_ids=tokens[:, :-1], use_cache=False).logits
                 engine.backward(F.cross_entropy(logits.float().flatten(0, 1), tokens[0, 1:]))
                 track = step % 2 == 0 and step > 0
-                optimizer.track_descent = track
                 with LiveTensorBytes() as live:
                     start = live.current
-                    engine.step()
+                    engine.step(cfg.optim.lr, track)
                 if step > 0:  # the first step creates the optimizer state
                     peaks[track].append(live.peak - start)
-                optimizer.track_descent = False
             extra = max(peaks[True]) - max(peaks[False])
             rows.append(
                 {

@@ -77,7 +77,7 @@ def measured_peak(trainer: Trainer) -> int:
 def bench_row(args: argparse.Namespace, precision: str, checkpointing: bool) -> dict:
     cfg = compose_run(args, precision, checkpointing)
     with tempfile.TemporaryDirectory() as run_dir:
-        trainer = Trainer(cfg, Path(run_dir), sinks=[])
+        trainer = Trainer(cfg, Path(run_dir))
         measured = measured_peak(trainer)
         shape = ModelShape.from_config(
             cfg.model, vocab_size=trainer.data.tokenizer.vocab_size, seq_len=cfg.data.seq_len

@@ -68,7 +68,7 @@ def measure(model_name: str, seq_len: int, device: str) -> list[dict]:
             tokens = torch.randint(0, 8192, (1, seq_len + 1), device=engine.device)
             logits = forward(input_ids=tokens[:, :-1], use_cache=False).logits
             engine.backward(F.cross_entropy(logits.float().flatten(0, 1), tokens[0, 1:]))
-            engine.step()
+            engine.step(cfg.optim.lr, track_edq=False)
             per_rank = torch.tensor([engine.state_bytes()], dtype=torch.float64)
             gathered = [torch.zeros_like(per_rank) for _ in range(engine.world_size)]
             torch.distributed.all_gather(gathered, per_rank)

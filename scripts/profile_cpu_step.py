@@ -31,7 +31,7 @@ def op_times(precision: str, overrides: list[str], warmup: int) -> dict[str, flo
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose("config", overrides=[f"precision={precision}", *quiet, *overrides])
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(cfg, Path(tmp), sinks=[])
+        trainer = Trainer(cfg, Path(tmp))
         print(trainer.describe())
         for _ in range(warmup):
             trainer.train_step()

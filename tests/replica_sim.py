@@ -38,7 +38,7 @@ def simulate_replicas(cfg: DictConfig, replicas: int, work_dir: Path) -> Simulat
     for rank in range(replicas):
         engine = SingleProcessEngine(device=torch.device("cpu"), rank=rank, world_size=replicas)
         with mock.patch.object(trainer_module, "build_engine", lambda *_, e=engine, **__: e):
-            trainers.append(Trainer(cfg, work_dir / f"replica-{rank}", sinks=[]))
+            trainers.append(Trainer(cfg, work_dir / f"replica-{rank}"))
     settings = outer_settings(cfg.comm)
     states = [OuterState.start(settings, t.optimizer.full_precision_weights()) for t in trainers]
     shared, losses = [], []

@@ -32,8 +32,8 @@ def two_runs(tmp_path_factory, corpus_dir, cache_dir):
         run_dir = root / precision
         run_dir.mkdir()
         sinks = build_sinks(cfg.logging, run_dir, {}, max_steps=4, start_step=0, resume=False)
-        trainer = Trainer(cfg, run_dir, sinks=sinks)
-        trainer.fit()
+        trainer = Trainer(cfg, run_dir)
+        trainer.fit(sinks)
         for sink in sinks:
             sink.close()
         dirs.append(run_dir)

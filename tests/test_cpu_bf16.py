@@ -246,7 +246,7 @@ def test_strategies_say_whether_they_compute_in_bf16():
 def test_trainer_emulates_reports_and_records_the_choice(make_cfg, tmp_path, monkeypatch):
     seen = _count_emulated(monkeypatch)
     cfg = make_cfg("precision=collage_plus", "train.cpu_bf16_gemm=fp32")
-    trainer = Trainer(cfg, tmp_path / "run", sinks=[])
+    trainer = Trainer(cfg, tmp_path / "run")
     assert "bf16 GEMMs: fp32 (train.cpu_bf16_gemm=fp32)" in trainer.describe()
     summary = trainer.fit()
     assert summary["cpu_bf16_gemm"] == "fp32" and summary["cpu_bf16_gemm_setting"] == "fp32"
@@ -255,7 +255,7 @@ def test_trainer_emulates_reports_and_records_the_choice(make_cfg, tmp_path, mon
 
     seen.clear()
     cfg = make_cfg("precision=fp32", "train.cpu_bf16_gemm=fp32")
-    summary = Trainer(cfg, tmp_path / "fp32", sinks=[]).fit()
+    summary = Trainer(cfg, tmp_path / "fp32").fit()
     assert summary["cpu_bf16_gemm"] == "n/a" and seen == []
 
 
@@ -265,13 +265,13 @@ def test_compiled_model_gets_the_emulation_from_inductor(make_cfg, tmp_path, mon
     compiled (not silently eager) and its bf16 products decomposed into fp32 GEMMs."""
     from torch._dynamo.utils import counters
 
-    eager = Trainer(make_cfg("precision=bf16", "train.cpu_bf16_gemm=fp32"), tmp_path / "e", [])
+    eager = Trainer(make_cfg("precision=bf16", "train.cpu_bf16_gemm=fp32"), tmp_path / "e")
     eager_losses = [eager.train_step()["loss"] for _ in range(3)]
     seen = _count_emulated(monkeypatch)
     torch._dynamo.reset()
     counters.clear()
     cfg = make_cfg("precision=bf16", "train.cpu_bf16_gemm=fp32", "train.compile=true")
-    compiled = Trainer(cfg, tmp_path / "c", sinks=[])
+    compiled = Trainer(cfg, tmp_path / "c")
     losses = [compiled.train_step()["loss"] for _ in range(3)]
     assert counters["stats"]["unique_graphs"] >= 1  # Dynamo compiled the model
     assert "mm.default" in seen  # the decompositions ran while Inductor traced

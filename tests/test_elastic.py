@@ -56,7 +56,7 @@ def _plant_ties(trainer: Trainer) -> torch.Tensor:
 @pytest.mark.parametrize("precision", ["split_fp32", "collage_plus"])
 def test_universal_layout_round_trip_resumes_bit_for_bit(make_cfg, tmp_path, precision):
     cfg = make_cfg(f"precision={precision}")
-    saved = Trainer(cfg, tmp_path / "a", sinks=[])
+    saved = Trainer(cfg, tmp_path / "a")
     for _ in range(2):
         saved.train_step()
     if precision == "split_fp32":
@@ -67,7 +67,7 @@ def test_universal_layout_round_trip_resumes_bit_for_bit(make_cfg, tmp_path, pre
     assert meta["layout"] == "universal" and meta["converted_from"]["distributed"] == "single"
     assert checkpoint.damage(out) is None
     assert not list(out.rglob("*.pt"))  # nothing pickled
-    resumed = Trainer(cfg, tmp_path / "b", sinks=[])
+    resumed = Trainer(cfg, tmp_path / "b")
     resumed.resume_from(out)
     _assert_bitwise(_state_of(resumed), _state_of(saved))
     assert resumed.step == saved.step == 2
@@ -76,7 +76,7 @@ def test_universal_layout_round_trip_resumes_bit_for_bit(make_cfg, tmp_path, pre
 
 
 def test_convert_refuses_damaged_or_existing_targets_in_one_line(make_cfg, tmp_path, capsys):
-    trainer = Trainer(make_cfg("precision=bf16"), tmp_path / "run", sinks=[])
+    trainer = Trainer(make_cfg("precision=bf16"), tmp_path / "run")
     trainer.train_step()
     path = trainer.save_checkpoint()
     (tmp_path / "taken").mkdir()
@@ -95,11 +95,10 @@ def test_convert_refuses_damaged_or_existing_targets_in_one_line(make_cfg, tmp_p
 
 def test_another_model_shape_and_a_batch_that_does_not_split_are_refused(make_cfg, tmp_path):
     cfg = make_cfg("precision=collage_plus")
-    trainer = Trainer(cfg, tmp_path / "a", sinks=[])
+    trainer = Trainer(cfg, tmp_path / "a")
     trainer.train_step()
     out = convert(trainer.save_checkpoint(), tmp_path / "universal")
-    wider = Trainer(make_cfg("precision=collage_plus", "model.hidden_size=48"), tmp_path / "b",
-                    sinks=[])  # fmt: skip
+    wider = Trainer(make_cfg("precision=collage_plus", "model.hidden_size=48"), tmp_path / "b")
     with pytest.raises(CheckpointError, match="another model") as refused:
         wider.resume_from(out)
     assert "\n" not in str(refused.value)
@@ -126,7 +125,7 @@ def test_one_process_checkpoint_resumes_under_zero_element_for_element(
     """mixed_fp32's fp32 masters live in the optimizer in one process and in DeepSpeed's
     flat partition under ZeRO; split_fp32's tie positions move into the flat partition's
     numbering. Every tensor must arrive bit for bit, the weights too."""
-    single = Trainer(make_cfg(f"precision={precision}"), tmp_path / "run", sinks=[])
+    single = Trainer(make_cfg(f"precision={precision}"), tmp_path / "run")
     for _ in range(2):
         single.train_step()
     if precision == "split_fp32":
@@ -135,7 +134,7 @@ def test_one_process_checkpoint_resumes_under_zero_element_for_element(
     expected = _state_of(single)
     one_zero_rank(monkeypatch)
     cfg = make_cfg(f"precision={precision}", f"distributed=zero{stage}")
-    zero = Trainer(cfg, tmp_path / "run", sinks=[])
+    zero = Trainer(cfg, tmp_path / "run")
     try:
         zero.resume_from(path)
         assert zero.step == 2

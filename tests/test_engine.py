@@ -205,6 +205,71 @@ def test_view_dtype_measures_the_change_the_model_sees():
     assert opt.descent_metrics()["lost_update_frac"] > 0.9  # 1e-5 steps vanish in bf16
 
 
+class _TwoBlocks(torch.nn.Module):
+    """Parameters named as transformers names them: two blocks and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = torch.nn.ModuleList(torch.nn.Linear(6, 6) for _ in range(2))
+        self.lm_head = torch.nn.Linear(6, 3, bias=False)
+
+
+@pytest.mark.parametrize("precision", ["mixed_fp32", "collage_plus"])
+def test_engine_step_sets_lr_and_returns_edq_rows_per_layer_group(precision):
+    """The trainer's contract: step(lr, track_edq) -> StepOutcome; the optimizer's
+    tracking flag is never left on, and a tracked step's rows are the groups' sums of
+    what the optimizer measured per parameter."""
+    from collage_train.engine.base import StepOutcome
+    from collage_train.metrics.descent import FIELDS, layer_group_of, layer_groups
+    from collage_train.optim import decay_param_groups
+
+    strategy = get_strategy(precision)
+    engine = build_engine(compose_cfg().distributed, device="cpu")
+    model = _TwoBlocks().to(strategy.param_dtype)
+    optimizer = strategy.build_optimizer(
+        decay_param_groups(model, 0.1), compose_cfg().optim, kernel="eager"
+    )
+    engine.prepare(model, optimizer, strategy=strategy, micro_batch_size=1, accum_steps=1,
+                   grad_clip=1.0)  # fmt: skip
+    assert layer_groups(model) == ["block_0", "block_1", "head"]
+    for step, (lr, track) in enumerate([(0.01, False), (0.02, True), (0.03, False)]):
+        model.h[0](model.h[1](torch.ones(2, 6, dtype=strategy.param_dtype))).sum().backward()
+        outcome = engine.step(lr, track)
+        assert isinstance(outcome, StepOutcome) and outcome.applied
+        assert [group["lr"] for group in optimizer.param_groups] == [lr] * 2
+        assert optimizer.track_descent is False
+        if not track:
+            assert outcome.edq is None, step
+            continue
+        assert outcome.edq.shape == (3, len(FIELDS))
+        group_of = layer_group_of(model)
+        for row, group in enumerate(layer_groups(model)):
+            expected = sum(
+                (
+                    sums.reshape(-1, len(FIELDS)).sum(dim=0)  # one segment per parameter
+                    for param, sums in optimizer.last_descent.items()
+                    if group_of[param] == group
+                ),
+                torch.zeros(len(FIELDS)),
+            )
+            assert torch.equal(outcome.edq[row], expected), group
+        assert outcome.edq[2].abs().sum() == 0  # the head had no gradient: nothing moved
+
+
+def test_a_failing_step_does_not_leave_edq_tracking_on():
+    from collage_train.engine.base import step_tracked
+
+    optimizer = AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, betas=(0.9, 0.95), eps=1e-8,
+                      weight_decay=0.0)  # fmt: skip
+
+    def apply():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        step_tracked(optimizer, torch.nn.Linear(1, 1), torch.device("cpu"), 0.5, True, apply)
+    assert optimizer.track_descent is False
+
+
 def test_single_engine_refuses_a_multi_rank_launch(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match="distributed=zero1, zero2 or zero3"):

@@ -159,7 +159,7 @@ def test_trainer_runs_the_compiled_step(make_cfg, tmp_path):
     weights = {}
     for kernel in ("eager", "compiled"):
         cfg = make_cfg("precision=collage_plus", f"optim.kernel={kernel}")
-        trainer = Trainer(cfg, tmp_path / kernel, sinks=[])
+        trainer = Trainer(cfg, tmp_path / kernel)
         assert trainer.optimizer.kernel == kernel
         summary = trainer.fit()
         assert summary["optimizer_kernel"] == kernel

@@ -156,9 +156,9 @@ def assert_syncs_only_when_settling(counter: SyncCounter) -> None:
 def test_single_process_steps_never_wait_for_the_device(make_cfg, tmp_path, precision):
     cfg = make_cfg(f"precision={precision}", *RUN)
     sink = RecordingSink()
-    trainer = Trainer(cfg, tmp_path / "run", sinks=[sink])
+    trainer = Trainer(cfg, tmp_path / "run")
     with counting(trainer, only_ours=True) as counter:
-        summary = trainer.fit()
+        summary = trainer.fit([sink])
     assert summary["steps"] == 12
     assert_syncs_only_when_settling(counter)
     logged = [record for record in sink.records if "loss" in record]
@@ -174,7 +174,7 @@ def test_zero_steps_add_no_waits_of_their_own(make_cfg, tmp_path, monkeypatch):
     one_zero_rank(monkeypatch)
     cfg = make_cfg("precision=collage_plus", "distributed=zero2", *RUN)
     (tmp_path / "run").mkdir()
-    trainer = Trainer(cfg, tmp_path / "run", sinks=[])
+    trainer = Trainer(cfg, tmp_path / "run")
     try:
         with counting(trainer, only_ours=True) as counter:
             trainer.fit()
@@ -187,7 +187,7 @@ def test_a_nan_between_logged_steps_is_caught_before_the_next_checkpoint(make_cf
     """Steps 5-7 are not settled one by one; the loss of step 5 is still reported, and the
     checkpoint of step 8 is never written."""
     cfg = make_cfg(*RUN[:-1], "train.checkpoint_every=4", "train.keep_checkpoints=5")
-    trainer = Trainer(cfg, tmp_path / "run", sinks=[])
+    trainer = Trainer(cfg, tmp_path / "run")
     loss = trainer._loss
 
     def poisoned(batch):

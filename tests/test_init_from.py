@@ -40,7 +40,7 @@ class CreatesFile:
 def exported(make_cfg_module, tmp_path_factory):
     """A Llama trained 3 steps in fp32 and exported (our hf/ directory): its path and tokenizer."""
     cfg = make_cfg_module(*LLAMA, *ONE_BATCH, "precision=fp32", "optim.warmup_steps=0")
-    trainer = Trainer(cfg, tmp_path_factory.mktemp("source"), sinks=[])
+    trainer = Trainer(cfg, tmp_path_factory.mktemp("source"))
     for _ in range(3):
         trainer.train_step()
     target = tmp_path_factory.mktemp("export") / "hf"
@@ -82,7 +82,7 @@ def test_every_strategy_starts_from_the_exported_weights(exported, make_cfg_modu
         cfg = make_cfg_module(
             *ONE_BATCH, f"precision={name}", f"model.init_from={directory}", "data.vocab_size=999"
         )
-        trainer = Trainer(cfg, tmp_path / name, sinks=[])
+        trainer = Trainer(cfg, tmp_path / name)
         assert type(trainer.model).__name__ == "LlamaForCausalLM"
         assert trainer.data.tokenizer.vocab_size == tokenizer.vocab_size == 512
         fp32 = AutoModelForCausalLM.from_pretrained(directory).state_dict()
@@ -124,7 +124,7 @@ def test_a_local_gpt2_directory_needs_a_tokenizer(exported, make_cfg_module, tmp
     cfg = make_cfg_module(
         *ONE_BATCH, "precision=fp32", f"model.init_from={gpt2}", f"data.tokenizer={directory}"
     )
-    trainer = Trainer(cfg, tmp_path / "gpt2-run", sinks=[])
+    trainer = Trainer(cfg, tmp_path / "gpt2-run")
     assert type(trainer.model).__name__ == "GPT2LMHeadModel"
     assert trainer.model.config.resid_pdrop == 0.0  # model.dropout, not GPT2Config's 0.1
     batch, loss = first_batch_and_loss(trainer)
@@ -145,7 +145,7 @@ def test_a_local_opt_directory(exported, make_cfg_module, tmp_path):
     cfg = make_cfg_module(
         *ONE_BATCH, "precision=bf16", f"model.init_from={opt}", f"data.tokenizer={directory}"
     )
-    trainer = Trainer(cfg, tmp_path / "opt-run", sinks=[])
+    trainer = Trainer(cfg, tmp_path / "opt-run")
     assert type(trainer.model).__name__ == "OPTForCausalLM"
     assert trainer.model.config.dropout == trainer.model.config.attention_dropout == 0.0
     fp32 = OPTForCausalLM.from_pretrained(opt).state_dict()
@@ -244,7 +244,7 @@ def test_zero_masters_start_from_the_fp32_weights(
         f"distributed=zero{stage}",
         f"model.init_from={directory}",
     )
-    trainer = Trainer(cfg, tmp_path / "run", sinks=[])
+    trainer = Trainer(cfg, tmp_path / "run")
     try:
         fp32 = AutoModelForCausalLM.from_pretrained(directory).state_dict()
         engine = trainer.engine
@@ -273,7 +273,7 @@ def test_a_diloco_replica_shares_the_fp32_weights(exported, make_cfg_module, tmp
     cfg = make_cfg_module(
         *ONE_BATCH, "precision=mixed_fp32", "comm=diloco", f"model.init_from={directory}"
     )
-    trainer = Trainer(cfg, tmp_path / "run", sinks=[])
+    trainer = Trainer(cfg, tmp_path / "run")
     try:
         fp32 = AutoModelForCausalLM.from_pretrained(directory).state_dict()
         name_of = {id(p): name for name, p in trainer.model.named_parameters()}

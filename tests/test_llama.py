@@ -28,7 +28,7 @@ def test_every_precision_strategy_trains_llama(make_cfg, tmp_path):
     """Four steps on the same batches: the loss falls under every strategy, each block's
     descent is measured in its own layer group."""
     for name in available():
-        trainer = Trainer(make_cfg(*LLAMA, *FAST, f"precision={name}"), tmp_path / name, sinks=[])
+        trainer = Trainer(make_cfg(*LLAMA, *FAST, f"precision={name}"), tmp_path / name)
         assert type(trainer.model).__name__ == "LlamaForCausalLM"
         losses = [trainer.train_step()["loss"] for _ in range(4)]
         assert all(torch.isfinite(torch.tensor(losses))), (name, losses)
@@ -44,7 +44,7 @@ def test_llama_checkpointing_and_export(make_cfg, tmp_path):
 
     def three_steps(*extra: str) -> tuple[Trainer, list[float]]:
         cfg = make_cfg(*LLAMA, *FAST, "precision=fp32", *extra)
-        trainer = Trainer(cfg, tmp_path / str(len(extra)), sinks=[])
+        trainer = Trainer(cfg, tmp_path / str(len(extra)))
         stats = [trainer.train_step() for _ in range(3)]
         return trainer, [x for s in stats for x in (s["loss"], s["grad_norm"])]
 
@@ -74,7 +74,7 @@ def test_llama_under_zero_in_process(make_cfg, tmp_path, monkeypatch, stage):
 
     one_zero_rank(monkeypatch)
     cfg = make_cfg(*LLAMA, *FAST, "precision=collage_plus", f"distributed=zero{stage}")
-    trainer = Trainer(cfg, tmp_path, sinks=[])
+    trainer = Trainer(cfg, tmp_path)
     try:
         assert trainer.engine.deepspeed_config["zero_optimization"]["stage"] == stage
         losses = [trainer.train_step()["loss"] for _ in range(3)]
@@ -93,8 +93,8 @@ def test_llama_one_diloco_replica_trains_like_the_plain_optimizer(make_cfg, tmp_
     through the outer step)."""
     common = (*LLAMA, *FAST, "precision=mixed_fp32")
     diloco = ("comm=diloco", "comm.sync_every=1", "comm.outer_lr=1", "comm.outer_momentum=0")
-    plain = Trainer(make_cfg(*common), tmp_path / "plain", sinks=[])
-    replica = Trainer(make_cfg(*common, *diloco), tmp_path / "replica", sinks=[])
+    plain = Trainer(make_cfg(*common), tmp_path / "plain")
+    replica = Trainer(make_cfg(*common, *diloco), tmp_path / "replica")
     try:
         assert type(replica.engine).__name__ == "ReplicaEngine"
         for _ in range(3):

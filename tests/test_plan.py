@@ -105,7 +105,7 @@ def test_planned_peak_within_ten_percent_of_measured(
         "optim.kernel=eager",  # a dispatch mode cannot look inside compiled kernels
         f"train.cpu_bf16_gemm={gemm}",
     )
-    trainer = Trainer(cfg, tmp_path, sinks=[])
+    trainer = Trainer(cfg, tmp_path)
     measured = measured_step_peak(trainer)
     planned = planned_step_peak(trainer, cfg)
     assert abs(planned / measured - 1) < 0.10, (planned, measured)

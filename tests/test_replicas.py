@@ -84,7 +84,7 @@ def test_training_ends_and_validates_on_an_outer_step_derived_from_sync_every(
     rounded up to outer steps, each change said in one line."""
     cfg = make_cfg("comm=diloco", "comm.sync_every=3", "train.max_steps=7", "train.eval_every=4")
     capsys.readouterr()
-    Trainer(cfg, tmp_path, sinks=[])
+    Trainer(cfg, tmp_path)
     assert (cfg.train.max_steps, cfg.train.eval_every) == (9, 6)
     lines = [line for line in capsys.readouterr().out.splitlines() if "comm.sync_every=3" in line]
     assert lines == [
@@ -96,7 +96,7 @@ def test_training_ends_and_validates_on_an_outer_step_derived_from_sync_every(
     aligned = make_cfg("comm=diloco", "comm.sync_every=3", "train.max_steps=6")
     aligned.train.eval_every = 3
     capsys.readouterr()
-    Trainer(aligned, tmp_path / "aligned", sinks=[])
+    Trainer(aligned, tmp_path / "aligned")
     assert "comm.sync_every" not in capsys.readouterr().out  # nothing to say
 
 

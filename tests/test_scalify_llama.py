@@ -140,7 +140,7 @@ def test_scalify_llama_run_trains_with_unit_data(make_cfg, tmp_path):
         "model.ffn_hidden_size=88", "precision=scalify", "optim.lr=3e-3",
         "optim.warmup_steps=0", "train.global_batch_size=8",
     )  # fmt: skip
-    trainer = Trainer(cfg, tmp_path / "run", sinks=[])
+    trainer = Trainer(cfg, tmp_path / "run")
     assert any(isinstance(m, ScaledRMSNorm) for m in trainer.model.modules())
     assert trainer.model.config._attn_implementation == "scalify_float8_propagated"
     down = trainer.model.get_submodule("model.layers.0.mlp.down_proj")

@@ -61,7 +61,7 @@ def test_scalify_under_zero_is_refused_before_any_process_group(make_cfg, tmp_pa
     from collage_train.trainer import Trainer
 
     with pytest.raises(ConfigError, match="precision=scalify does not run under DeepSpeed ZeRO"):
-        Trainer(make_cfg("precision=scalify", "distributed=zero2"), tmp_path, sinks=[])
+        Trainer(make_cfg("precision=scalify", "distributed=zero2"), tmp_path)
 
 
 class OptCfg:
@@ -234,7 +234,7 @@ def test_scalify_run_keeps_power_of_two_scales_and_unit_data(make_cfg, tmp_path,
     from collage_train.trainer import Trainer
 
     cfg = make_cfg(f"model={model}", *TINY, "model.num_layers=2", "precision=scalify")
-    trainer = Trainer(cfg, tmp_path / "run", sinks=[])
+    trainer = Trainer(cfg, tmp_path / "run")
     kinds = {type(m) for m in trainer.model.modules()}
     assert {ScaledLinear, ScaledLayerNorm} <= kinds and torch.nn.LayerNorm not in kinds
     assert not any(isinstance(m, torch.nn.Linear) for m in trainer.model.modules())

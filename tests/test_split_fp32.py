@@ -114,7 +114,7 @@ def test_measured_state_is_14_bytes_per_parameter():
 def test_training_run_equals_mixed_fp32_bit_for_bit(make_cfg, tmp_path):
     weights, losses = {}, {}
     for name in ("mixed_fp32", "split_fp32"):
-        trainer = Trainer(make_cfg(f"precision={name}"), tmp_path / name, sinks=[])
+        trainer = Trainer(make_cfg(f"precision={name}"), tmp_path / name)
         trainer.fit()
         weights[name] = [p.detach().clone() for p in trainer.model.parameters()]
         losses[name] = trainer.evaluate()["val_loss"]

@@ -59,7 +59,7 @@ def compose_stream(stream: Path, cache: Path, *overrides: str) -> DictConfig:
 
 def test_streaming_run_resumes_from_a_checkpoint_exactly(stream: Path, tmp_path: Path) -> None:
     cfg = compose_stream(stream, tmp_path / "cache")
-    first = Trainer(cfg, tmp_path / "run", sinks=[])
+    first = Trainer(cfg, tmp_path / "run")
     for _ in range(2):
         first.train_step()
     assert first.evaluate()["val_loss"] > 0
@@ -68,7 +68,7 @@ def test_streaming_run_resumes_from_a_checkpoint_exactly(stream: Path, tmp_path:
     cache = tmp_path / "cache"
     assert not list(cache.rglob("manifest.json")) and not list(cache.rglob("*.bin"))
 
-    resumed = Trainer(cfg, tmp_path / "run", sinks=[])
+    resumed = Trainer(cfg, tmp_path / "run")
     resumed.resume_from(saved)
     assert resumed.step == 2
     for batch in expected:

@@ -23,7 +23,7 @@ def test_accumulated_micro_batches_equal_one_large_batch(make_cfg, tmp_path):
             "train.global_batch_size=8",
             "optim.grad_clip=0",
         )
-        trainer = Trainer(cfg, tmp_path / f"m{micro}", sinks=[])
+        trainer = Trainer(cfg, tmp_path / f"m{micro}")
         assert trainer.accum_steps == 8 // micro
         steps = [trainer.train_step() for _ in range(3)]
         # The gradient norm (before any clipping) exposes a wrong loss scale, which
@@ -56,26 +56,24 @@ def test_train_streams_records_to_extra_sinks_and_follows_schedule(make_cfg, tmp
 
 def test_mfu_uses_configured_peak(make_cfg, tmp_path):
     sink = RecordingSink()
-    trainer = Trainer(
-        make_cfg("metrics.peak_tflops=2.0", "train.max_steps=1"), tmp_path / "run", sinks=[sink]
-    )
-    trainer.fit()
+    trainer = Trainer(make_cfg("metrics.peak_tflops=2.0", "train.max_steps=1"), tmp_path / "run")
+    trainer.fit([sink])
     record = sink.records[0]
     expected = record["tokens_per_s"] * trainer.flops_per_token / 2.0e12
     assert record["mfu"] == pytest.approx(expected) and record["mfu"] > 0
 
 
 def test_validation_is_deterministic(make_cfg, tmp_path):
-    trainer = Trainer(make_cfg(), tmp_path / "run", sinks=[])
+    trainer = Trainer(make_cfg(), tmp_path / "run")
     assert trainer.evaluate() == trainer.evaluate()
 
 
 def test_bad_stop_step_and_device(make_cfg, tmp_path):
     with pytest.raises(ConfigError, match="stop_at_step"):
-        Trainer(make_cfg("train.stop_at_step=9"), tmp_path / "a", sinks=[])
+        Trainer(make_cfg("train.stop_at_step=9"), tmp_path / "a")
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no CUDA device"):
-            Trainer(make_cfg("train.device=cuda"), tmp_path / "b", sinks=[])
+            Trainer(make_cfg("train.device=cuda"), tmp_path / "b")
 
 
 def test_edq_every_controls_descent_metrics(make_cfg, tmp_path):
@@ -92,10 +90,8 @@ def test_edq_every_controls_descent_metrics(make_cfg, tmp_path):
     )
 
     off = RecordingSink()
-    trainer = Trainer(
-        make_cfg("precision=collage_plus", "metrics.edq_every=0"), tmp_path / "b", sinks=[off]
-    )
-    trainer.fit()
+    trainer = Trainer(make_cfg("precision=collage_plus", "metrics.edq_every=0"), tmp_path / "b")
+    trainer.fit([off])
     assert not any("edq" in r for r in off.records)
     assert trainer.optimizer.last_descent == {}
 
@@ -109,8 +105,8 @@ def test_model_state_that_cannot_fit_is_refused_before_building(make_cfg, tmp_pa
             "model.num_layers=24",
             "model.num_heads=16",
         )  # the fixture shrinks models; restore the preset's shape
-        Trainer(make_cfg(*big), tmp_path / "big", sinks=[])
-    Trainer(make_cfg(), tmp_path / "small", sinks=[])  # the tiny model fits in 10 GiB
+        Trainer(make_cfg(*big), tmp_path / "big")
+    Trainer(make_cfg(), tmp_path / "small")  # the tiny model fits in 10 GiB
 
 
 @pytest.mark.parametrize(
@@ -124,7 +120,7 @@ def test_model_state_that_cannot_fit_is_refused_before_building(make_cfg, tmp_pa
     ],
 )
 def test_allocator_failures_end_in_one_error_line(make_cfg, tmp_path, monkeypatch, capsys, failure):
-    def fail(self):
+    def fail(self, sinks=()):
         raise failure
 
     monkeypatch.setattr(Trainer, "fit", fail)
@@ -135,7 +131,7 @@ def test_allocator_failures_end_in_one_error_line(make_cfg, tmp_path, monkeypatc
 
 
 def test_other_runtime_errors_are_not_disguised(make_cfg, tmp_path, monkeypatch):
-    def fail(self):
+    def fail(self, sinks=()):
         raise RuntimeError("a genuine bug")
 
     monkeypatch.setattr(Trainer, "fit", fail)
@@ -145,19 +141,17 @@ def test_other_runtime_errors_are_not_disguised(make_cfg, tmp_path, monkeypatch)
 
 def test_skipped_steps_are_counted_and_carry_no_descent(make_cfg, tmp_path):
     """An engine that skips a step (DeepSpeed's overflow check) is counted, not measured."""
-    from collage_train.engine import StepOutcome
-
     sink = RecordingSink()
-    trainer = Trainer(make_cfg("precision=collage_plus"), tmp_path, sinks=[sink])
-    real_step, calls = trainer.engine.step, []
+    trainer = Trainer(make_cfg("precision=collage_plus"), tmp_path)
+    real_apply, calls = trainer.engine._apply, []
 
-    def skip_second():
-        outcome = real_step()
-        calls.append(outcome)
-        return StepOutcome(outcome.grad_norm, applied=len(calls) != 2)
+    def skip_second():  # the engine's own clip-and-step, reported as skipped the 2nd time
+        grad_norm, applied = real_apply()
+        calls.append(grad_norm)
+        return grad_norm, applied and len(calls) != 2
 
-    trainer.engine.step = skip_second
-    summary = trainer.fit()
+    trainer.engine._apply = skip_second
+    summary = trainer.fit([sink])
     train_records = [r for r in sink.records if "loss" in r]
     assert [r["skipped_steps"] for r in train_records] == [0, 1, 1, 1]
     assert ["edq" in r for r in train_records] == [True, False, True, True]
@@ -165,7 +159,7 @@ def test_skipped_steps_are_counted_and_carry_no_descent(make_cfg, tmp_path):
 
 
 def _three_steps(cfg, run_dir):
-    trainer = Trainer(cfg, run_dir, sinks=[])
+    trainer = Trainer(cfg, run_dir)
     stats = [trainer.train_step() for _ in range(3)]
     return trainer, [x for s in stats for x in (s["loss"], s["grad_norm"])]
 
@@ -184,7 +178,7 @@ def test_activation_checkpointing_recomputes_the_same_gradients(make_cfg, tmp_pa
     cfg = make_cfg("precision=fp32", "train.activation_checkpointing=true")
     import functools
 
-    trainer = Trainer(cfg, tmp_path / "ckpt", sinks=[])
+    trainer = Trainer(cfg, tmp_path / "ckpt")
     assert getattr(trainer.model, "is_activation_checkpointing", None) or (
         trainer.model.is_gradient_checkpointing
     )

@@ -295,7 +295,7 @@ def test_zero2_on_two_ranks_resumes_on_one_process(
     step_4 = zero_dir / "checkpoints" / "step-4"
     args = [a for a in tiny_overrides(corpus_dir, cache_dir, tmp_path) if "hydra" not in a]
     cfg = compose_tiny(corpus_dir, cache_dir, *args, f"precision={precision}")
-    trainer = Trainer(cfg, tmp_path, sinks=[])
+    trainer = Trainer(cfg, tmp_path)
     trainer.resume_from(step_4)
     assert trainer.step == 4
     named = dict(trainer.model.named_parameters())

@@ -3,12 +3,19 @@
 An engine owns how gradients are reduced and applied, how the model state is laid
 out across processes and how it is checkpointed. The trainer only calls these
 methods, so the training loop is the same for one process and for DeepSpeed ZeRO.
+
+The contract of a step: the trainer calls ``engine.step(lr, track_edq)`` once per
+optimizer step and gets a ``StepOutcome``; it never touches the optimizer. The engine
+sets the lr, asks the optimizer for EDQ partial sums when told to (``step_tracked``),
+and reduces them to layer groups in the layout it gave the optimizer at ``prepare``
+(``declare_layout``). What an engine holds in memory is a separate protocol
+(``StateMemory``), read by the run summary and the start-up memory check.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -16,6 +23,8 @@ from typing import Any, Protocol
 import torch
 
 from collage_train.checkpoint.full_state import FullState
+from collage_train.metrics.descent import layer_group_partials, layer_groups
+from collage_train.optim.base import TrackingOptimizer, chunk_numel_for
 from collage_train.precision.base import PrecisionStrategy
 
 # A contiguous run [start, stop) of a flat optimizer tensor that belongs to one layer group.
@@ -24,14 +33,22 @@ Segment = tuple[str, int, int]
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """What one optimizer step did: the pre-clipping gradient norm and whether it was applied.
+    """What one optimizer step did.
 
-    The norm may be a device tensor: the trainer reads it at its next settle, so that a
-    step never waits for the device just to report it.
+    Attributes:
+        grad_norm: the gradient norm before clipping, of the whole model.
+        applied: False when the engine skipped the update (DeepSpeed's overflow check).
+        edq: this rank's EDQ partial sums, one row of ``metrics.descent.FIELDS`` per
+            layer group (``metrics.descent.layer_groups`` order); None unless the step
+            was tracked and applied. The trainer sums them over ranks.
+
+    Tensors may live on the device: the trainer reads them at its next settle, so that
+    a step never waits for the device just to report it.
     """
 
     grad_norm: torch.Tensor | float
     applied: bool
+    edq: torch.Tensor | None = None
 
 
 class Engine(Protocol):
@@ -59,32 +76,17 @@ class Engine(Protocol):
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's mean loss (scaled for gradient accumulation here)."""
 
-    def step(self) -> StepOutcome:
-        """Clip, apply the optimizer at the accumulation boundary, and clear gradients."""
+    def step(self, lr: float, track_edq: bool) -> StepOutcome:
+        """Set ``lr``, clip, apply the optimizer at the accumulation boundary, clear the
+        gradients; with ``track_edq`` measure the step's descent quality."""
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over all ranks, in place; returns it."""
 
     def barrier(self) -> None: ...
 
-    def descent_segments(
-        self, group_of: dict[torch.Tensor, str]
-    ) -> dict[torch.Tensor, list[Segment]]:
-        """Layer-group segments of every tensor the optimizer updates on this rank."""
-
     def local_weights(self) -> list[torch.Tensor]:
         """The weights this rank holds (its partitions under ZeRO-3)."""
-
-    state_bytes_measure: str  # what ``state_bytes`` counts, for the run summary
-
-    def state_bytes(self) -> int:
-        """Measured bytes of the model state held on this rank."""
-
-    def expected_state_bytes_per_param(self, strategy: PrecisionStrategy) -> float:
-        """The analytic counterpart of ``state_bytes`` per parameter."""
-
-    def peak_state_bytes_per_param(self, strategy: PrecisionStrategy) -> float:
-        """Model-state bytes per parameter on this rank at the optimizer step."""
 
     def close(self) -> None:
         """Leave the process group (if any)."""
@@ -104,6 +106,64 @@ class Engine(Protocol):
 
     def comm_metrics(self) -> dict[str, Any]:
         """Communication counters for the logs ({} when the engine reports none)."""
+
+
+class StateMemory(Protocol):
+    """What an engine's model state costs on one rank (every engine also offers this)."""
+
+    state_bytes_measure: str  # what ``state_bytes`` counts, for the run summary
+
+    def state_bytes(self) -> int:
+        """Measured bytes of the model state held on this rank."""
+
+    def expected_state_bytes_per_param(self, strategy: PrecisionStrategy) -> float:
+        """The analytic counterpart of ``state_bytes`` per parameter."""
+
+    def peak_state_bytes_per_param(self, strategy: PrecisionStrategy) -> float:
+        """Model-state bytes per parameter on this rank at the optimizer step."""
+
+
+def declare_layout(
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    segments: dict[torch.Tensor, list[Segment]],
+    state_bytes_per_param: float,
+) -> None:
+    """Tell the optimizer what the engine decided at ``prepare``: which layer group each
+    range of each tensor it updates belongs to (EDQ), and how many elements a step may
+    work on at a time so that its transients stay small next to the state this rank
+    holds (``optim.base.chunk_numel_for``)."""
+    if not isinstance(optimizer, TrackingOptimizer):
+        return
+    optimizer.descent_segments = segments
+    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3
+    optimizer.step_chunk_numel = chunk_numel_for(num_params * state_bytes_per_param)
+
+
+def step_tracked(
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    device: torch.device,
+    lr: float,
+    track_edq: bool,
+    apply: Callable[[], tuple[torch.Tensor | float, bool]],
+) -> StepOutcome:
+    """Set ``lr`` on every parameter group, run ``apply`` (the engine's own clip-and-step,
+    returning the gradient norm and whether the update was applied) with EDQ tracked if
+    asked, and reduce the tracked partials to this rank's rows per layer group."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.track_descent = track_edq
+    try:
+        grad_norm, applied = apply()
+        edq = None
+        if track_edq and applied:
+            edq = layer_group_partials(
+                optimizer.last_descent, optimizer.descent_segments, layer_groups(model), device
+            )
+    finally:
+        optimizer.track_descent = False
+    return StepOutcome(grad_norm=grad_norm, applied=applied, edq=edq)
 
 
 @contextlib.contextmanager

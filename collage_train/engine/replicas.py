@@ -105,9 +105,9 @@ class ReplicaEngine(SingleProcessEngine):
         self.check_replicas_agree()  # the same seed must have built the same model everywhere
         return module
 
-    def step(self) -> StepOutcome:
+    def step(self, lr: float, track_edq: bool) -> StepOutcome:
         """One inner step; every ``sync_every``-th also takes the outer step."""
-        outcome = super().step()
+        outcome = super().step(lr, track_edq)
         self.counters["inner_steps"] += 1
         if self.counters["inner_steps"] % self.sync_every == 0:
             self.outer_step()

@@ -13,9 +13,16 @@ import torch
 
 from collage_train import checkpoint
 from collage_train.checkpoint.full_state import INDEX_COMPONENTS, FullState
-from collage_train.engine.base import Segment, StepOutcome, unchanged
+from collage_train.engine.base import (
+    Segment,
+    StepOutcome,
+    declare_layout,
+    step_tracked,
+    unchanged,
+)
 from collage_train.errors import ConfigError
 from collage_train.metrics import model_state_bytes
+from collage_train.metrics.descent import layer_group_of
 from collage_train.optim import clip_grad_norm
 from collage_train.precision.base import PrecisionStrategy
 
@@ -77,21 +84,26 @@ class SingleProcessEngine:
         accum_steps: int,
         grad_clip: float,
     ) -> torch.nn.Module:
-        del strategy, micro_batch_size  # one process needs neither
+        del micro_batch_size  # one process does not need it
         self.model, self.optimizer = model, optimizer
         self.accum_steps, self.grad_clip = accum_steps, grad_clip
+        segments = self.descent_segments(layer_group_of(model))
+        declare_layout(optimizer, model, segments, self.peak_state_bytes_per_param(strategy))
         return model
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss / self.accum_steps).backward()
 
-    def step(self) -> StepOutcome:
+    def step(self, lr: float, track_edq: bool) -> StepOutcome:
+        return step_tracked(self.optimizer, self.model, self.device, lr, track_edq, self._apply)
+
+    def _apply(self) -> tuple[torch.Tensor, bool]:
         grad_norm = clip_grad_norm(self.model.parameters(), self.grad_clip)  # stays on device
         self.optimizer.step()
         if self._state_bytes is None:  # gradients are still present here
             self._state_bytes = model_state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        return StepOutcome(grad_norm=grad_norm, applied=True)
+        return grad_norm, True
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

@@ -20,7 +20,13 @@ import torch.distributed as dist
 
 from collage_train.checkpoint.full_state import INDEX_COMPONENTS, FullState
 from collage_train.checkpoint.pieces import Piece
-from collage_train.engine.base import Segment, StepOutcome, unchanged
+from collage_train.engine.base import (
+    Segment,
+    StepOutcome,
+    declare_layout,
+    step_tracked,
+    unchanged,
+)
 from collage_train.engine.deepspeed_config import (
     GradientDtypes,
     gradient_dtypes,
@@ -29,6 +35,7 @@ from collage_train.engine.deepspeed_config import (
 from collage_train.engine.launch import check_process_group, init_process_group, local_rank
 from collage_train.engine.zero_memory import ZeroStateBytes, zero_state_bytes
 from collage_train.errors import CheckpointError, ConfigError
+from collage_train.metrics.descent import layer_group_of
 from collage_train.metrics.memory import storage_bytes
 from collage_train.precision.base import PrecisionStrategy
 
@@ -139,6 +146,8 @@ class ZeroEngine:
         if strategy.master_dtype is not None and strategy.master_dtype != strategy.param_dtype:
             # The optimizer updates fp32 masters; the model sees their bf16 rounding.
             optimizer.descent_view_dtype = strategy.param_dtype
+        segments = self.descent_segments(layer_group_of(model))
+        declare_layout(optimizer, model, segments, self.peak_state_bytes_per_param(strategy))
         return self.ds
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -146,13 +155,16 @@ class ZeroEngine:
         if not self.ds.is_gradient_accumulation_boundary():
             self.ds.step()  # only advances DeepSpeed's micro-step counter
 
-    def step(self) -> StepOutcome:
+    def step(self, lr: float, track_edq: bool) -> StepOutcome:
+        return step_tracked(self.optimizer, self.model, self.device, lr, track_edq, self._apply)
+
+    def _apply(self) -> tuple[torch.Tensor | float, bool]:
         self.ds.step()
         if self._state_bytes is None:
             self._state_bytes = self._measure_state_bytes()
         grad_norm = self.ds.get_global_grad_norm()  # a device tensor: left to the trainer
         grad_norm = grad_norm if grad_norm is not None else float("nan")
-        return StepOutcome(grad_norm=grad_norm, applied=bool(self.ds.was_step_applied()))
+        return grad_norm, bool(self.ds.was_step_applied())
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor)

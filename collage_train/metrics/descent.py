@@ -104,6 +104,16 @@ def layer_group(name: str) -> str:
     return "head"
 
 
+def layer_group_of(model: torch.nn.Module) -> dict[torch.Tensor, str]:
+    """Each parameter of ``model`` with its layer group (``layer_group``)."""
+    return {param: layer_group(name) for name, param in model.named_parameters()}
+
+
+def layer_groups(model: torch.nn.Module) -> list[str]:
+    """The layer groups of ``model``, sorted: the row order of ``layer_group_partials``."""
+    return sorted(set(layer_group_of(model).values()))
+
+
 def layer_group_partials(
     last_descent: dict[torch.Tensor, torch.Tensor],
     segments: dict[torch.Tensor, list[tuple[str, int, int]]],

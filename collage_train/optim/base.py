@@ -72,6 +72,11 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
         """Every parameter, in ``param_groups`` order (the order of the weight lists)."""
         return [param for group in self.param_groups for param in group["params"]]
 
+    def scale_metrics(self) -> dict[str, float]:
+        """Statistics of how the state's values are scaled, logged with each step (Scalify's
+        ``ScaledAdamW`` reports its rescales); none for unscaled state."""
+        return {}
+
     @torch.no_grad()
     def full_precision_weights(self) -> list[torch.Tensor]:
         """New fp32 tensors holding the full-precision value of every parameter."""
@@ -144,7 +149,7 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
         lows = dthetas if dthetas is not None else [None] * len(params)
         view = self.descent_view_dtype
         for param, old, update, low in zip(params, before, updates, lows, strict=True):
-            after = param.detach()
+            after = self._model_view(param)
             if view is not None and after.dtype != view:
                 old, after = old.to(view), after.to(view)
             segments = self.descent_segments.get(param)
@@ -225,11 +230,16 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
         total = sum(p.reshape(-1, len(FIELDS)).sum(dim=0) for p in self.last_descent.values())
         return descent_metrics(total, with_dtheta)
 
+    def _model_view(self, param: torch.Tensor) -> torch.Tensor:
+        """The weight the model computes with, as ``_record_descent`` measures it: the
+        parameter itself (Scalify's ScaledAdamW: a scaled parameter's value)."""
+        return param.detach()
+
     def _snapshot(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Copies of the weights before an update, only when descent is tracked."""
         if not self.track_descent:
             return None
-        return [p.detach().clone() for p in params]
+        return [self._model_view(p).clone() for p in params]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore state without torch's cast of every state tensor to the param dtype.
