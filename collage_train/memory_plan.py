@@ -1,13 +1,22 @@
 """Predicted peak memory of one training step per GPU: model state, activations, transients.
 
 The planner behind ``python -m collage_train.plan``. A step's peak is the model state
-that persists between steps (weights, master weights, optimizer state) plus the larger
-of two moments:
+that persists between steps (weights, master weights, optimizer state) plus the largest
+of these moments:
 
-- the start of the backward pass: every saved activation, the gradient of the (tied)
-  output embedding, the larger of the loss's backward temporaries (fp32 gradients of
-  the log-softmax over the vocabulary) and, with activation checkpointing, one
-  recomputed block; under gradient accumulation also the gradients accumulated so far;
+- the start of the backward pass: every saved activation, the gradient of the output
+  embedding and the loss's backward temporaries (fp32 gradients of the log-softmax over
+  the vocabulary); under gradient accumulation also the gradients accumulated so far;
+- with activation checkpointing, the backward of a recomputed block. By then the head's
+  saved activations and the loss's temporaries are freed, and so is the checkpointed
+  input of every block already done: what is live is the checkpointed inputs of the
+  blocks not yet done, the gradients produced so far, and the block's own working set
+  (``block_backward_bytes_per_token``: its input, its recomputed saved tensors and the
+  gradients in flight in it, largest in the MLP's activation backward). From the last
+  block to the first, each block trades one block input for one block's gradients, so
+  the larger end is the peak: the last block (every input, only the head's gradients)
+  or the first (one input, every gradient but the input embeddings', which come last,
+  and, of the first block's own, all but the MLP's down projection's);
 - the optimizer step: all gradients plus the optimizer's own temporaries.
 
 Saved activations per token of one block, in elements of the compute dtype, were read
@@ -20,7 +29,10 @@ and values, kv = key/value heads x head width) in the compute dtype, plus each R
 input up-cast to fp32 (2 h in fp32 whatever the compute dtype) and its fp32 reciprocal
 RMS. The head keeps the final norm's input and output (Llama: also its fp32 up-cast)
 and the fp32 log-softmax over the vocabulary. Checkpointing keeps each block's
-input and recomputes one block at a time. These are the eager model's activations; with
+input and recomputes one block at a time; while a block's backward runs, its input is
+live beside its recomputed saved tensors, which hold it already where a LayerNorm saves
+it (GPT-2, OPT) but not in Llama's bf16 block (its RMSNorms save the fp32 up-cast
+instead), so there the input adds 1 h. These are the eager model's activations; with
 ``train.compile=true`` inductor fuses elementwise chains and saves less, so the plan is
 an upper bound there.
 
@@ -56,7 +68,9 @@ class SavedPerToken:
     """Activation elements one block saves for backward per token (tests/test_plan.py
     measures them): per hidden, ffn and key/value unit in the compute dtype, per hidden
     unit in fp32 whatever the compute dtype, and the norms' statistics (elements in the
-    compute dtype, and in fp32)."""
+    compute dtype, and in fp32). ``saves_input``: whether the block's input is among them
+    (LayerNorm saves its input; Llama's RMSNorm saves its fp32 up-cast instead, which is
+    the input itself only when the compute dtype is fp32)."""
 
     hidden: int
     ffn: int
@@ -64,14 +78,25 @@ class SavedPerToken:
     fp32_hidden: int = 0
     norm_stats: int = 0
     fp32_norm_stats: int = 0
+    saves_input: bool = True
 
 
 LAYER_SAVED_ELEMENTS = {
     "gpt": SavedPerToken(hidden=8, ffn=5, norm_stats=4),  # two LayerNorms: mean, rstd
     "opt": SavedPerToken(hidden=8, ffn=1, norm_stats=4),
     # q and o sides 6 h, keys and values 2 kv; two RMSNorms: fp32 input, reciprocal RMS
-    "llama": SavedPerToken(hidden=6, ffn=4, kv=2, fp32_hidden=2, fp32_norm_stats=2),
+    "llama": SavedPerToken(
+        hidden=6, ffn=4, kv=2, fp32_hidden=2, fp32_norm_stats=2, saves_input=False
+    ),
 }
+# Gradients in flight in one block's backward at its peak, in the MLP's activation
+# backward, per token in the compute dtype beyond what the block saves (measured with
+# LiveTensorBytes for all three families, tests/test_plan.py): the gradient of the
+# residual stream arriving at the block (1 h) and two FFN-wide gradients (2 f): GPT-2's
+# and OPT's activation-output gradient and the first gradient of the activation's chain;
+# Llama's gradient of the SwiGLU product and of both its factors, the product itself (the
+# down projection's saved input) being freed by then.
+BACKWARD_IN_FLIGHT = SavedPerToken(hidden=1, ffn=2)
 # The head's final norm: extra fp32 elements per hidden unit and fp32 statistics (Llama's
 # RMSNorm keeps its up-cast input and reciprocal RMS; LayerNorm's are in its 2 h + 24).
 HEAD_FP32_HIDDEN = {"llama": 1}
@@ -125,6 +150,9 @@ class ModelShape:
     largest_tensor: int
     block_params: int
     kv_width: int | None = None  # key/value heads x head width (None: hidden, no GQA)
+    # parameters before the first block, whose gradients come last: the token embedding
+    # unless tied to the output layer, learned positions (GPT-2, OPT)
+    embedding_params: int = 0
 
     @classmethod
     def from_config(cls, model_cfg: Any, *, vocab_size: int, seq_len: int) -> ModelShape:
@@ -152,6 +180,23 @@ class ModelShape:
             "opt": lambda: c.ffn_dim,
             "llama": lambda: c.intermediate_size,
         }[family]()
+        embeddings = {
+            "gpt": lambda: [model.transformer.wte, model.transformer.wpe],
+            "opt": lambda: [
+                model.model.decoder.embed_tokens,
+                model.model.decoder.embed_positions,
+                model.model.decoder.project_in,
+            ],
+            "llama": lambda: [model.model.embed_tokens],
+        }[family]()
+        output = {id(p) for p in model.get_output_embeddings().parameters()}
+        embedding_params = sum(
+            p.numel()
+            for module in embeddings
+            if module is not None
+            for p in module.parameters()
+            if id(p) not in output
+        )
         kv_width = hidden
         if family == "llama":
             kv_width = c.num_key_value_heads * (getattr(c, "head_dim", None) or hidden // heads)
@@ -167,6 +212,7 @@ class ModelShape:
             largest_tensor=max(numels),
             block_params=sum(p.numel() for p in blocks[0].parameters()),
             kv_width=kv_width,
+            embedding_params=embedding_params,
         )
 
 
@@ -219,6 +265,16 @@ def block_bytes_per_token(shape: ModelShape, elem: int) -> float:
     fp32 = saved.fp32_hidden * shape.hidden + saved.fp32_norm_stats
     lse = 4 * shape.heads  # the attention's fp32 log-sum-exp per head
     return (per_token + saved.norm_stats) * elem + 4 * fp32 + lse
+
+
+def block_backward_bytes_per_token(shape: ModelShape, elem: int) -> float:
+    """Bytes live per token in one checkpointed block's backward at its peak: the block's
+    input (unless among its saved tensors), its recomputed saved tensors
+    (``block_bytes_per_token``) and the gradients in flight (``BACKWARD_IN_FLIGHT``)."""
+    saves_input = LAYER_SAVED_ELEMENTS[shape.family].saves_input or elem == 4
+    own_input = 0 if saves_input else shape.hidden * elem
+    in_flight = BACKWARD_IN_FLIGHT.hidden * shape.hidden + BACKWARD_IN_FLIGHT.ffn * shape.ffn
+    return block_bytes_per_token(shape, elem) + own_input + in_flight * elem
 
 
 def saved_activation_bytes(
@@ -306,17 +362,15 @@ def estimate(
     if fp32_gemms:
         loss_backward += 4 * tokens * shape.vocab
     head_gradient = shape.vocab * shape.hidden * param
-    recompute = tokens * block_bytes_per_token(shape, elem) if checkpointing else 0.0
     earlier_gradients = plan.gradients if accum_steps > 1 else 0.0
-    # The loss's temporaries are freed before the first checkpointed block is recomputed;
-    # by the time the first block is, every other block's gradients exist (this
-    # micro-batch's: with accumulation, earlier_gradients already counts them).
-    later_gradients = 0.0
-    if checkpointing and not earlier_gradients:
-        later_gradients = max(0.0, plan.gradients - shape.block_params * param)
-    live_at_backward = plan.activations + max(
-        head_gradient + loss_backward, later_gradients + recompute + widest_product
-    )
+    if checkpointing:
+        live_at_backward = max(
+            plan.activations + head_gradient + loss_backward,
+            recompute_peak(shape, plan.gradients, tokens, elem, accumulated=bool(earlier_gradients))
+            + widest_product,
+        )
+    else:
+        live_at_backward = plan.activations + max(head_gradient + loss_backward, widest_product)
     plan.backward_peak = plan.persistent + plan.buffers + earlier_gradients + live_at_backward
 
     updated = shape.num_params / (setting.gpus if setting.stage else 1)
@@ -335,6 +389,35 @@ def estimate(
             transient += updated * master.itemsize
     plan.step_peak = plan.persistent + plan.buffers + plan.gradients + transient
     return plan
+
+
+def recompute_peak(
+    shape: ModelShape, gradients: float, tokens: int, elem: int, *, accumulated: bool
+) -> float:
+    """Bytes live (above the model state) in the backward of a checkpointed block, at the
+    larger of the last block (done first: every block's checkpointed input, the head's
+    gradients) and the first (its own input, the gradients of everything else but the
+    input embeddings; of its own, the MLP's down projection's). ``gradients`` are all of
+    them (this rank's share under ZeRO); ``accumulated``: they exist throughout already
+    (gradient accumulation) and are counted by the caller.
+
+    Measured (tests/test_plan.py's checkpointed llama_tiny case, bf16, 1024 tokens): at
+    the first block's SwiGLU backward 9.11 MB are live above the model state = 0.26 its
+    input + 5.79 its recomputed saved tensors + 1.70 in flight (1 h + 2 f) + 1.33
+    gradients (all but the token embedding's and the first block's, whose down projection
+    has its own) + 0.03 token ids and rotary tables; planned 9.09. The head's fp32
+    log-softmax (2.1 MB) and the other blocks' inputs, which the start of backward holds,
+    are freed by then."""
+    working = tokens * block_backward_bytes_per_token(shape, elem)
+    other_inputs = (shape.layers - 1) * tokens * shape.hidden * elem
+    if accumulated:
+        return working + other_inputs
+    per_param = gradients / shape.num_params
+    blocks = shape.layers * shape.block_params
+    head_gradients = per_param * max(0, shape.num_params - blocks - shape.embedding_params)
+    not_yet = shape.block_params - shape.ffn * shape.hidden + shape.embedding_params
+    later_gradients = per_param * max(0, shape.num_params - not_yet)
+    return working + max(other_inputs + head_gradients, later_gradients)
 
 
 def largest_micro_batch(

@@ -17,6 +17,7 @@ from collage_train.memory_plan import (
     STEP_TRANSIENT,
     ModelShape,
     Setting,
+    block_backward_bytes_per_token,
     block_bytes_per_token,
     estimate,
     largest_micro_batch,
@@ -68,6 +69,7 @@ CASES = [
     ("opt", "collage_light", 192, 3, 6, 96, 4, 4, True),
     ("opt", "fp32", 128, 4, 4, 128, 4, 8, False),
     ("llama", "collage_plus", 128, 4, 4, 128, 8, 8, False),  # 2 key/value heads, SwiGLU 352
+    ("llama", "collage_plus", 128, 4, 4, 128, 8, 8, True),  # peak: the first block's backward
 ]
 
 
@@ -290,11 +292,19 @@ def test_largest_micro_batch_sees_past_the_end_of_accumulation():
 
 
 def test_checkpointed_recompute_meets_the_later_blocks_gradients():
-    """The first block is recomputed last, when the other blocks' gradients exist."""
-    shape, setting = _shape(), Setting(get_strategy("bf16"), 0)
+    """The first block is recomputed last, when the other blocks' gradients exist (of its
+    own, the down projection's; not yet the input embeddings'), while the other blocks'
+    checkpointed inputs and the head's activations are already freed."""
+    # a small vocabulary: the recompute, not the loss's backward, is the peak
+    shape = _shape(vocab=8192, embedding_params=2048 * 1024)  # learned positions
+    setting = Setting(get_strategy("bf16"), 0)
     plan = estimate(shape, setting, micro_batch=1, accum_steps=1, checkpointing=True)
-    later = plan.gradients - shape.block_params * 2
-    assert plan.backward_peak >= plan.persistent + plan.activations + later
+    not_yet = shape.block_params - shape.ffn * shape.hidden + shape.embedding_params
+    working = shape.seq_len * block_backward_bytes_per_token(shape, 2)
+    assert plan.backward_peak == pytest.approx(
+        plan.persistent + plan.gradients - 2 * not_yet + working
+    )
+    assert plan.backward_peak < plan.persistent + plan.activations + plan.gradients + working
 
 
 def _plan_cli(*args: str) -> subprocess.CompletedProcess:
