@@ -52,8 +52,12 @@ def export_model(model: torch.nn.Module, tokenizer: Any, target: Path) -> None:
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     # precision=scalify holds scaled fp16 data and scales: write the values (fp32) instead
-    weights = unscale_weights(model.state_dict()) if has_scaled_parameters(model) else None
-    model.save_pretrained(tmp, state_dict=weights)
+    scaled = has_scaled_parameters(model)
+    model.save_pretrained(tmp, state_dict=unscale_weights(model.state_dict()) if scaled else None)
+    if scaled:  # save_pretrained records the parameters' dtype (fp16); the weights are fp32
+        config_file = tmp / "config.json"
+        config = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps({**config, "dtype": "float32"}, indent=2) + "\n")
     tokenizer.save(tmp)
     if target.exists():
         shutil.rmtree(target)

@@ -15,7 +15,13 @@ from collage_train.scalify import is_power_of_two
 from collage_train.scalify import propagation as scalify_propagation
 from collage_train.scalify.modules import ScaledLinear, ScaledRMSNorm
 from collage_train.scalify.propagation import attention_scales
-from collage_train.scalify.scale import mul_scale, pow2_floor, rms_scale, rotary_scale
+from collage_train.scalify.scale import (
+    mul_scale,
+    pow2_floor,
+    rms_scale,
+    rotary_scale,
+    value_rms_scale,
+)
 
 SEQ = 16
 
@@ -34,7 +40,8 @@ def tiny_llama(layers: int = 2) -> torch.nn.Module:
 def test_fp32_scalified_llama_equals_the_original():
     """RMSNorm, GQA attention, rotary and SwiGLU through the scaled modules, no rounding."""
     original = tiny_llama()
-    scaled = scalify_strategy(matmul="fp32").prepare_model(copy.deepcopy(original))
+    strategy = scalify_strategy(matmul="fp32", params="fp32")  # fp32 data throughout
+    scaled = strategy.prepare_model(copy.deepcopy(original))
     kinds = {type(m).__name__ for m in scaled.modules()}
     assert "LlamaRMSNorm" not in kinds and "Linear" not in kinds
     assert {"ScaledRMSNorm", "ScaledLinear"} <= kinds
@@ -53,7 +60,7 @@ def test_llama_inputs_take_their_producers_scales():
     def gain(name: str) -> torch.Tensor:
         norm = model.get_submodule(name)
         assert isinstance(norm, ScaledRMSNorm)
-        return rms_scale(norm.weight)
+        return value_rms_scale(norm.weight)
 
     def output(name: str) -> torch.Tensor:
         return model.get_submodule(name).last_output_scale

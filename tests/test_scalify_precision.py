@@ -9,6 +9,7 @@ import pytest
 import torch
 from tiny_config import compose_tiny, tiny_transformer
 
+from collage_train import report
 from collage_train.checkpoint import load_checkpoint_file
 from collage_train.cli import train
 from collage_train.errors import ConfigError
@@ -26,13 +27,19 @@ from collage_train.scalify.modules import (
 # --------------------------------------------------------------------- options
 
 
-def test_defaults_are_the_papers_full_low_precision_configuration(make_cfg):
-    strategy = strategy_for(make_cfg("precision=scalify").precision)
+@pytest.mark.parametrize(
+    ("name", "param_dtype", "expected"),
+    [("scalify", torch.float16, 8), ("scalify_fp32_params", torch.float32, 12)],
+)
+def test_defaults_are_the_papers_full_low_precision_configuration(
+    make_cfg, name, param_dtype, expected
+):
+    strategy = strategy_for(make_cfg(f"precision={name}").precision)
     assert (strategy.matmul, strategy.master, strategy.state) == ("fp8", "fp16", "fp16")
     assert strategy.rescale == ("layernorm_grad", "grads")  # forward scales propagated
-    assert strategy.param_dtype == torch.float32
-    assert strategy.expected_state_bytes_per_param == 12  # the fp32 weight holds the master
-    assert strategy == get_strategy("scalify")  # the registered instance is the default
+    assert strategy.param_dtype == param_dtype
+    assert strategy.expected_state_bytes_per_param == expected  # the weight is the master
+    assert strategy == get_strategy(name)  # the registered instance is the default
 
 
 @pytest.mark.parametrize(
@@ -69,12 +76,21 @@ class OptCfg:
 
 
 @pytest.mark.parametrize(
-    ("master", "state", "expected"),
-    [("fp16", "fp16", 12), ("fp32", "fp16", 12), ("fp16", "fp32", 16), ("fp32", "fp32", 16)],
+    ("name", "master", "state", "expected"),
+    [
+        ("scalify", "fp16", "fp16", 8),
+        ("scalify", "fp32", "fp16", 12),  # an fp32 master copy beside the fp16 weight
+        ("scalify", "fp16", "fp32", 12),
+        ("scalify", "fp32", "fp32", 16),
+        ("scalify_fp32_params", "fp16", "fp16", 12),
+        ("scalify_fp32_params", "fp32", "fp16", 12),
+        ("scalify_fp32_params", "fp16", "fp32", 16),
+        ("scalify_fp32_params", "fp32", "fp32", 16),
+    ],
 )
-def test_state_bytes_and_components_match_the_optimizer(make_cfg, master, state, expected):
+def test_state_bytes_and_components_match_the_optimizer(make_cfg, name, master, state, expected):
     cfg = make_cfg(
-        "precision=scalify", f"precision.master={master}", f"precision.optimizer_state={state}"
+        f"precision={name}", f"precision.master={master}", f"precision.optimizer_state={state}"
     )
     strategy = strategy_for(cfg.precision)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
@@ -89,11 +105,18 @@ def test_state_bytes_and_components_match_the_optimizer(make_cfg, master, state,
         if torch.is_tensor(value) and value.numel() == weight.numel() and key != "master"
     }
     assert held == dict(strategy.optimizer_state)
-    assert "master" not in opt.state[weight]  # the fp32 weight is the master
-    assert ("master_scale" in opt.state[weight]) == (master == "fp16")
+    copy_kept = name == "scalify" and master == "fp32"  # else the weight is the master
+    assert ("master" in opt.state[weight]) == copy_kept
+    if copy_kept:
+        assert opt.state[weight]["master"].dtype == torch.float32
+    fp32_params = name == "scalify_fp32_params"
+    assert ("master_scale" in opt.state[weight]) == (fp32_params and master == "fp16")
+    assert weight.dtype == (torch.float32 if fp32_params else torch.float16)
     assert strategy.expected_state_bytes_per_param == expected
     params = sum(p.numel() for p in model.parameters())
     scales = sum(1 for s in opt.state.values() for k in s if k.endswith("_scale"))
+    if not fp32_params:
+        scales += 2 * len(list(model.parameters()))  # each weight's and gradient's scale
     # Measured bytes: the analytic count plus the 0-d fp32 scales.
     assert model_state_bytes(model, opt) == expected * params + 4 * scales
 
@@ -208,7 +231,8 @@ def make_cfg_module(corpus_dir, cache_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("matmul", ["fp8", "fp16"])
 def test_scalify_trains_like_fp32_for_200_steps(make_cfg_module, tmp_path, fp32_losses, matmul):
-    """gpt_tiny shrunk to hidden 16, seq 16, batch 4: 200 steps, fp16 master and state."""
+    """gpt_tiny shrunk to hidden 16, seq 16, batch 4: 200 steps, scaled fp16 parameters and
+    gradients, the parameter as fp16 master, fp16 state (8 bytes per parameter)."""
     summary, records = _run(
         make_cfg_module, tmp_path, matmul, "precision=scalify", f"precision.matmul={matmul}", *STEPS
     )
@@ -224,16 +248,17 @@ def test_scalify_trains_like_fp32_for_200_steps(make_cfg_module, tmp_path, fp32_
         assert record["scalify_rescales"] > 0
     assert summary["scalify_rms_outside_frac"] == 0.0
     assert summary["scalify_rescales"] == records[-1]["scalify_rescales"]
-    assert summary["state_bytes_per_param"] == pytest.approx(12, abs=0.1)
+    assert summary["state_bytes_per_param"] == pytest.approx(8, abs=0.1)
 
 
+@pytest.mark.parametrize("name", ["scalify", "scalify_fp32_params"])
 @pytest.mark.parametrize("model", ["gpt_tiny", "opt_125m"])
-def test_scalify_run_keeps_power_of_two_scales_and_unit_data(make_cfg, tmp_path, model):
+def test_scalify_run_keeps_power_of_two_scales_and_unit_data(make_cfg, tmp_path, model, name):
     """A short fp8 run in-process: every stored scale is a power of two, data near unit RMS."""
     from collage_train.scalify.modules import ScaledLinear
     from collage_train.trainer import Trainer
 
-    cfg = make_cfg(f"model={model}", *TINY, "model.num_layers=2", "precision=scalify")
+    cfg = make_cfg(f"model={model}", *TINY, "model.num_layers=2", f"precision={name}")
     trainer = Trainer(cfg, tmp_path / "run")
     kinds = {type(m) for m in trainer.model.modules()}
     assert {ScaledLinear, ScaledLayerNorm} <= kinds and torch.nn.LayerNorm not in kinds
@@ -241,17 +266,22 @@ def test_scalify_run_keeps_power_of_two_scales_and_unit_data(make_cfg, tmp_path,
     losses = [trainer.train_step()["loss"] for _ in range(6)]
     assert all(torch.isfinite(torch.tensor(losses)))
     for param, state in trainer.optimizer.state.items():
-        master = param.detach() / state["master_scale"]  # the weight holds the fp16 master
-        assert torch.equal(master.half().float(), master)
+        if name == "scalify":  # the parameter is the fp16 master: data, its scale beside
+            master, master_scale = param.detach(), param.scalify_scale
+        else:  # the fp32 weight holds the fp16 master
+            master, master_scale = param.detach() / state["master_scale"], state["master_scale"]
+        assert torch.equal(master.half().float(), master.float())
         stored = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"], "master": master}
+        scales = {**{k: state[f"{k}_scale"] for k in ("exp_avg", "exp_avg_sq")}}
+        scales["master"] = master_scale
         for key, data in stored.items():
-            assert data.dtype == (torch.float16 if key != "master" else torch.float32)
-            assert is_power_of_two(state[f"{key}_scale"])
+            fp32_master = key == "master" and name == "scalify_fp32_params"
+            assert data.dtype == (torch.float32 if fp32_master else torch.float16)
+            assert is_power_of_two(scales[key])
             rms = data.double().square().mean().sqrt().item()
             assert rms == 0 or 1 / 16 <= rms <= 16
-    record = trainer._train_record(
-        [{"time": 1.0, "loss": 1.0, "lr": 0.0, "grad_norm": 0.0, "data_time": 0.0, "descent": None}]
-    )
+    window = {"time": 1.0, "loss": 1.0, "lr": 0.0, "grad_norm": 0.0, "data_time": 0.0}
+    record = report.train_record(trainer, [{**window, "descent": None}])
     assert record["scalify_rms_outside_frac"] == 0.0 and record["scalify_rescales"] > 0
     assert record["scalify_residual_rms_outside_frac"] == 0.0
     # Forward operands at their propagated scales stay near unit RMS too.
@@ -266,8 +296,10 @@ def _final_state(run_dir, step):
     return load_checkpoint_file(ckpt, "model"), load_checkpoint_file(ckpt, "optimizer")
 
 
-def test_stopped_and_resumed_scalify_run_equals_the_uninterrupted_one(make_cfg, tmp_path):
-    common = (*TINY, "precision=scalify", "train.max_steps=8", "logging.log_every=2")
+@pytest.mark.parametrize("name", ["scalify", "scalify_fp32_params"])
+def test_stopped_and_resumed_scalify_run_equals_the_uninterrupted_one(make_cfg, tmp_path, name):
+    """Model (scaled data and scales), optimizer state and every loss after the resume."""
+    common = (*TINY, f"precision={name}", "train.max_steps=8", "logging.log_every=1")
     straight, straight_records = _run(make_cfg, tmp_path, "straight", *common)
     assert _run(make_cfg, tmp_path, "chunked", *common, "train.stop_at_step=4")[0] is None
     resumed, resumed_records = _run(make_cfg, tmp_path, "chunked", *common, "train.resume=true")
@@ -280,5 +312,8 @@ def test_stopped_and_resumed_scalify_run_equals_the_uninterrupted_one(make_cfg, 
         for key, value in state.items():
             other = opt_b["state"][index][key]
             assert torch.equal(value, other) if torch.is_tensor(value) else value == other
-    assert resumed_records[-1]["loss"] == straight_records[-1]["loss"]
+    assert [r["loss"] for r in resumed_records] == [r["loss"] for r in straight_records[4:]]
+    assert [r["grad_norm"] for r in resumed_records] == [
+        r["grad_norm"] for r in straight_records[4:]
+    ]
     assert resumed["scalify_rescales"] == straight["scalify_rescales"]

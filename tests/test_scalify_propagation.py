@@ -14,7 +14,13 @@ from collage_train.scalify import modules as scalify_modules
 from collage_train.scalify import propagation as scalify_propagation
 from collage_train.scalify.modules import ScaledLayerNorm, ScaledLinear, scalify_linears
 from collage_train.scalify.propagation import attention_scales, propagate_scales
-from collage_train.scalify.scale import add_scale, matmul_scale, pow2_floor, rms_scale, sum_scale
+from collage_train.scalify.scale import (
+    add_scale,
+    matmul_scale,
+    pow2_floor,
+    sum_scale,
+    value_rms_scale,
+)
 
 SEQ = 16
 
@@ -39,7 +45,7 @@ def _input_scale(model: torch.nn.Module, name: str) -> torch.Tensor:
 def _norm_scale(model: torch.nn.Module, name: str) -> torch.Tensor:
     norm = model.get_submodule(name)
     assert isinstance(norm, ScaledLayerNorm)
-    return rms_scale(norm.weight)
+    return value_rms_scale(norm.weight)
 
 
 def _linear_scale(model: torch.nn.Module, name: str) -> torch.Tensor:
@@ -70,7 +76,9 @@ def test_gpt2_inputs_take_their_producers_scales():
     c_fc = model.get_submodule("transformer.h.0.mlp.c_fc")
     assert torch.equal(
         c_fc.last_output_scale,
-        matmul_scale(_input_scale(model, "transformer.h.0.mlp.c_fc"), rms_scale(c_fc.weight), 32),
+        matmul_scale(
+            _input_scale(model, "transformer.h.0.mlp.c_fc"), value_rms_scale(c_fc.weight), 32
+        ),
     )
 
 
@@ -101,8 +109,8 @@ def test_post_layernorm_opt_inputs_take_their_producers_scales():
     tokens = model.get_input_embeddings().weight
     positions = model.get_submodule("model.decoder.embed_positions").weight
     project_in = _linear_scale(model, "model.decoder.project_in")
-    assert torch.equal(_input_scale(model, "model.decoder.project_in"), rms_scale(tokens))
-    block_input = add_scale(project_in, rms_scale(positions))  # entering the first layer
+    assert torch.equal(_input_scale(model, "model.decoder.project_in"), value_rms_scale(tokens))
+    block_input = add_scale(project_in, value_rms_scale(positions))  # entering the first layer
     for block in layers:
         expected = {
             "self_attn.q_proj": block_input,
@@ -120,7 +128,7 @@ def test_post_layernorm_opt_inputs_take_their_producers_scales():
     assert torch.equal(_input_scale(model, "lm_head"), head_input)
     # the residual stream leaves each post-LN layer at its closing LayerNorm's scale
     stream = model.scalify_residual_stream
-    entry = add_scale(project_in, rms_scale(positions))
+    entry = add_scale(project_in, value_rms_scale(positions))
     expected_stream = [entry] + [_norm_scale(model, f"{b}.final_layer_norm") for b in layers]
     assert stream.scales == [float(s) for s in expected_stream]
     metrics = strategy.model_metrics(model)
@@ -138,14 +146,17 @@ def test_forward_operand_scales_never_measure_an_activation(family, extra, monke
     model = _prepared(family, **extra)
     params = {id(p) for p in model.parameters()}
     measured = []
-    original = scalify_modules.rms_scale
 
-    def recording(t: torch.Tensor) -> torch.Tensor:
-        measured.append(id(t) in params or (t._base is not None and id(t._base) in params))
-        return original(t)
+    def recording(original):
+        def record(t: torch.Tensor) -> torch.Tensor:
+            measured.append(id(t) in params or (t._base is not None and id(t._base) in params))
+            return original(t)
 
+        return record
+
+    monkeypatch.setattr(scalify_modules, "rms_scale", recording(scalify_modules.rms_scale))
     for module in (scalify_modules, scalify_propagation):
-        monkeypatch.setattr(module, "rms_scale", recording)
+        monkeypatch.setattr(module, "value_rms_scale", recording(module.value_rms_scale))
     ids = torch.randint(0, 96, (2, SEQ))
     with torch.no_grad():
         model(input_ids=ids)
@@ -181,7 +192,8 @@ def test_attention_scales_follow_the_table(family):
 )
 def test_propagated_model_with_fp32_data_equals_the_original(family, extra):
     original = tiny_transformer(family, 2, **extra)
-    scaled = scalify_strategy(matmul="fp32").prepare_model(copy.deepcopy(original))
+    strategy = scalify_strategy(matmul="fp32", params="fp32")  # fp32 data throughout
+    scaled = strategy.prepare_model(copy.deepcopy(original))
     assert scaled.config._attn_implementation == "scalify_fp32_propagated"
     assert_same_logits_and_grads(original, scaled)
 
@@ -204,7 +216,7 @@ def test_unknown_modules_stay_unscaled_on_input():
     first = stack[0]
     assert isinstance(first, ScaledLinear) and first.input_scale_source is None
     assert torch.equal(
-        first.last_output_scale, matmul_scale(torch.ones(()), rms_scale(first.weight), 8)
+        first.last_output_scale, matmul_scale(torch.ones(()), value_rms_scale(first.weight), 8)
     )
 
 
@@ -214,7 +226,7 @@ def test_an_activation_without_a_rule_leaves_its_output_unscaled():
     logits_and_grads(model)
     c_proj = model.get_submodule("transformer.h.0.mlp.c_proj")
     assert c_proj.input_scale_source is None
-    expected = matmul_scale(torch.ones(()), rms_scale(c_proj.weight), 4 * 32)
+    expected = matmul_scale(torch.ones(()), value_rms_scale(c_proj.weight), 4 * 32)
     assert torch.equal(c_proj.last_output_scale, expected)
     gelu = _prepared("gpt").get_submodule("transformer.h.0.mlp.c_proj")
     assert gelu.input_scale_source is not None

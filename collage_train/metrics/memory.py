@@ -53,14 +53,21 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors_in(value)
 
 
+# A parameter or gradient held as Scalify's scaled data carries its 0-d power-of-two
+# scale as this attribute (= collage_train.scalify.scale.SCALE_ATTR; tested).
+SCALE_ATTR = "scalify_scale"
+
+
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes held by parameters, their gradients and every optimizer-state tensor.
 
-    Each storage is counted once (tied weights, views). Call it after an optimizer
-    step and before gradients are released, so that all three are present.
+    Each storage is counted once (tied weights, views), and so is the scale a scaled
+    parameter or gradient carries beside its data (``SCALE_ATTR``). Call it after an
+    optimizer step and before gradients are released, so that all three are present.
     """
     tensors = list(model.parameters())
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [getattr(t, SCALE_ATTR) for t in tensors if hasattr(t, SCALE_ATTR)]
     tensors += list(_tensors_in(list(optimizer.state.values())))
     return storage_bytes(tensors)
 

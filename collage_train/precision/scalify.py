@@ -1,23 +1,43 @@
-"""scalify: power-of-two scaled low-precision matmuls, master weights and AdamW state.
+"""scalify, scalify_fp32_params: power-of-two scaled low-precision training.
 
 Scalify (Balanca et al., 2024; REFERENCE.md section 10) keeps every tensor as data x a
 power-of-two scale so that data stays near unit RMS and fits fp16 or float8. Here it is
 applied to the unchanged transformers GPT-2 / OPT / Llama models by module replacement
-(``prepare_model``), and to AdamW by ``ScaledAdamW``:
+(``prepare_model``), and to AdamW by ``ScaledAdamW``. Two registry entries differ only in
+how the parameters and their gradients are stored:
+
+- ``scalify`` (the paper's layout): each parameter is scaled fp16 data with its
+  power-of-two scale beside it, and so is each gradient (``collage_train.scalify.params``:
+  the model sees the values through forward hooks, the gradients are stored as scaled
+  fp16 as backward produces them). With the default fp16 master (the parameter itself)
+  and fp16 moments: 2 + 2 + 2 + 2 = 8 bytes per parameter, plus two 0-d scales per tensor.
+- ``scalify_fp32_params``: fp32 parameters and gradients. A parameter holds the value of
+  the scaled-fp16 master exactly (fp16 data x a power of two is an fp32 value), so no
+  second copy is kept; each gradient is rounded to scaled fp16 as backward produces it and
+  held in fp32: 4 + 4 + 2 + 2 = 12 bytes per parameter by default. The same numerics
+  as ``scalify`` but for where roundings of accumulated gradients fall (a tied weight's
+  two uses, micro-batches, clipping); kept to measure that difference and for code that
+  expects fp32 parameters.
+
+The options, the same for both:
 
 - ``precision.matmul``: format of every matmul (attention and MLP projections, the two
   attention matmuls Q K^T and P V, and the LM head, which GPT-2 and OPT tie to the
   embedding; Llama's SwiGLU gate, up and down projections): ``fp8`` (E4M3 activations and
   weights forward, E5M2 gradients backward), ``fp16``, ``bf16``, or ``fp32`` (no
-  quantization, the plumbing check). Embeddings are lookups and stay as they are.
-- ``precision.master``: ``fp16`` keeps the master weights in the optimizer as scaled
-  fp16; ``fp32`` updates the fp32 parameters themselves.
+  quantization, the plumbing check). Embeddings are lookups, not matmuls (their tables
+  are scaled fp16 parameters like every other under ``scalify``).
+- ``precision.master``: ``fp16``: the master weights are scaled fp16 (``scalify``: the
+  parameter itself; ``scalify_fp32_params``: held exactly by the fp32 parameter, its
+  scale in the optimizer); ``fp32``: an fp32 master (``scalify``: a copy in the optimizer;
+  ``scalify_fp32_params``: the fp32 parameter itself).
 - ``precision.optimizer_state``: AdamW's moments as scaled ``fp16`` or plain ``fp32``.
 - ``precision.rescale``: where a fresh power-of-two RMS scale is taken (the dynamic
   rescale points): ``layernorm_grad`` (the gradient LayerNorm's backward hands to the
   residual stream, stored in the gradient format), ``grads`` (the gradient entering
-  each matmul's backward, and each weight gradient, stored as scaled fp16 for fp8/fp16
-  matmuls, bf16 for bf16) and ``matmul`` (each forward matmul operand at its own RMS).
+  each matmul's backward, and each weight gradient, stored as scaled fp16; with
+  ``scalify_fp32_params`` and bf16 matmuls, as bf16) and ``matmul`` (each forward matmul
+  operand at its own RMS).
   A gradient point left out casts under scale 1, as an unscaled format would. Without
   ``matmul`` the forward operands take their scales from the propagation table
   (``collage_train.scalify.propagation``): weights their own, activations their
@@ -28,12 +48,9 @@ LayerNorm backward and the gradients only, forward scales propagated: the paper'
 low-precision configuration (training loss 2.93 against fp32's 2.87 on its 168M GPT-2;
 fp16 matmuls with fp32 master and state match fp32 at 2.87).
 
-The model's parameters are fp32 and hold exactly the value the forward pass uses: with
-``master=fp16`` that is the scaled-fp16 master itself (fp16 data x a power of two is
-exact in fp32), so no second copy is kept: 4 weight + 4 gradient + 2 + 2 moments = 12
-bytes per parameter by default, against 16 for mixed_fp32. The paper's formats would
-store weights and gradients in 2 bytes each (8 in all); the emulation gives their
-numerics, not that part of the saving.
+``master=fp32`` with ``scalify`` keeps an fp32 master copy in the optimizer, the
+parameter its scaled-fp16 rounding (the paper's "fp16 matmuls and gradients, fp32
+master" setting): 12 bytes per parameter; ``optimizer_state=fp32`` adds 4 more.
 
 The residual stream follows the add rule (``collage_train.scalify.residual``): it is
 stored in the activation format (fp16 for fp8/fp16 matmuls) under the scale the
@@ -65,12 +82,17 @@ _BYTES = {"fp16": 2, "fp32": 4}
 
 @dataclasses.dataclass(frozen=True)
 class ScalifyStrategy(PrecisionStrategy):
-    """A PrecisionStrategy with Scalify's options; ``configured`` validates and derives."""
+    """A PrecisionStrategy with Scalify's options; ``configured`` validates and derives.
+
+    ``params`` is ``"fp16"`` (parameters and gradients as scaled fp16: ``scalify``) or
+    ``"fp32"`` (``scalify_fp32_params``); the registry entry fixes it.
+    """
 
     matmul: str = DEFAULTS["matmul"]
     master: str = DEFAULTS["master"]
     state: str = DEFAULTS["optimizer_state"]
     rescale: tuple[str, ...] = DEFAULT_RESCALE
+    params: str = "fp16"
     step_transient_kind: str = "scaled_adamw"  # memory_plan.STEP_TRANSIENT row
 
     def configured(self, precision_cfg: Any) -> ScalifyStrategy:
@@ -97,20 +119,23 @@ class ScalifyStrategy(PrecisionStrategy):
             choice("master", MASTERS),
             choice("optimizer_state", STATES),
             tuple(p for p in RESCALE_POINTS if p in rescale),
+            params=self.params,
         )
 
     @property
     def computes_in_bf16(self) -> bool:
-        return self.matmul == "bf16"  # fp32 parameters; the scaled modules' matmul format
+        return self.matmul == "bf16"  # the scaled modules' matmul format, whatever the params
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Swap Linear/Conv1D, LayerNorm and attention for scaled forms; hook gradient rescaling."""
+        """Swap Linear/Conv1D, LayerNorm and attention for scaled forms; hook gradient
+        rescaling; with ``params="fp16"`` hold the parameters as scaled fp16 data."""
         from collage_train.scalify.attention import use_scaled_attention  # needs transformers
         from collage_train.scalify.modules import (
             rescale_parameter_gradients,
             scalify_layer_norms,
             scalify_linears,
         )
+        from collage_train.scalify.params import scale_parameters
         from collage_train.scalify.propagation import propagate_scales
         from collage_train.scalify.residual import ScaledResidualStream
 
@@ -127,7 +152,10 @@ class ScalifyStrategy(PrecisionStrategy):
         scalify_layer_norms(model, fmt, rescale="layernorm_grad" in self.rescale)
         if operands["operand_scales"] == "propagated":
             propagate_scales(model)
-        rescale_parameter_gradients(model, fmt, rescale="grads" in self.rescale)
+        if self.params == "fp16":  # data + scale; gradients stored as scaled fp16 in backward
+            scale_parameters(model, rescale_grads="grads" in self.rescale)
+        else:
+            rescale_parameter_gradients(model, fmt, rescale="grads" in self.rescale)
         return model
 
     def model_metrics(self, model: torch.nn.Module) -> dict[str, float]:
@@ -176,27 +204,42 @@ def scalify_strategy(
     master: str = DEFAULTS["master"],
     state: str = DEFAULTS["optimizer_state"],
     rescale: tuple[str, ...] = DEFAULT_RESCALE,
+    params: str = "fp16",
 ) -> ScalifyStrategy:
-    """The strategy for one choice of options, with its byte counts and checkpoint contents."""
+    """The strategy for one choice of options, with its byte counts and checkpoint contents.
+
+    ``params="fp16"`` is the ``scalify`` entry (scaled fp16 parameters and gradients),
+    ``"fp32"`` the ``scalify_fp32_params`` one.
+    """
     moment = _BYTES[state]
     moments = "scaled fp16" if state == "fp16" else "fp32"
-    # The fp32 parameter is the master either way: a scaled-fp16 master is held in it
-    # exactly (fp16 data times a power of two), only its scale stored beside.
-    holds = [
-        "fp32 weights (the scaled fp16 master, + its scale)" if master == "fp16" else "fp32 weights"
-    ]
+    if params == "fp16":
+        name, param_dtype, param_bytes = "scalify", torch.float16, 2
+        # The scaled fp16 parameter is the fp16 master; an fp32 master is a copy beside it.
+        holds = ["scaled fp16 weights (fp16 data + a power-of-two scale per tensor)"]
+        if master == "fp32":
+            holds.append("fp32 master")
+        master_dtype = torch.float32 if master == "fp32" else None
+    else:
+        name, param_dtype, param_bytes = "scalify_fp32_params", torch.float32, 4
+        # The fp32 parameter is the master either way: a scaled-fp16 master is held in it
+        # exactly (fp16 data times a power of two), only its scale stored beside.
+        fp16_master = "fp32 weights (the scaled fp16 master, + its scale)"
+        holds = [fp16_master if master == "fp16" else "fp32 weights"]
+        master_dtype = None  # no copy: the parameter holds the master
     holds += [f"{moments} exp_avg", f"{moments} exp_avg_sq"]
+    master_bytes = 4 if master_dtype is not None else 0
     return ScalifyStrategy(
-        name="scalify",
+        name=name,
         summary=(
-            f"Scalify: {matmul} matmuls, {master} master, {state} AdamW state, "
-            f"rescale at {', '.join(rescale) or 'nothing'}"
+            f"Scalify: {params} parameters and gradients, {matmul} matmuls, {master} master, "
+            f"{state} AdamW state, rescale at {', '.join(rescale) or 'nothing'}"
         ),
-        param_dtype=torch.float32,
+        param_dtype=param_dtype,
         autocast_dtype=None,
-        master_dtype=None,  # no copy: the parameter holds the master
-        # weights 4 + gradients 4 + two moments (0-d scales not counted)
-        expected_state_bytes_per_param=8 + 2 * moment,
+        master_dtype=master_dtype,
+        # weights + gradients + master copy + two moments (0-d scales not counted)
+        expected_state_bytes_per_param=2 * param_bytes + master_bytes + 2 * moment,
         checkpoint_holds=tuple(holds),
         optimizer_state=(("exp_avg", moment), ("exp_avg_sq", moment)),
         runs_under_zero=False,  # per-parameter gradient hooks and scales are not ZeRO-aware yet
@@ -204,7 +247,9 @@ def scalify_strategy(
         master=master,
         state=state,
         rescale=rescale,
+        params=params,
     )
 
 
 SCALIFY = register(scalify_strategy())
+SCALIFY_FP32_PARAMS = register(scalify_strategy(params="fp32"))

@@ -10,7 +10,11 @@ the gradients. ``rescale_count`` counts the times a stored scale changed.
 lower-precision parameters); ``master="fp16"`` keeps the master as scaled fp16 too
 and writes its value into the parameters. An fp32 parameter then holds the master's
 value exactly, so only its scale is stored (``master_scale``); a lower-precision
-parameter gets its own fp16 ``master`` data. ``scaled=False`` pins every scale at 1:
+parameter gets its own fp16 ``master`` data. A parameter held as scaled fp16
+(``collage_train.scalify.params``: fp16 data with its scale beside, the 8-byte layout)
+is itself the fp16 master: the step reads its value and gradient through their scales
+and stores the new value back into its data and scale, keeping no copy; with
+``master="fp32"`` it gets an fp32 master copy instead. ``scaled=False`` pins every scale at 1:
 plain fp16 state, the baseline that under- and overflows. ``state="fp32"`` keeps the
 moments as plain fp32 (scale pinned at 1), the paper's fp32-optimizer-state setting.
 
@@ -30,39 +34,21 @@ from typing import Any
 import torch
 
 from collage_train.optim.base import TrackingOptimizer
-from collage_train.scalify.scale import rms_scale
+from collage_train.scalify.params import (
+    grad_value,
+    holds_exactly,
+    is_scaled,
+    store_value,
+    value_of,
+)
+from collage_train.scalify.scale import STORAGE_DTYPE, load_scaled, store_scaled
 
-STATE_DTYPE = torch.float16
+__all__ = ["ScaledAdamW", "load_scaled", "store_scaled"]
+
+STATE_DTYPE = STORAGE_DTYPE
 MASTERS = ("fp32", "fp16")
 STATES = ("fp32", "fp16")
 RMS_RANGE = (1.0 / 16.0, 16.0)
-_FP16_MAX = float(torch.finfo(STATE_DTYPE).max)
-
-
-def load_scaled(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The fp32 value ``data * scale`` of a scaled tensor."""
-    return data.to(torch.float32) * scale
-
-
-def store_scaled(
-    value: torch.Tensor, scaled: bool = True, dtype: torch.dtype = STATE_DTYPE
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(data, scale)`` for an fp32 value: scale = ``rms_scale(value)`` (1 if not scaled).
-
-    fp16 data is clamped to the fp16 range, so a value more than ~2**15 times its RMS
-    saturates instead of becoming inf. ``dtype=torch.float32`` stores the value as is.
-    """
-    if dtype == torch.float32:
-        return value.clone(), torch.ones((), device=value.device)
-    scale = rms_scale(value) if scaled else torch.ones((), device=value.device)
-    data = (value / scale).clamp(-_FP16_MAX, _FP16_MAX).to(dtype)
-    return data, scale
-
-
-def _holds_exactly(value: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether fp16 data under ``scale`` represents every element of ``value`` exactly."""
-    data = value / scale
-    return bool(torch.equal(data.to(STATE_DTYPE).to(torch.float32), data))
 
 
 class ScaledAdamW(TrackingOptimizer):
@@ -105,16 +91,21 @@ class ScaledAdamW(TrackingOptimizer):
         """``scalify_rescales`` (scale changes so far) and ``scalify_rms_outside_frac``.
 
         The fraction is over the stored data of every state tensor (moments, and the
-        master when it is scaled fp16) whose RMS is not zero (all-zero tensors, e.g. the
-        moments of a parameter that never got a gradient, hold no data to place).
+        master when it is scaled fp16, a scaled parameter's own data included) whose RMS
+        is not zero (all-zero tensors, e.g. the moments of a parameter that never got a
+        gradient, hold no data to place).
         """
         low, high = RMS_RANGE
         outside = total = 0
         for param, state in self.state.items():
-            for name in ("exp_avg", "exp_avg_sq", "master"):
-                if f"{name}_scale" not in state:
-                    continue
-                data = self._scaled_data(state, name, param)
+            stored = [
+                self._scaled_data(state, name, param)
+                for name in ("exp_avg", "exp_avg_sq", "master")
+                if f"{name}_scale" in state
+            ]
+            if is_scaled(param) and "master" not in state:
+                stored.append(param.detach())  # the parameter is the fp16 master
+            for data in stored:
                 rms = data.to(torch.float64).square().mean().sqrt().item() if data.numel() else 0
                 if rms == 0:
                     continue
@@ -126,6 +117,9 @@ class ScaledAdamW(TrackingOptimizer):
         }
 
     def _keeps_master(self, param: torch.Tensor) -> bool:
+        """Whether the master has state of its own (a scale, or data) beside the parameter."""
+        if is_scaled(param):  # the scaled-fp16 parameter is the fp16 master itself
+            return self.master == "fp32"
         return self.master == "fp16" or param.dtype != torch.float32
 
     @staticmethod
@@ -148,7 +142,7 @@ class ScaledAdamW(TrackingOptimizer):
                     zeros, self.scaled, self.state_dtype
                 )
             if self._keeps_master(param):
-                self._set_master(state, param, param.detach().to(torch.float32))
+                self._set_master(state, param, value_of(param))
         return state
 
     def _set_master(self, state: dict[str, Any], param: torch.Tensor, value: torch.Tensor) -> None:
@@ -162,7 +156,7 @@ class ScaledAdamW(TrackingOptimizer):
             state["master"] = value.clone()
             return
         scale = state.get("master_scale")
-        if scale is not None and _holds_exactly(value, scale):
+        if scale is not None and holds_exactly(value, scale):
             data = (value / scale).to(STATE_DTYPE)
         else:
             data, scale = store_scaled(value, self.scaled)
@@ -179,10 +173,23 @@ class ScaledAdamW(TrackingOptimizer):
         return state[name]
 
     def _master_value(self, state: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
-        """The fp32 weight the update applies to (a copy, or the fp32 parameter itself)."""
-        if "master_scale" in state and not self._master_in_param(state):
-            return load_scaled(state["master"], state["master_scale"])
-        return state.get("master", param.detach())
+        """The fp32 weight the update applies to: a master copy, the scaled parameter's
+        value, or the fp32 parameter itself."""
+        if "master" in state:
+            if "master_scale" in state:
+                return load_scaled(state["master"], state["master_scale"])
+            return state["master"]
+        if is_scaled(param):
+            return value_of(param)
+        return param.detach()
+
+    def _model_view(self, param: torch.Tensor) -> torch.Tensor:
+        """The weight the model computes with: a scaled parameter's value (for EDQ)."""
+        return value_of(param) if is_scaled(param) else param.detach()
+
+    def _snapshot(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Copies of the weights the model computes with, only when descent is tracked."""
+        return [value_of(p) for p in params] if self.track_descent else None
 
     def _store(self, state: dict[str, Any], name: str, value: torch.Tensor) -> torch.Tensor:
         """Store ``value`` into the scaled entry ``name``, counting a change of scale.
@@ -200,12 +207,18 @@ class ScaledAdamW(TrackingOptimizer):
         return load_scaled(data, scale)
 
     def _full_precision(self, param: torch.Tensor) -> torch.Tensor:
-        state = self.state[param]
-        if "master" not in state:
-            return super()._full_precision(param)
-        return self._master_value(state, param).to(torch.float32, copy=True)
+        state = self.state.get(param, {})
+        if "master" in state:
+            return self._master_value(state, param).to(torch.float32, copy=True)
+        return value_of(param)  # a new fp32 tensor: the scaled or fp32 parameter's value
 
     def _load_full_precision(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        if is_scaled(param):
+            state = self._state_for(param)
+            if "master" in state:  # master="fp32": the copy, and its rounding as the weight
+                state["master"] = value.clone()
+            store_value(param, value, self.scaled, keep_exact=True)
+            return
         if self._keeps_master(param):
             state = self._state_for(param)
             self._set_master(state, param, value)
@@ -219,7 +232,7 @@ class ScaledAdamW(TrackingOptimizer):
         state = self._state_for(param)
         state["step"] += 1
         step = state["step"]
-        grad = param.grad.to(torch.float32)
+        grad = grad_value(param)  # through the gradient's scale where it carries one
         exp_avg = load_scaled(state["exp_avg"], state["exp_avg_scale"])
         exp_avg_sq = load_scaled(state["exp_avg_sq"], state["exp_avg_sq_scale"])
         exp_avg.lerp_(grad, 1.0 - beta1)
@@ -233,6 +246,13 @@ class ScaledAdamW(TrackingOptimizer):
         self._store(state, "exp_avg", exp_avg)
         self._store(state, "exp_avg_sq", exp_avg_sq)
 
+        if is_scaled(param):  # the parameter holds (or rounds) the master as scaled fp16
+            new_weight = weight + update
+            if "master" in state:
+                state["master"] = new_weight
+            if store_value(param, new_weight, self.scaled):
+                self.rescale_count += 1
+            return update
         if "master" not in state and "master_scale" not in state:
             param.detach().add_(update)
             return update

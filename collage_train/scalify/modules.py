@@ -34,7 +34,7 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from collage_train.scalify.float8 import FLOAT8_BACKWARD, FLOAT8_FORWARD, scaled_mm, to_float8
-from collage_train.scalify.scale import matmul_scale, rms_scale
+from collage_train.scalify.scale import matmul_scale, rms_scale, value_rms_scale
 
 MATMUL_FORMATS = ("fp32", "bf16", "fp16", "float8")
 OPERAND_SCALES = ("dynamic", "propagated", "unit")
@@ -177,14 +177,16 @@ class ScaledLinear(torch.nn.Module):
     def _operand_scales(
         self, x: torch.Tensor, w: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The weight's scale, read off the parameter (scaled fp16 data or fp32 alike).
+        weight_scale = value_rms_scale(self._parameters["weight"]).to(x.device)
         if self.operand_scales == "dynamic":
-            return rms_scale(x), rms_scale(w)
+            return rms_scale(x), weight_scale
         one = torch.ones((), device=x.device)
         if self.operand_scales == "unit":
             return one, one
         source = self.input_scale_source
         x_scale = one if source is None else source().to(x.device)
-        return x_scale, rms_scale(w)
+        return x_scale, weight_scale
 
     def extra_repr(self) -> str:
         k, n = self.weight.shape if self.weight_is_in_out else self.weight.shape[::-1]
@@ -315,7 +317,7 @@ def is_rms_norm(module: torch.nn.Module) -> bool:
 def layer_norm_output_scale(norm: torch.nn.Module) -> torch.Tensor:
     """Scale of a LayerNorm's output by the mul rule: its gain's power-of-two RMS (1 without)."""
     weight = getattr(norm, "weight", None)
-    return torch.ones(()) if weight is None else rms_scale(weight)
+    return torch.ones(()) if weight is None else value_rms_scale(weight)
 
 
 def scalify_layer_norms(model: torch.nn.Module, fmt: str, rescale: bool = True) -> list[str]:

@@ -39,7 +39,13 @@ from collections.abc import Callable
 import torch
 
 from collage_train.scalify.modules import ScaledLayerNorm, ScaledLinear, ScaledRMSNorm
-from collage_train.scalify.scale import add_scale, mul_scale, rms_scale, rotary_scale, sum_scale
+from collage_train.scalify.scale import (
+    add_scale,
+    mul_scale,
+    rotary_scale,
+    sum_scale,
+    value_rms_scale,
+)
 
 ScaledNorm = ScaledLayerNorm | ScaledRMSNorm
 # A producer in a table: a module name, None (the input is unscaled) or a callable of
@@ -178,7 +184,7 @@ def propagate_scales(model: torch.nn.Module) -> list[str]:
     project_in = getattr(decoder, "project_in", None)
     if isinstance(project_in, ScaledLinear):  # reads the token embedding lookup
         tokens = model.get_input_embeddings()
-        project_in.input_scale_source = lambda: rms_scale(tokens.weight)
+        project_in.input_scale_source = lambda: value_rms_scale(tokens.weight)
         wired.append("model.decoder.project_in")
     head_input: Callable[[], torch.Tensor] | None = None
     norm = _final_norm(model)
@@ -209,10 +215,10 @@ def stream_entry_scale(model: torch.nn.Module) -> torch.Tensor:
     if isinstance(project_in, ScaledLinear):
         scale = project_in.last_output_scale
     else:
-        scale = rms_scale(tokens.weight)
+        scale = value_rms_scale(tokens.weight)
     for table in model.modules():
         if isinstance(table, torch.nn.Embedding) and table is not tokens:
-            scale = add_scale(scale, rms_scale(table.weight).to(scale.device))
+            scale = add_scale(scale, value_rms_scale(table.weight).to(scale.device))
     return scale
 
 

@@ -13,11 +13,20 @@ scale they return is exact:
 - rotary embedding ``x cos + rotate_half(x) sin`` (cos, sin in [-1, 1], unit scale): two
   muls and an add, ``pow2_floor(sqrt(s**2 + s**2)) = s``: the scale is kept
 - reshape / transpose / slice / cast keep the scale; unsupported ops unscale.
+
+A stored scaled tensor is ``(data, scale)`` with fp16 ``data`` (``store_scaled``, read
+back exactly by ``load_scaled``). A parameter held that way (``collage_train.scalify.params``)
+carries its scale as the attribute ``scalify_scale``; ``value_rms_scale`` gives the RMS
+scale of the value such a tensor stands for.
 """
 
 from __future__ import annotations
 
 import torch
+
+STORAGE_DTYPE = torch.float16
+_FP16_MAX = float(torch.finfo(STORAGE_DTYPE).max)
+SCALE_ATTR = "scalify_scale"  # a scaled parameter's power-of-two scale (0-d fp32)
 
 
 def pow2_floor(x: torch.Tensor) -> torch.Tensor:
@@ -59,6 +68,39 @@ def rms_scale(t: torch.Tensor) -> torch.Tensor:
     rms = t.detach().to(torch.float64).square().mean().sqrt()
     scale = _as_scale(rms)
     return torch.where(rms == 0, torch.ones_like(scale), scale)
+
+
+def value_rms_scale(t: torch.Tensor) -> torch.Tensor:
+    """``rms_scale`` of the value ``t`` stands for: for a scaled parameter (fp16 data with a
+    ``scalify_scale`` attribute) its data's RMS scale times that scale, which equals the
+    RMS scale of ``data * scale`` exactly (scaling by a power of two commutes with every
+    rounding of the float64 RMS); for any other tensor ``rms_scale(t)``."""
+    scale = getattr(t, SCALE_ATTR, None)
+    data_scale = rms_scale(t)
+    if scale is None:
+        return data_scale
+    # all-zero data stands for zero, whose scale is 1 whatever the stored scale
+    return torch.where(t.detach().ne(0).any(), data_scale * scale.to(t.device), data_scale)
+
+
+def load_scaled(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 value ``data * scale`` of a scaled tensor (exact: ``scale`` is a power of two)."""
+    return data.to(torch.float32) * scale
+
+
+def store_scaled(
+    value: torch.Tensor, scaled: bool = True, dtype: torch.dtype = STORAGE_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale)`` for an fp32 value: scale = ``rms_scale(value)`` (1 if not scaled).
+
+    fp16 data is clamped to the fp16 range, so a value more than ~2**15 times its RMS
+    saturates instead of becoming inf. ``dtype=torch.float32`` stores the value as is.
+    """
+    if dtype == torch.float32:
+        return value.clone(), torch.ones((), device=value.device)
+    scale = rms_scale(value) if scaled else torch.ones((), device=value.device)
+    data = (value / scale).clamp(-_FP16_MAX, _FP16_MAX).to(dtype)
+    return data, scale
 
 
 def _pow2_floor_sqrt(n: int) -> float:
