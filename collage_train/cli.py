@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from collage_train import checkpoint
+from collage_train.compose import config_dir
 from collage_train.config import register_schemas
 from collage_train.engine.launch import gather_objects, launched_rank, launched_world_size
 from collage_train.errors import RUN_FAILED, CollageError, ConfigError, OutOfMemory
@@ -28,14 +29,6 @@ from collage_train.metrics.sinks import wandb_mode
 from collage_train.resume import check_resume, choose_checkpoint, record_changes
 from collage_train.rundir import write_hydra_record
 from collage_train.trainer import Trainer
-
-
-def config_dir() -> str:
-    """The configs shipped inside the package (wheel), else the repository's ``configs/``."""
-    packaged = Path(__file__).resolve().parent / "configs"
-    if (packaged / "config.yaml").is_file():
-        return str(packaged)
-    return str(Path(__file__).resolve().parent.parent / "configs")
 
 
 def build_sinks(
@@ -61,10 +54,6 @@ def build_sinks(
 
 def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None) -> dict | None:
     """Run (or resume) one training job in ``run_dir``; return its summary."""
-    if cfg.logging.console not in ("rich", "plain", "none"):
-        raise ConfigError(
-            f"logging.console must be rich, plain or none, got {cfg.logging.console!r}"
-        )
     wandb_mode(cfg.logging.wandb)  # a bad mode (setting or WANDB_MODE): one line, now
     existing = checkpoint.latest_checkpoint(run_dir)
     if existing is not None and not cfg.train.resume:

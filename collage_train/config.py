@@ -12,17 +12,54 @@ whole tree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
+class Choice(str, Enum):
+    """A closed choice Hydra validates (a value outside it is refused with the choices).
+
+    A member is a ``str``: it compares, hashes, prints, formats and serialises (JSON, the
+    W&B config, ``meta.json``) as its value, so code and saved configs read plain strings.
+    Member names equal their values: OmegaConf converts an override by name.
+    """
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+def _choice(name: str, values: str) -> type[Choice]:
+    """A ``Choice`` subclass whose members are the space-separated ``values``."""
+    return Choice(name, [(value, value) for value in values.split()])  # type: ignore[return-value]
+
+
+Family = _choice("Family", "gpt opt llama")
+Attention = _choice("Attention", "sdpa eager flash_attention_2")
+Source = _choice("Source", "stdlib files hf")
+MatmulFormat = _choice("MatmulFormat", "bf16 fp16 fp8 fp32")
+ScalifyStorage = _choice("ScalifyStorage", "fp32 fp16")
+RescalePoint = _choice("RescalePoint", "matmul layernorm_grad grads")
+Kernel = _choice("Kernel", "auto compiled eager")
+Device = _choice("Device", "auto cpu cuda")
+CpuBf16Gemm = _choice("CpuBf16Gemm", "auto native fp32")
+WandbMode = _choice("WandbMode", "online offline disabled")
+Console = _choice("Console", "rich plain none")
+Engine = _choice("Engine", "single zero1 zero2 zero3")
+GradDtype = _choice("GradDtype", "auto fp32 bf16")
+Comm = _choice("Comm", "ddp diloco sparseloco")
+
+
 @dataclass
 class ModelConfig:
     """Architecture of a GPT (GPT-2 layout), OPT or Llama decoder, built with random init."""
 
-    family: str = MISSING  # gpt (GPT-2 architecture) | opt | llama
+    family: Family = MISSING  # gpt (GPT-2 architecture) | opt | llama
     name: str = MISSING  # the preset's name (configs/model/NAME.yaml), used in run paths
     hidden_size: int = MISSING  # width of the residual stream
     num_layers: int = MISSING  # decoder blocks
@@ -36,7 +73,7 @@ class ModelConfig:
     vocab_size: int | None = None
     # transformers' attention: sdpa (PyTorch scaled_dot_product_attention, flash on GPU) |
     # eager | flash_attention_2
-    attn_implementation: str = "sdpa"
+    attn_implementation: Attention = Attention.sdpa
     # Llama only (null elsewhere): key/value heads of grouped-query attention (None: one
     # per query head), the rotary base and the RMSNorm epsilon.
     num_kv_heads: int | None = None
@@ -56,7 +93,7 @@ class ModelConfig:
 class DataConfig:
     """Corpus source, tokenizer and packing."""
 
-    source: str = "stdlib"  # stdlib | files | hf
+    source: Source = Source.stdlib  # stdlib | files | hf
     paths: list[str] = field(default_factory=list)  # data=files: files and directories
     name: str | None = None  # data=hf: the dataset (a hub name or a local builder)
     config_name: str | None = None  # data=hf: the dataset's configuration
@@ -86,10 +123,10 @@ class PrecisionConfig:
 
     name: str = "mixed_fp32"
     # Scalify only (precision=scalify, configs/precision/scalify.yaml); null elsewhere.
-    matmul: str | None = None  # bf16 | fp16 | fp8 (E4M3 forward, E5M2 gradients) | fp32
-    master: str | None = None  # master weights: fp32 | fp16 (scaled fp16)
-    optimizer_state: str | None = None  # AdamW moments: fp32 | fp16 (scaled fp16)
-    rescale: list[str] | None = None  # dynamic-rescale points: matmul, layernorm_grad, grads
+    matmul: MatmulFormat | None = None  # bf16 | fp16 | fp8 (E4M3 forward, E5M2 gradients) | fp32
+    master: ScalifyStorage | None = None  # master weights: fp32 | fp16 (scaled fp16)
+    optimizer_state: ScalifyStorage | None = None  # AdamW moments: fp32 | fp16 (scaled fp16)
+    rescale: list[RescalePoint] | None = None  # dynamic-rescale points
 
 
 @dataclass
@@ -106,7 +143,7 @@ class OptimConfig:
     # Collage/bf16 step: auto (fused for >= 20M parameters when its compiler is there: a C
     # compiler on CPU, Triton on CUDA) | compiled (one fused kernel per tensor, bitwise with
     # eager) | eager (the reference)
-    kernel: str = "auto"
+    kernel: Kernel = Kernel.auto
 
 
 @dataclass
@@ -120,7 +157,7 @@ class TrainConfig:
     # sequences per optimizer step over all ranks (gradient accumulation fills the gap)
     global_batch_size: int = 16
     seed: int = 1234
-    device: str = "auto"  # auto (CUDA when present, else CPU) | cpu | cuda
+    device: Device = Device.auto  # auto (CUDA when present, else CPU) | cpu | cuda
     eval_every: int = 50  # validation every N steps (and always at the end)
     eval_batches: int = 8  # micro-batches of held-out data per validation, all ranks together
     checkpoint_every: int = 100  # checkpoints/step-N every N steps (and at the end)
@@ -134,7 +171,7 @@ class TrainConfig:
     # CPU only: bf16 matrix products as native kernels | fp32 (an fp32 GEMM on the exact bf16
     # operands, rounded once: the GPU's arithmetic, 10-60x faster on CPUs without
     # AVX512-BF16/AMX) | auto (a start-up probe picks the faster; collage_train/cpu_bf16.py)
-    cpu_bf16_gemm: str = "auto"  # auto | native | fp32
+    cpu_bf16_gemm: CpuBf16Gemm = CpuBf16Gemm.auto  # auto | native | fp32
 
 
 @dataclass
@@ -143,7 +180,7 @@ class WandbConfig:
 
     # None: from the environment (WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY), else offline
     # and collage_train; a value set here wins over the environment
-    mode: str | None = None  # online | offline (sync later with `wandb sync`) | disabled
+    mode: WandbMode | None = None  # online | offline (sync later with `wandb sync`) | disabled
     project: str | None = None  # null: $WANDB_PROJECT, else collage_train
     entity: str | None = None  # null: $WANDB_ENTITY, else your W&B default
     name: str | None = None  # null: <strategy>-<run directory name>
@@ -156,7 +193,7 @@ class LoggingConfig:
     """Where metrics go and how often."""
 
     log_every: int = 10  # steps between metric records (console, metrics.jsonl, W&B)
-    console: str = "rich"  # rich (progress bar with ETA) | plain | none
+    console: Console = Console.rich  # rich (progress bar with ETA) | plain | none
     plots: bool = True  # write plots/ (loss, EDQ, throughput, memory) at the end
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
@@ -177,7 +214,7 @@ class DistributedConfig:
     sizes, clipping, precision); ``deepspeed`` holds any other DeepSpeed key, merged in.
     """
 
-    name: str = "single"
+    name: Engine = Engine.single
     zero_stage: int | None = None  # 1, 2 or 3 for the ZeRO engines
     # optimizer state and master weights in host memory (precision=mixed_fp32 or fp32)
     offload_optimizer: bool = False
@@ -185,8 +222,8 @@ class DistributedConfig:
     timeout_minutes: int = 30  # collective-operation timeout before a hung rank fails the job
     # ZeRO only: dtype of the gradient reduce-scatter/all-reduce and of gradient
     # accumulation; auto follows the strategy (engine/deepspeed_config.GradientDtypes)
-    reduce_dtype: str = "auto"  # auto | fp32 | bf16
-    grad_accum_dtype: str = "auto"  # auto | fp32 | bf16
+    reduce_dtype: GradDtype = GradDtype.auto  # auto | fp32 | bf16
+    grad_accum_dtype: GradDtype = GradDtype.auto  # auto | fp32 | bf16
     # any other DeepSpeed config key, e.g. {zero_optimization: {overlap_comm: true}}
     deepspeed: dict[str, Any] = field(default_factory=dict)
 
@@ -201,7 +238,7 @@ class CommConfig:
     dense for DiLoCo, top-k per chunk, quantized and error-fed for SparseLoCo.
     """
 
-    name: str = "ddp"
+    name: Comm = Comm.ddp
     # H: inner steps between outer steps (the paper's 512M run: 15); train.max_steps and
     # train.eval_every round up to multiples of it
     sync_every: int = 10

@@ -288,26 +288,16 @@ def render(plan: Plan) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Compose the config from ``argv`` overrides, plan, print; 0, or 2 on bad input."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from collage_train.cli import config_dir
-    from collage_train.config import register_schemas
+    from collage_train.compose import compose_job
 
     overrides = list(sys.argv[1:] if argv is None else argv)
     if any(arg in ("-h", "--help") for arg in overrides):
         print(__doc__)
         return 0
-    register_schemas()
     try:
-        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
-        print(render(make_plan(cfg)))
-    except (HydraException, OmegaConfBaseException, CollageError) as err:
-        text = str(err).split("Config search path")[0]  # Hydra appends its search path
-        message = " ".join(text.split()) or type(err).__name__
-        print(f"error: {message}", file=sys.stderr)
+        print(render(make_plan(compose_job(overrides))))
+    except CollageError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
 

@@ -15,39 +15,23 @@ import logging
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
-
-from collage_train.config import register_schemas
+from collage_train.compose import compose_job
 from collage_train.data.errors import DataError
 from collage_train.data.settings import DataSettings
 from collage_train.data.shards import load_prepared, prepare_mixture, prepare_shards
-from collage_train.errors import CollageError
+from collage_train.errors import CollageError, ConfigError
 
 USAGE = "usage: python -m collage_train.prepare [data=files data.paths=[...]] [data.KEY=VALUE ...]"
-
-
-def config_dir() -> str:
-    """The configs shipped inside the package (wheel), else the repository's ``configs/``."""
-    packaged = Path(__file__).resolve().parent / "configs"
-    if (packaged / "config.yaml").is_file():
-        return str(packaged)
-    return str(Path(__file__).resolve().parent.parent / "configs")
 
 
 def prepare(overrides: list[str]) -> list[Path]:
     """Compose the run configuration from ``overrides`` and prepare its corpus (or each source
     of its ``data.mixture``); return the prepared directories."""
-    register_schemas()
     try:
-        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
-        data = cfg.data
-        settings = DataSettings.from_config(data)
-    except (HydraException, OmegaConfBaseException) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise DataError(f"bad override ({first}); {USAGE}") from None
+        cfg = compose_job(overrides)
+    except ConfigError as err:
+        raise DataError(f"bad override ({err}); {USAGE}") from None
+    settings = DataSettings.from_config(cfg.data)
     if settings.streaming:
         raise DataError(
             "data.streaming: a stream is not prepared, training reads and tokenizes it on the "

@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 
 from collage_train import cli
+from collage_train.__main__ import check_overrides
 from collage_train.rundir import RunDirectoryCallback
 
 pytestmark = pytest.mark.slow
@@ -37,6 +38,10 @@ def launch(corpus_dir, cache_dir, tmp_path, capsys):
     def _launch(*extra: str) -> Outcome:
         overrides = [*tiny_overrides(corpus_dir, cache_dir, run_dir), *extra]
         capsys.readouterr()
+        try:
+            check_overrides(overrides)  # what ``python -m collage_train`` does first
+        except SystemExit as refused:
+            return Outcome(int(refused.code), capsys.readouterr().err)
         with initialize_config_dir(config_dir=cli.config_dir(), version_base="1.3"):
             launched = compose(config_name="config", overrides=overrides, return_hydra_config=True)
             cfg = compose(config_name="config", overrides=overrides)  # what the task receives

@@ -81,6 +81,100 @@ def test_unknown_group_option_is_rejected():
         compose_cfg("precision=fp8")
 
 
+def choice_fields() -> list[tuple[str, type]]:
+    """Every field of the schema whose type is a closed choice (or a list of one)."""
+    import dataclasses
+    import typing
+
+    from collage_train import config
+
+    found = []
+
+    def walk(schema: type, prefix: str) -> None:
+        hints = typing.get_type_hints(schema)
+        for item in dataclasses.fields(schema):
+            kind = hints[item.name]
+            if dataclasses.is_dataclass(kind):
+                walk(kind, f"{prefix}{item.name}.")
+                continue
+            args = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
+            args = [typing.get_args(a)[0] if typing.get_args(a) else a for a in args]  # list[X]
+            if isinstance(args[0], type) and issubclass(args[0], config.Choice):
+                found.append((f"{prefix}{item.name}", args[0]))
+
+    walk(config.JobConfig, "")
+    return found
+
+
+def test_the_schema_declares_its_closed_choices():
+    keys = {key for key, _ in choice_fields()}
+    expected = {
+        *("model.family", "optim.kernel", "train.device", "train.cpu_bf16_gemm"),
+        *("logging.console", "logging.wandb.mode", "distributed.name", "comm.name"),
+        *("distributed.reduce_dtype", "precision.matmul", "precision.rescale"),
+    }
+    assert expected <= keys
+
+
+@pytest.mark.parametrize("key,choice", choice_fields(), ids=[k for k, _ in choice_fields()])
+def test_a_value_outside_a_closed_choice_is_one_line_naming_the_choices(key, choice):
+    from collage_train.compose import compose_job
+    from collage_train.errors import ConfigError
+
+    prefix = ["precision=scalify"] if key.startswith("precision.") else []
+    value = "[nonsense]" if key == "precision.rescale" else "nonsense"
+    with pytest.raises(ConfigError) as refused:
+        compose_job([*prefix, f"{key}={value}"])
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{key}={value}: "), message
+    assert f"expected one of [{', '.join(member.value for member in choice)}]" in message
+
+
+def test_a_choice_reads_and_serialises_as_its_plain_value():
+    import json
+
+    from omegaconf import OmegaConf
+
+    cfg = compose_cfg("logging.console=plain", "train.device=cpu")
+    console = cfg.logging.console
+    assert console == "plain" and f"{console}" == "plain" and str(console) == "plain"
+    assert {"plain": 1}[console] == 1 and console in ("rich", "plain")
+    saved = json.loads(json.dumps(OmegaConf.to_container(cfg, resolve=True)))
+    assert saved["logging"]["console"] == "plain" and saved["train"]["device"] == "cpu"
+
+
+def test_hydra_errors_become_one_line():
+    from collage_train.compose import compose_job
+    from collage_train.errors import ConfigError
+
+    cases = {
+        "train.max_steps=many": "train.max_steps=many: Value 'many' of type 'str' could not be "
+        "converted to Integer",
+        "train.max_stepz=3": "Could not override 'train.max_stepz'.; To append to your config "
+        "use +train.max_stepz=3; Key 'max_stepz' not in 'TrainConfig'",
+        "precision=fp4": "In 'config': Could not find 'precision/fp4'; options in 'precision': "
+        "bf16, collage_light, collage_plus, fp32, mixed_fp32",
+    }
+    for override, expected in cases.items():
+        with pytest.raises(ConfigError) as refused:
+            compose_job([override])
+        assert str(refused.value).startswith(expected), str(refused.value)
+
+
+def test_the_entry_point_refuses_bad_overrides_in_one_line_with_exit_2(capsys):
+    from collage_train.__main__ import check_overrides
+
+    with pytest.raises(SystemExit) as refused:
+        check_overrides(["train.cpu_bf16_gemm=fast"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: train.cpu_bf16_gemm=fast: Invalid value 'fast', expected one of "
+        "[auto, native, fp32]\n"
+    )
+    check_overrides(["train.max_steps=3", "hydra.run.dir=/tmp/x"])  # a good launch passes
+    check_overrides(["--cfg", "job", "train.max_steps=oops"])  # Hydra's flags: Hydra reports
+
+
 def test_strip_local_rank(monkeypatch):
     # setenv first records the variable's state, so that it is restored after the test:
     # a LOCAL_RANK left behind makes later in-process runs wait for another rank's data

@@ -98,7 +98,6 @@ def test_explicit_gradient_dtypes_are_written_for_deepspeed():
             "use distributed=zero2",
         ),
         (("distributed.grad_accum_dtype=bf16",), "fp32", "gradients are fp32"),
-        (("distributed.reduce_dtype=fp16",), "collage_plus", "choose one of: auto, fp32, bf16"),
         (
             ("+distributed.deepspeed.communication_data_type=fp32",),
             "collage_plus",
@@ -274,12 +273,6 @@ def test_single_engine_refuses_a_multi_rank_launch(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match="distributed=zero1, zero2 or zero3"):
         build_engine(compose_cfg().distributed, device="cpu")
-
-
-def test_unknown_engine_lists_the_choices():
-    cfg = compose_cfg("distributed.name=zero9")
-    with pytest.raises(ConfigError, match="single, zero1, zero2, zero3"):
-        build_engine(cfg.distributed, device="cpu")
 
 
 def test_only_rank_zero_writes_hydra_files(monkeypatch):

@@ -1,0 +1,73 @@
+"""The job configuration composed from overrides outside Hydra's own entry point, and
+Hydra's composition errors turned into one line.
+
+``python -m collage_train`` composes its overrides here first, so that a misspelt key, a
+wrongly typed value or a value outside a closed choice (``config.Choice``) ends in one
+``error:`` line and exit status 2 before Hydra starts the run; ``collage_train.plan`` and
+``collage_train.prepare`` compose through the same function.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from collage_train.config import register_schemas
+from collage_train.errors import ConfigError
+
+# Lines of Hydra's and OmegaConf's messages that locate rather than explain.
+_NOISE = re.compile(r"^(full_key|reference_type|object_type|Set the environment variable)")
+
+
+def config_dir() -> str:
+    """The configs shipped inside the package (wheel), else the repository's ``configs/``."""
+    packaged = Path(__file__).resolve().parent / "configs"
+    if (packaged / "config.yaml").is_file():
+        return str(packaged)
+    return str(Path(__file__).resolve().parent.parent / "configs")
+
+
+def error_line(err: BaseException) -> str:
+    """Hydra's (or OmegaConf's) several-line composition error as one line.
+
+    ``Error merging override K=V`` becomes the prefix ``K=V:``, a list of available
+    options is joined with commas, and the lines that only locate the error (full key,
+    types, the search path, the HYDRA_FULL_ERROR hint) are dropped.
+    """
+    chain: list[BaseException] = [err]
+    while chain[-1].__cause__ is not None:  # Hydra wraps OmegaConf's error without its text
+        chain.append(chain[-1].__cause__)
+    text = "\n".join(str(link).split("Config search path")[0] for link in chain)
+    lines = list(dict.fromkeys(line.strip() for line in text.splitlines()))
+    lines = [line for line in lines if line and not _NOISE.match(line)]
+    prefix, parts, options = "", [], []
+    for line in lines:
+        merging = re.match(r"Error merging override (.*)", line)
+        if merging:
+            prefix = f"{merging.group(1)}: "
+        elif line.startswith("Available options in"):
+            parts.append(line.rstrip(":").replace("Available options", "options"))
+        elif parts and parts[-1].startswith("options in") and " " not in line:
+            options.append(line)
+        else:
+            parts.append(line)
+    if options:
+        parts = [f"{part}: {', '.join(options)}" if part.startswith("options in") else part
+                 for part in parts]  # fmt: skip
+    return prefix + "; ".join(parts) if parts else type(err).__name__
+
+
+def compose_job(overrides: list[str]) -> DictConfig:
+    """The configuration ``python -m collage_train OVERRIDES`` would run with (without its
+    ``hydra`` node); ConfigError with ``error_line`` when Hydra refuses the overrides."""
+    register_schemas()
+    try:
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+            return compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(error_line(err)) from None
