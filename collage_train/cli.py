@@ -94,7 +94,7 @@ def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None)
             sinks = build_sinks(
                 cfg.logging,
                 run_dir,
-                OmegaConf.to_container(cfg, resolve=True),
+                OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
                 max_steps=cfg.train.max_steps,
                 start_step=trainer.step,
                 resume=existing is not None,

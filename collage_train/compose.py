@@ -17,7 +17,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from collage_train.config import register_schemas
+from collage_train.config import RENAMED_CHOICES, register_schemas
 from collage_train.errors import ConfigError
 
 # Lines of Hydra's and OmegaConf's messages that locate rather than explain.
@@ -62,9 +62,25 @@ def error_line(err: BaseException) -> str:
     return prefix + "; ".join(parts) if parts else type(err).__name__
 
 
+def check_renamed(overrides: list[str]) -> None:
+    """Refuse, naming the new spelling, a choice renamed since (``config.RENAMED_CHOICES``):
+    ``distributed=single`` or ``comm.name=ddp``."""
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        group = key.removesuffix(".name")
+        new = RENAMED_CHOICES.get(group, {}).get(value)
+        if new is not None:
+            raise ConfigError(
+                f"{key}={value} was renamed: use {key}={new} (the same behaviour, a name that "
+                "says what it does)"
+            )
+
+
 def compose_job(overrides: list[str]) -> DictConfig:
     """The configuration ``python -m collage_train OVERRIDES`` would run with (without its
-    ``hydra`` node); ConfigError with ``error_line`` when Hydra refuses the overrides."""
+    ``hydra`` node); ConfigError with ``error_line`` when Hydra refuses the overrides, or
+    naming the new spelling of a renamed choice."""
+    check_renamed(overrides)
     register_schemas()
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):

@@ -50,9 +50,22 @@ Device = _choice("Device", "auto cpu cuda")
 CpuBf16Gemm = _choice("CpuBf16Gemm", "auto native fp32")
 WandbMode = _choice("WandbMode", "online offline disabled")
 Console = _choice("Console", "rich plain none")
-Engine = _choice("Engine", "single zero1 zero2 zero3")
+Engine = _choice("Engine", "unsharded zero1 zero2 zero3")
 GradDtype = _choice("GradDtype", "auto fp32 bf16")
-Comm = _choice("Comm", "ddp diloco sparseloco")
+Comm = _choice("Comm", "every_step diloco sparseloco")
+
+# Choices renamed since checkpoints were first written: group -> {old: new}. The old
+# spelling on the command line is refused in one line naming the new one
+# (compose.compose_job); in a checkpoint's meta.json it is read as the new one.
+RENAMED_CHOICES = {
+    "distributed": {"single": "unsharded"},  # it runs N processes under DiLoCo
+    "comm": {"ddp": "every_step"},  # it also names ZeRO's reduction
+}
+
+
+def current_choice(group: str, value: str) -> str:
+    """``value`` of ``group`` under its current name (old checkpoints hold old names)."""
+    return RENAMED_CHOICES.get(group, {}).get(value, value)
 
 
 @dataclass
@@ -208,13 +221,14 @@ class MetricsConfig:
 
 @dataclass
 class DistributedConfig:
-    """Execution engine: ``single`` (one process) or DeepSpeed ZeRO (``zero1``/``zero2``/``zero3``).
+    """Execution engine: ``unsharded`` (the whole model state in each process: one process, or
+    each DiLoCo/SparseLoCo replica) or DeepSpeed ZeRO (``zero1``/``zero2``/``zero3``).
 
     Under ZeRO the DeepSpeed config is rendered from the trainer's own settings (batch
     sizes, clipping, precision); ``deepspeed`` holds any other DeepSpeed key, merged in.
     """
 
-    name: Engine = Engine.single
+    name: Engine = Engine.unsharded
     zero_stage: int | None = None  # 1, 2 or 3 for the ZeRO engines
     # optimizer state and master weights in host memory (precision=mixed_fp32 or fp32)
     offload_optimizer: bool = False
@@ -230,15 +244,16 @@ class DistributedConfig:
 
 @dataclass
 class CommConfig:
-    """How replicas synchronise: ``ddp``, ``diloco`` or ``sparseloco`` (configs/comm/).
+    """How replicas synchronise: ``every_step``, ``diloco`` or ``sparseloco`` (configs/comm/).
 
-    ``ddp`` reduces gradients every step inside the engine. ``diloco`` and ``sparseloco``
-    keep one whole model per process (distributed=single), train each alone for
+    ``every_step`` reduces gradients every step inside the engine (ZeRO's data parallelism;
+    nothing to exchange in one process). ``diloco`` and ``sparseloco``
+    keep one whole model per process (distributed=unsharded), train each alone for
     ``sync_every`` steps and then merge them in one outer step on the pseudo-gradient:
     dense for DiLoCo, top-k per chunk, quantized and error-fed for SparseLoCo.
     """
 
-    name: Comm = Comm.ddp
+    name: Comm = Comm.every_step
     # H: inner steps between outer steps (the paper's 512M run: 15); train.max_steps and
     # train.eval_every round up to multiples of it
     sync_every: int = 10

@@ -26,6 +26,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from collage_train import checkpoint
+from collage_train.checkpoint.full_state import layout_of
 from collage_train.data import Tokenizer
 from collage_train.errors import BAD_INPUT, WEIGHT_LOAD_ERRORS, CollageError, first_line
 from collage_train.precision import get_strategy
@@ -81,7 +82,7 @@ def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
     meta = checkpoint.read_meta(path)
     if (path / "replica-0").is_dir():  # comm=diloco|sparseloco: rank 0's replica
         return unscale_weights(checkpoint.load_checkpoint_file(path / "replica-0", "model"))
-    if meta.get("distributed", "single") == "single":  # scalify's scaled data: the values
+    if layout_of(meta) == "unsharded":  # scalify's scaled data: the values
         return unscale_weights(checkpoint.load_checkpoint_file(path, "model"))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -93,8 +93,8 @@ class Plan:
 
 
 def chosen_stage(dist_cfg: Any) -> int:
-    """0 for ``distributed=single``, else the ZeRO stage."""
-    if dist_cfg.name == "single":
+    """0 for ``distributed=unsharded``, else the ZeRO stage."""
+    if dist_cfg.name == "unsharded":
         return 0
     if dist_cfg.zero_stage not in (1, 2, 3):
         raise ConfigError(f"distributed.zero_stage must be 1, 2 or 3, got {dist_cfg.zero_stage!r}")
@@ -117,7 +117,7 @@ def make_plan(cfg: Any) -> Plan:
     stage = chosen_stage(cfg.distributed)
     if stage == 0 and plan_cfg.gpus > 1:
         raise ConfigError(
-            f"distributed=single runs on one GPU but plan.gpus={plan_cfg.gpus}; "
+            f"distributed=unsharded runs on one GPU but plan.gpus={plan_cfg.gpus}; "
             "choose distributed=zero1, zero2 or zero3 (or plan.gpus=1)"
         )
     configured = strategy_for(cfg.precision)  # the chosen strategy with its options
@@ -210,7 +210,7 @@ def _gib(nbytes: float) -> str:
 
 
 def _stage_name(stage: int) -> str:
-    return "single" if stage == 0 else f"zero{stage}"
+    return "unsharded" if stage == 0 else f"zero{stage}"
 
 
 def render(plan: Plan) -> str:

@@ -27,11 +27,12 @@ from collage_train.batch import accumulation_steps
 from collage_train.checkpoint.full_state import ZERO_ENGINES, layout_of, needs_reshard
 from collage_train.checkpoint.universal import UNIVERSAL
 from collage_train.comm.settings import comm_name, uses_replicas
+from collage_train.config import RENAMED_CHOICES, current_choice
 from collage_train.errors import CheckpointError, ConfigError
 from collage_train.precision import strategy_for
 
 # Layouts an elastic resume reads per parameter on any engine and number of ranks.
-RESHARDABLE = ("single", *ZERO_ENGINES, UNIVERSAL)
+RESHARDABLE = ("unsharded", *ZERO_ENGINES, UNIVERSAL)
 
 # Settings a run is defined by: changing one on resume would make another run (another
 # model, numerics, data or token count per step) under the same name.
@@ -105,9 +106,12 @@ def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> dict[str
     """Dotted keys whose value differs between the saved and the current config.
 
     Keys the saved config does not have (options added since it was written) count as
-    unchanged.
+    unchanged; choices renamed since (``config.RENAMED_CHOICES``) compare by their new name.
     """
     before, after = _flatten(saved), _flatten(current)
+    for group in RENAMED_CHOICES:
+        if f"{group}.name" in before:
+            before[f"{group}.name"] = current_choice(group, before[f"{group}.name"])
     return {
         key: (before[key], after.get(key))
         for key in sorted(before)
@@ -145,7 +149,7 @@ def identity(cfg: DictConfig, checkpoint_holds: tuple[str, ...], world_size: int
         "distributed": cfg.distributed.name,
         "comm": comm_name(cfg.comm),
         "world_size": world_size,
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
     }
 
 
@@ -163,7 +167,7 @@ def check_resume(path: Path, cfg: DictConfig, world_size: int) -> list[str]:
             f"{path} was written with precision={meta.get('precision')}, this run uses "
             f"precision={precision}; resume with the same strategy"
         )
-    written_comm = meta.get("comm", "ddp")
+    written_comm = current_choice("comm", meta.get("comm", "every_step"))
     if written_comm != comm_name(cfg.comm):
         raise ConfigError(
             f"{path} was written with comm={written_comm}, this run uses "
@@ -173,7 +177,8 @@ def check_resume(path: Path, cfg: DictConfig, world_size: int) -> list[str]:
     saved_world = int(meta.get("world_size", 1))
     if needs_reshard(meta, cfg.distributed.name, world_size):
         _check_reshard(path, cfg, layout, saved_world, world_size)
-    return check_settings(path, meta.get("config", {}), OmegaConf.to_container(cfg, resolve=True))
+    current = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    return check_settings(path, meta.get("config", {}), current)
 
 
 def _check_reshard(

@@ -62,10 +62,10 @@ class Trainer:
                 f"train.stop_at_step={train.stop_at_step} must lie in 1..{train.max_steps}"
             )
         self.strategy = strategy_for(cfg.precision)
-        if not self.strategy.runs_under_zero and cfg.distributed.name != "single":
+        if not self.strategy.runs_under_zero and cfg.distributed.name != "unsharded":
             raise ConfigError(
                 f"precision={self.strategy.name} does not run under DeepSpeed ZeRO yet; "
-                "use distributed=single (with comm=ddp, diloco or sparseloco)"
+                "use distributed=unsharded (with comm=every_step, diloco or sparseloco)"
             )
         self.engine = build_engine(cfg.distributed, cfg.comm, device=train.device)
         self.device = self.engine.device
@@ -100,7 +100,7 @@ class Trainer:
             cfg.optim,
             kernel=self.optimizer_kernel,
         )
-        if cfg.model.init_from and cfg.distributed.name == "single":  # masters: fp32 weights
+        if cfg.model.init_from and cfg.distributed.name == "unsharded":  # masters: fp32 weights
             init_from.seed_masters(self.optimizer, self.model, self.strategy, cfg.model.init_from)
         # The module to run forward with (DeepSpeed's wrapper under ZeRO).
         self.forward_module = self.engine.prepare(
@@ -111,7 +111,7 @@ class Trainer:
             accum_steps=self.accum_steps,
             grad_clip=cfg.optim.grad_clip,
         )
-        if cfg.model.init_from and cfg.distributed.name != "single":  # DeepSpeed's masters
+        if cfg.model.init_from and cfg.distributed.name != "unsharded":  # DeepSpeed's masters
             init_from.seed_zero_masters(
                 self.engine, self.optimizer, self.strategy, cfg.model.init_from
             )

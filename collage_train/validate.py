@@ -64,7 +64,7 @@ ONLY_FOR = {
 
 def check_applies(cfg: DictConfig) -> None:
     """Refuse a setting the chosen comm method or engine would ignore (``comm=diloco
-    comm.topk=8``, ``distributed=single distributed.offload_optimizer=true``), and a ZeRO
+    comm.topk=8``, ``distributed=unsharded distributed.offload_optimizer=true``), and a ZeRO
     stage other than the engine's name says (``distributed=zero2 distributed.zero_stage=3``)."""
     defaults = OmegaConf.structured(JobConfig)
     for key, (group, readers) in ONLY_FOR.items():

@@ -111,7 +111,7 @@ def bench_row(args: argparse.Namespace, method: str, workdir: Path) -> dict:
     overrides = common_overrides(args)
     run_dir = workdir / method
     if method == "ddp":
-        if args.ddp_engine == "single":
+        if args.ddp_engine == "unsharded":
             summary, _ = run_training(overrides, run_dir)
         else:
             overrides.append(f"distributed={args.ddp_engine}")
@@ -126,7 +126,7 @@ def bench_row(args: argparse.Namespace, method: str, workdir: Path) -> dict:
     row = {
         "method": method,
         "engine": args.ddp_engine if method == "ddp" else "replicas",
-        "replicas": 1 if method == "ddp" and args.ddp_engine == "single" else args.replicas,
+        "replicas": 1 if method == "ddp" and args.ddp_engine == "unsharded" else args.replicas,
         "sync_every": 1 if method == "ddp" else args.sync_every,
         "tokens": summary["tokens"],
         "final_val_loss": summary["final_val_loss"],
@@ -170,7 +170,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt_tiny")
     parser.add_argument("--precision", default="mixed_fp32")
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--ddp-engine", default="zero1", choices=("zero1", "single"))
+    parser.add_argument("--ddp-engine", default="zero1", choices=("zero1", "unsharded"))
     parser.add_argument("--sync-every", type=int, default=8, help="H, inner steps per sync")
     parser.add_argument("--steps", type=int, default=240, help="inner steps (a multiple of H)")
     parser.add_argument("--seq-len", type=int, default=64)

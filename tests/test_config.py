@@ -30,7 +30,7 @@ def test_default_config(monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = compose_cfg()
     assert cfg.model.name == "gpt_tiny" and cfg.data.source == "stdlib"
-    assert cfg.precision.name == "mixed_fp32" and cfg.distributed.name == "single"
+    assert cfg.precision.name == "mixed_fp32" and cfg.distributed.name == "unsharded"
     assert cfg.logging.wandb.mode is None and wandb_mode(cfg.logging.wandb) == "offline"
 
 
@@ -188,3 +188,22 @@ def test_strip_local_rank(monkeypatch):
 
     assert os.environ["LOCAL_RANK"] == "3"
     assert strip_local_rank(["prog", "--local_rank", "1", "x=1"]) == ["prog", "x=1"]
+
+
+@pytest.mark.parametrize(
+    "override,new",
+    [
+        ("distributed=single", "distributed=unsharded"),
+        ("comm=ddp", "comm=every_step"),
+        ("comm.name=ddp", "comm.name=every_step"),
+        ("distributed.name=single", "distributed.name=unsharded"),
+    ],
+)
+def test_a_renamed_choice_names_its_new_spelling_in_one_line(override, new, capsys):
+    from collage_train.__main__ import check_overrides
+
+    with pytest.raises(SystemExit) as refused:
+        check_overrides(["train.max_steps=3", override])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {override} was renamed: use {new} ") and err.count("\n") == 1

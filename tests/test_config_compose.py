@@ -34,7 +34,7 @@ def compose_and_check(overrides: list[str], ranks: int = 2):
     validate(cfg)
     strategy_for(cfg.precision)
     check_engine(cfg.comm, cfg.distributed.name)
-    single = cfg.distributed.name == "single" and cfg.comm.name == "ddp"
+    single = cfg.distributed.name == "unsharded" and cfg.comm.name == "every_step"
     accumulation_steps(
         cfg.train.global_batch_size, cfg.train.micro_batch_size, 1 if single else ranks
     )

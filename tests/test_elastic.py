@@ -64,7 +64,7 @@ def test_universal_layout_round_trip_resumes_bit_for_bit(make_cfg, tmp_path, pre
     path = saved.save_checkpoint()
     out = convert(path, tmp_path / "universal")
     meta = checkpoint.read_meta(out)
-    assert meta["layout"] == "universal" and meta["converted_from"]["distributed"] == "single"
+    assert meta["layout"] == "universal" and meta["converted_from"]["distributed"] == "unsharded"
     assert checkpoint.damage(out) is None
     assert not list(out.rglob("*.pt"))  # nothing pickled
     resumed = Trainer(cfg, tmp_path / "b")
@@ -164,4 +164,26 @@ def test_one_process_checkpoint_resumes_under_zero_element_for_element(
     finally:
         zero.engine.close()
     assert checkpoint.read_meta(path)["world_size"] == 1  # the source is left as it was
-    assert open_full_state(path).layout == "single"
+    assert open_full_state(path).layout == "unsharded"
+
+
+def test_a_checkpoint_written_under_the_old_choice_names_resumes_as_the_same_run(
+    make_cfg, tmp_path
+):
+    """distributed=single and comm=ddp were renamed unsharded and every_step: a checkpoint
+    whose meta.json holds the old names is the same layout and the same run."""
+    import json
+
+    cfg = make_cfg("precision=collage_plus")
+    saved = Trainer(cfg, tmp_path / "a")
+    saved.train_step()
+    path = saved.save_checkpoint()
+    meta = json.loads((path / "meta.json").read_text())
+    meta["distributed"], meta["comm"] = "single", "ddp"
+    meta["config"]["distributed"]["name"], meta["config"]["comm"]["name"] = "single", "ddp"
+    (path / "meta.json").write_text(json.dumps(meta))
+    assert open_full_state(path).layout == "unsharded"
+    assert check_resume(path, cfg, world_size=1) == []  # no setting changed
+    resumed = Trainer(cfg, tmp_path / "b")
+    resumed.resume_from(path)
+    _assert_bitwise(_state_of(resumed), _state_of(saved))

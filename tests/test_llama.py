@@ -89,7 +89,7 @@ def test_llama_under_zero_in_process(make_cfg, tmp_path, monkeypatch, stage):
 def test_llama_one_diloco_replica_trains_like_the_plain_optimizer(make_cfg, tmp_path):
     """comm=diloco in this process, a world of one syncing every step with outer lr 1 and
     no momentum: each outer step hands the inner step's result back unchanged, so the Llama's
-    losses and weights equal comm=ddp's bit for bit (mixed_fp32: the fp32 masters go
+    losses and weights equal comm=every_step's bit for bit (mixed_fp32: the fp32 masters go
     through the outer step)."""
     common = (*LLAMA, *FAST, "precision=mixed_fp32")
     diloco = ("comm=diloco", "comm.sync_every=1", "comm.outer_lr=1", "comm.outer_momentum=0")

@@ -335,7 +335,7 @@ def test_plan_cli_prints_the_chosen_setting_and_every_alternative():
     "args,message",
     [
         (["precision=nope"], "Could not find 'precision/nope'"),
-        (["plan.gpus=8"], "distributed=single runs on one GPU"),
+        (["plan.gpus=8"], "distributed=unsharded runs on one GPU"),
         (["plan.gpu_mem_gb=1", "plan.reserve_gb=2"], "leaves nothing"),
         (["plan.gpuz=2"], "gpuz"),
     ],

@@ -37,7 +37,7 @@ def _restore_launch_environment():
 
 
 def test_comm_group_defaults():
-    assert compose_cfg().comm.name == "ddp"
+    assert compose_cfg().comm.name == "every_step"
     diloco = outer_settings(compose_cfg("comm=diloco").comm)
     assert (diloco.lr, diloco.momentum, diloco.nesterov) == (0.7, 0.9, True)
     assert not diloco.compressed
@@ -53,9 +53,8 @@ def test_comm_group_defaults():
     [
         (
             ("comm=sparseloco", "distributed=zero2"),
-            "needs distributed=single, not distributed=zero2",
+            "needs distributed=unsharded, not distributed=zero2",
         ),
-        (("comm.name=allreduce",), "choose one of: ddp, diloco, sparseloco"),
         (("comm=sparseloco", "comm.topk=0"), "comm.topk must lie in 1..comm.chunk=4096"),
         (("comm=sparseloco", "comm.bits=16"), "comm.bits must lie in 1..8"),
         (("comm=diloco", "comm.sync_every=0"), "comm.sync_every must be at least 1"),
@@ -105,7 +104,7 @@ def test_zero_with_replicas_ends_in_one_error_line(tiny):
     assert result.returncode == 2
     assert result.error_lines == [
         "error: comm=sparseloco keeps one whole model per process and needs "
-        "distributed=single, not distributed=zero1"
+        "distributed=unsharded, not distributed=zero1"
     ]
 
 
@@ -153,7 +152,7 @@ def test_one_replica_syncing_every_step_trains_like_the_plain_optimizer(
     make_cfg, tmp_path, precision, comm
 ):
     """World size 1, H = 1, outer lr 1, no momentum: the outer step hands every inner step's
-    result back unchanged, so weights and optimizer state equal comm=ddp's bit for bit.
+    result back unchanged, so weights and optimizer state equal comm=every_step's bit for bit.
 
     Collage's pair (theta, dtheta) is the exception where theta + dtheta needs more than
     fp32's 24 significant bits (e.g. a LayerNorm weight near 1 with a dtheta of 1e-6):

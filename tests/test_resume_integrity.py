@@ -157,7 +157,7 @@ def test_a_resume_cannot_change_what_defines_the_run(resume, override, monkeypat
     ("override", "message"),
     [
         ("precision=bf16", "written with precision=mixed_fp32, this run uses precision=bf16"),
-        ("comm=diloco", "written with comm=ddp, this run uses comm=diloco"),
+        ("comm=diloco", "written with comm=every_step, this run uses comm=diloco"),
     ],
 )
 def test_a_resume_with_another_strategy_or_method_is_refused_first(resume, override, message):

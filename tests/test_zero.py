@@ -51,7 +51,7 @@ def runs(corpus_dir, cache_dir, tmp_path_factory):
                 f"distributed={distributed}",
                 *extra,
             ]
-            if distributed == "single":  # at a rank's thread count: the same GEMM roundings
+            if distributed == "unsharded":  # at a rank's thread count: the same GEMM roundings
                 result = run_cli(*args, threads=rank_threads(2))
             else:
                 result = run_deepspeed(*args)
@@ -111,7 +111,7 @@ def assert_matches_single_process(
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_collage_plus_under_zero_matches_single_process_with_half_the_state(runs, stage):
-    single_dir, _ = runs("single", "collage_plus")
+    single_dir, _ = runs("unsharded", "collage_plus")
     zero_dir, result = runs(f"zero{stage}", "collage_plus")
     assert_matches_single_process(
         zero_dir, single_dir, ("edq", "edq_normalized", "lost_update_frac", "dtheta_norm")
@@ -148,7 +148,7 @@ def test_collage_plus_under_zero_matches_single_process_with_half_the_state(runs
 
 
 def test_mixed_fp32_under_zero2_keeps_fp32_masters_and_matches(runs):
-    single_dir, _ = runs("single", "mixed_fp32")
+    single_dir, _ = runs("unsharded", "mixed_fp32")
     zero_dir, _ = runs("zero2", "mixed_fp32")
     # DeepSpeed clips the fp32 copy of the gradient; one process clips the bf16 gradient
     # and then widens it. The updates differ by about one fp32 rounding, which moves EDQ
@@ -175,7 +175,7 @@ def test_mixed_fp32_under_zero2_keeps_fp32_masters_and_matches(runs):
 
 def test_global_edq_per_layer_group_equals_single_process(runs):
     """Step 1: same initial weights and same reduced gradient, so the same update."""
-    single = train_records(runs("single", "collage_plus")[0])[1]
+    single = train_records(runs("unsharded", "collage_plus")[0])[1]
     for stage in (2, 3):
         zero = train_records(runs(f"zero{stage}", "collage_plus")[0])[1]
         keys = [k for k in single if k.startswith(("edq", "lost_update_frac", "dtheta"))]
@@ -291,7 +291,7 @@ def test_zero2_on_two_ranks_resumes_on_one_process(
     """In process (no launch): the state of each parameter is the ranks' partitions of
     DeepSpeed's flat groups, concatenated, bit for bit; the loss curve goes on as one
     process's."""
-    zero_dir, single_dir = runs("zero2", precision)[0], runs("single", precision)[0]
+    zero_dir, single_dir = runs("zero2", precision)[0], runs("unsharded", precision)[0]
     step_4 = zero_dir / "checkpoints" / "step-4"
     args = [a for a in tiny_overrides(corpus_dir, cache_dir, tmp_path) if "hydra" not in a]
     cfg = compose_tiny(corpus_dir, cache_dir, *args, f"precision={precision}")
@@ -326,10 +326,10 @@ def relative_gap(mine: torch.Tensor, theirs: torch.Tensor) -> float:
 @pytest.mark.parametrize(
     ("source", "precision", "reference"),
     [
-        ("single", "collage_plus", "zero3"),
+        ("unsharded", "collage_plus", "zero3"),
         ("zero1", "collage_plus", "zero3"),
         # no 8-step zero3 run of mixed_fp32 above: ZeRO-2 clips in fp32 as ZeRO-3 does
-        ("single", "mixed_fp32", "zero2"),
+        ("unsharded", "mixed_fp32", "zero2"),
         ("zero1", "mixed_fp32", "zero2"),
     ],
 )

@@ -43,6 +43,7 @@ from collage_train.checkpoint.pieces import (
     zero12_pieces,
 )
 from collage_train.checkpoint.universal import UNIVERSAL, read_trainer_state
+from collage_train.config import current_choice
 from collage_train.errors import CheckpointError
 
 INDEX_COMPONENTS = ("remainder_ties",)  # positions, not one value per element
@@ -55,7 +56,7 @@ Reader = Callable[[str, int, int], dict[str, torch.Tensor]]
 class FullState:
     """Per-parameter state of one checkpoint, whatever layout wrote it."""
 
-    layout: str  # single | zero1 | zero2 | zero3 | universal
+    layout: str  # unsharded | zero1 | zero2 | zero3 | universal
     world_size: int  # ranks that wrote it
     shapes: dict[str, tuple[int, ...]]  # every parameter, in the model's order
     steps: dict[str, int]  # the optimizer's step count of each parameter
@@ -134,7 +135,7 @@ def _single(path: Path, names_by_index: list[str] | None) -> FullState:
         return out
 
     steps = {name: int(state.get("step", 0)) for name, state in state_of.items()}
-    return FullState("single", 1, shapes, steps, trainer, False, read)
+    return FullState("unsharded", 1, shapes, steps, trainer, False, read)
 
 
 # ------------------------------------------------------------------------ ZeRO
@@ -238,10 +239,11 @@ def _universal(path: Path, meta: dict[str, Any]) -> FullState:
 
 
 def layout_of(meta: dict[str, Any]) -> str:
-    """``single``, ``zero1``..``zero3`` or ``universal``: how a checkpoint is laid out."""
+    """``unsharded``, ``zero1``..``zero3`` or ``universal``: how a checkpoint is laid out
+    (``distributed=single``, the old name of ``unsharded``, read as it)."""
     if meta.get("layout") == UNIVERSAL:
         return UNIVERSAL
-    return str(meta.get("distributed", "single"))
+    return current_choice("distributed", str(meta.get("distributed", "unsharded")))
 
 
 def open_full_state(path: Path, names_by_index: list[str] | None = None) -> FullState:
@@ -254,7 +256,7 @@ def open_full_state(path: Path, names_by_index: list[str] | None = None) -> Full
             return _universal(path, meta)
         if layout in ZERO_ENGINES:
             return _zero(path, int(layout[-1]), int(meta.get("world_size", 1)))
-        if layout == "single":
+        if layout == "unsharded":
             return _single(path, names_by_index)
     except (KeyError, IndexError, TypeError, ValueError, OSError, json.JSONDecodeError) as err:
         raise CheckpointError(

@@ -14,12 +14,12 @@ from collage_train.comm.outer import METHODS as REPLICA_METHODS
 from collage_train.comm.outer import OuterSettings
 from collage_train.errors import ConfigError
 
-COMM_METHODS = ("ddp", *REPLICA_METHODS)
+COMM_METHODS = ("every_step", *REPLICA_METHODS)
 
 
 def comm_name(cfg: Any) -> str:
     """The method a ``comm`` sub-config names (``ddp`` when there is none)."""
-    return "ddp" if cfg is None else str(cfg.name)
+    return "every_step" if cfg is None else str(cfg.name)
 
 
 def uses_replicas(cfg: Any) -> bool:
@@ -39,7 +39,7 @@ def check_comm(cfg: Any) -> None:
         name in COMM_METHODS,
         f"unknown comm method {name!r}; choose one of: {', '.join(COMM_METHODS)}",
     )
-    if name == "ddp":
+    if name == "every_step":
         return
     _require(cfg.sync_every >= 1, f"comm.sync_every must be at least 1, got {cfg.sync_every}")
     _require(cfg.outer_lr > 0, f"comm.outer_lr must be positive, got {cfg.outer_lr}")
@@ -68,12 +68,12 @@ def check_comm(cfg: Any) -> None:
 
 
 def check_engine(cfg: Any, distributed: str) -> None:
-    """DiLoCo and SparseLoCo hold one whole model per process: only distributed=single."""
+    """DiLoCo and SparseLoCo hold one whole model per process: only distributed=unsharded."""
     check_comm(cfg)
     _require(
-        not uses_replicas(cfg) or distributed == "single",
+        not uses_replicas(cfg) or distributed == "unsharded",
         f"comm={comm_name(cfg)} keeps one whole model per process and needs "
-        f"distributed=single, not distributed={distributed}",
+        f"distributed=unsharded, not distributed={distributed}",
     )
 
 

@@ -16,7 +16,7 @@ from collage_train.engine.launch import launched_world_size
 from collage_train.engine.single import SingleProcessEngine, resolve_device
 from collage_train.errors import ConfigError
 
-ENGINES = ("single", "zero1", "zero2", "zero3")
+ENGINES = ("unsharded", "zero1", "zero2", "zero3")
 
 
 def build_engine(cfg: Any, comm_cfg: Any = None, *, device: str) -> Engine:
@@ -30,18 +30,18 @@ def build_engine(cfg: Any, comm_cfg: Any = None, *, device: str) -> Engine:
         from collage_train.engine.replicas import ReplicaEngine
 
         return ReplicaEngine(comm_cfg, resolve_device(device), cfg.timeout_minutes)
-    if cfg.name == "single":
+    if cfg.name == "unsharded":
         for key in ("reduce_dtype", "grad_accum_dtype"):
             if str(cfg.get(key, "auto")) != "auto":
                 raise ConfigError(
-                    f"distributed.{key} applies to the ZeRO engines; distributed=single "
+                    f"distributed.{key} applies to the ZeRO engines; distributed=unsharded "
                     "accumulates gradients in the weights' dtype and reduces nothing (remove it "
                     "or choose distributed=zero1|zero2|zero3)"
                 )
         if launched_world_size() > 1:
             raise ConfigError(
                 f"this process is one of {launched_world_size()} launched ranks but "
-                "distributed=single; choose distributed=zero1, zero2 or zero3 (or "
+                "distributed=unsharded; choose distributed=zero1, zero2 or zero3 (or "
                 "comm=diloco|sparseloco for one whole replica per process)"
             )
         return SingleProcessEngine(device=resolve_device(device))

@@ -245,7 +245,7 @@ class WandbSink:
         # resumes) form one group and the strategies overlay as separate lines.
         precision = config.get("precision", {}).get("name", "run")
         model = config.get("model", {}).get("name", "model")
-        distributed = config.get("distributed", {}).get("name", "single")
+        distributed = config.get("distributed", {}).get("name", "unsharded")
         chosen = {
             "project": cfg.project or os.environ.get("WANDB_PROJECT") or "collage_train",
             "entity": cfg.entity,  # None: WANDB_ENTITY or the account's default
