@@ -176,7 +176,14 @@ def data_config(data_cfg: DictConfig, init_from: str | None) -> DictConfig:
 
 
 def _keeps_master(strategy: Any) -> bool:
-    return strategy.master_dtype is not None or getattr(strategy, "master_remainder", False)
+    """A master to seed: an fp32 copy, a split remainder, or (precision=scalify) the scaled
+    fp16 parameter itself, which the fp32 values give its best rounding (the model's
+    cast to fp16 before scaling flushes values below 2**-14 to fp16's subnormals)."""
+    return (
+        strategy.master_dtype is not None
+        or getattr(strategy, "master_remainder", False)
+        or getattr(strategy, "scaled_params", False)
+    )
 
 
 def _fp32_weights(init_from: str) -> dict[str, torch.Tensor]:

@@ -254,7 +254,8 @@ class MemoryEstimate:
 
 
 def activation_dtype_bytes(strategy: PrecisionStrategy) -> int:
-    return (strategy.autocast_dtype or strategy.param_dtype).itemsize
+    dtype = strategy.autocast_dtype or strategy.activation_dtype or strategy.param_dtype
+    return dtype.itemsize
 
 
 def block_bytes_per_token(shape: ModelShape, elem: int) -> float:

@@ -34,7 +34,14 @@ from pathlib import Path
 import torch
 from runs import append_results, run_training
 
-STRATEGIES = ("mixed_fp32", "bf16", "collage_light", "collage_plus", "scalify")
+STRATEGIES = (
+    "mixed_fp32",
+    "bf16",
+    "collage_light",
+    "collage_plus",
+    "scalify",
+    "scalify_fp32_params",
+)
 BASELINE = "mixed_fp32"
 
 

@@ -1,10 +1,11 @@
 """Quality study: every precision strategy x beta2 on the same tiny model, same data order.
 
-For each strategy (fp32, mixed_fp32, split_fp32, bf16, collage_light, collage_plus, scalify:
-every configs/precision option) and each beta2 (0.95, 0.999) it trains ``--model`` (default
-gpt_tiny; llama_tiny for the Llama family) on the embedded corpus, with an lr schedule that
-decays 100x (so that late updates fall below bf16's rounding), and reports the final
-validation loss, the mean normalised EDQ and the mean lost-update fraction over the run.
+For each strategy (fp32, mixed_fp32, split_fp32, bf16, collage_light, collage_plus, scalify,
+scalify_fp32_params: every configs/precision option) and each beta2 (0.95, 0.999) it trains
+``--model`` (default gpt_tiny; llama_tiny for the Llama family) on the embedded corpus, with
+an lr schedule that decays 100x (so that late updates fall below bf16's rounding), and
+reports the final validation loss, the mean normalised EDQ and the mean lost-update
+fraction over the run.
 With ``--seeds N`` every cell is trained with N seeds (train.seed = 1..N: initialisation
 and data order) and reported as the mean and the sample standard deviation, so that a
 difference between strategies can be told from seed noise.
@@ -35,6 +36,7 @@ STRATEGIES = (
     "collage_light",
     "collage_plus",
     "scalify",
+    "scalify_fp32_params",
 )
 
 

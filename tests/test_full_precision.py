@@ -22,7 +22,8 @@ STRATEGIES = (
     "bf16",
     "collage_light",
     "collage_plus",
-    "scalify",
+    "scalify",  # bare fp16 parameters here: the scaled master kept beside them
+    "scalify_fp32_params",
 )
 
 
@@ -113,7 +114,7 @@ def test_each_strategy_reports_its_most_precise_value():
             assert bool(dtheta.ne(0).any())
             assert torch.equal(value, param.float() + dtheta.float())
 
-    params, optimizer = build("scalify")  # the fp32 weight holds the scaled-fp16 master
+    params, optimizer = build("scalify_fp32_params")  # the fp32 weight holds the fp16 master
     take_steps(params, optimizer)
     for param, value in zip(params, optimizer.full_precision_weights(), strict=True):
         assert torch.equal(value, param.float())

@@ -15,6 +15,8 @@ from zero_rank import one_zero_rank
 
 from collage_train.cli import run
 from collage_train.precision import available
+from collage_train.scalify.params import is_scaled
+from collage_train.scalify.scale import store_scaled
 from collage_train.trainer import Trainer
 
 LLAMA = [
@@ -76,7 +78,8 @@ def reference_loss(directory, batch: torch.Tensor) -> float:
 def test_every_strategy_starts_from_the_exported_weights(exported, make_cfg_module, tmp_path):
     """Every strategy: first loss = the directory's model on that batch (bf16 rounding; fp32:
     exact); the tokenizer is the directory's (data.vocab_size ignored); masters hold the fp32
-    weights, Collage's dtheta and every moment start at zero."""
+    weights (scalify's scaled fp16 parameters their scaled rounding), Collage's dtheta and
+    every moment start at zero."""
     directory, tokenizer = exported
     for name in available():
         cfg = make_cfg_module(
@@ -95,6 +98,11 @@ def test_every_strategy_starts_from_the_exported_weights(exported, make_cfg_modu
         else:
             assert all(not state for state in trainer.optimizer.state.values())
         for param_name, param in trainer.model.named_parameters():
+            if is_scaled(param):  # scalify: fp16 data under a scale, seeded from fp32 values
+                data, scale = store_scaled(fp32[param_name])
+                assert torch.equal(param.detach(), data), param_name
+                assert torch.equal(param.scalify_scale, scale), param_name
+                continue
             assert torch.equal(param, fp32[param_name].to(param.dtype)), param_name
         batch, loss = first_batch_and_loss(trainer)
         rel = 1e-6 if name == "fp32" else 5e-3  # bf16 weights; scalify's fp8 products

@@ -27,6 +27,9 @@ class PrecisionStrategy:
             ("none", "light" or "plus") that keeps all state in bf16.
         master_remainder: keep an exact fp32 master as the bf16 weight plus a 16-bit
             remainder (SplitMasterAdamW) instead of a separate fp32 copy.
+        activation_dtype: dtype of the activations the model computes and saves where it
+            is neither ``autocast_dtype`` nor ``param_dtype`` (Scalify: the fp32 values of
+            scaled fp16 parameters), for the memory planner; None: those decide.
         optimizer_state: the optimizer's own per-parameter state, as (component, bytes
             per parameter) pairs; with weights, gradients and master weights it sums to
             ``expected_state_bytes_per_param``.
@@ -43,6 +46,7 @@ class PrecisionStrategy:
     runs_under_zero: bool = True  # False: refused with distributed=zero1|zero2|zero3
     collage_mode: str | None = None
     master_remainder: bool = False
+    activation_dtype: torch.dtype | None = None
 
     def configured(self, precision_cfg: Any) -> PrecisionStrategy:
         """This strategy with the options of ``precision_cfg`` (the ``precision`` sub-config).

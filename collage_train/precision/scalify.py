@@ -123,6 +123,11 @@ class ScalifyStrategy(PrecisionStrategy):
         )
 
     @property
+    def scaled_params(self) -> bool:
+        """Whether the parameters are scaled fp16, each its own master (``scalify``)."""
+        return self.params == "fp16"
+
+    @property
     def computes_in_bf16(self) -> bool:
         return self.matmul == "bf16"  # the scaled modules' matmul format, whatever the params
 
@@ -152,7 +157,7 @@ class ScalifyStrategy(PrecisionStrategy):
         scalify_layer_norms(model, fmt, rescale="layernorm_grad" in self.rescale)
         if operands["operand_scales"] == "propagated":
             propagate_scales(model)
-        if self.params == "fp16":  # data + scale; gradients stored as scaled fp16 in backward
+        if self.scaled_params:  # data + scale; gradients stored as scaled fp16 in backward
             scale_parameters(model, rescale_grads="grads" in self.rescale)
         else:
             rescale_parameter_gradients(model, fmt, rescale="grads" in self.rescale)
@@ -237,6 +242,7 @@ def scalify_strategy(
         ),
         param_dtype=param_dtype,
         autocast_dtype=None,
+        activation_dtype=torch.float32,  # the modules compute on fp32 values either way
         master_dtype=master_dtype,
         # weights + gradients + master copy + two moments (0-d scales not counted)
         expected_state_bytes_per_param=2 * param_bytes + master_bytes + 2 * moment,

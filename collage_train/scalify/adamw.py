@@ -214,9 +214,8 @@ class ScaledAdamW(TrackingOptimizer):
 
     def _load_full_precision(self, param: torch.Tensor, value: torch.Tensor) -> None:
         if is_scaled(param):
-            state = self._state_for(param)
-            if "master" in state:  # master="fp32": the copy, and its rounding as the weight
-                state["master"] = value.clone()
+            if self.master == "fp32":  # the copy, and its scaled-fp16 rounding as the weight
+                self._state_for(param)["master"] = value.clone()
             store_value(param, value, self.scaled, keep_exact=True)
             return
         if self._keeps_master(param):
