@@ -129,6 +129,9 @@ def test_eight_byte_forward_equals_the_fp32_parameter_forward(family):
         # each side rounded to fp16 (11 bits) once per contribution and once for the sum
         bound = 4 * 2.0**-11 * theirs.grad.abs().max().item()
         assert (grad_value(ours) - theirs.grad).abs().max().item() <= bound, name
+    # the norm clipping sees and the trainer logs is the gradient values' norm
+    theirs_norm = clip_grad_norm(fp32_params.parameters(), 0.0).item()
+    assert clip_grad_norm(model.parameters(), 0.0).item() == pytest.approx(theirs_norm, rel=1e-3)
 
 
 @pytest.mark.parametrize("magnitude", [1.0, 1e-7])

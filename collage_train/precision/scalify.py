@@ -52,6 +52,11 @@ fp16 matmuls with fp32 master and state match fp32 at 2.87).
 parameter its scaled-fp16 rounding (the paper's "fp16 matmuls and gradients, fp32
 master" setting): 12 bytes per parameter; ``optimizer_state=fp32`` adds 4 more.
 
+The trainer casts the fp32 initialisation to ``param_dtype`` before ``prepare_model``
+scales it, so under ``scalify`` an initial weight below fp16's normal range (2**-14, about
+0.2% of a 0.02-std init) keeps the plain fp16 cast's absolute precision (2**-24) rather
+than 11 significant bits; ``model.init_from`` weights are stored from their fp32 values.
+
 The residual stream follows the add rule (``collage_train.scalify.residual``): it is
 stored in the activation format (fp16 for fp8/fp16 matmuls) under the scale the
 propagation table gives it, entering the first block and leaving each block. The
