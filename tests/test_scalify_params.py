@@ -333,3 +333,22 @@ def test_an_eight_byte_run_measures_8_bytes_and_exports_ordinary_weights(make_cf
     assert export.main([str(run_dir), "--out", str(tmp_path / "from-checkpoint")]) == 0
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "from-checkpoint").state_dict()
     assert all(torch.equal(again[key], tensor) for key, tensor in exported.items())
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_activation_checkpointing_gives_the_same_scaled_gradients(family):
+    """Recomputed blocks see the same values (the pre-hooks run again in backward) and
+    every gradient is stored once: data and scales equal the plain run's bit for bit."""
+    _, plain = _scaled(family)
+    _, checkpointed = _scaled(family)
+    checkpointed.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False}
+    )
+    for model in (plain, checkpointed):
+        model.train()
+        model(input_ids=IDS, labels=IDS).loss.backward()
+    for (name, ours), (_, theirs) in zip(
+        checkpointed.named_parameters(), plain.named_parameters(), strict=True
+    ):
+        assert torch.equal(ours.grad, theirs.grad), name
+        assert torch.equal(getattr(ours.grad, SCALE_ATTR), getattr(theirs.grad, SCALE_ATTR))
