@@ -314,7 +314,10 @@ def model_state(shape: ModelShape, setting: Setting) -> MemoryEstimate:
         shard = 1
     else:
         accumulate = setting.gradient_dtypes.accumulate if setting.gradient_dtypes else None
-        per_param = zero_state_bytes(strategy, setting.stage, setting.gpus, accumulate)
+        offload = setting.offload_optimizer or setting.offload_param
+        per_param = zero_state_bytes(
+            strategy, setting.stage, setting.gpus, accumulate, offload=offload
+        )
         weights, grads = n * per_param.weights, n * per_param.gradients
         master = n * per_param.master
         shard = setting.gpus

@@ -3,16 +3,20 @@ partition segments for EDQ, and how launched ranks agree on one run directory.""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_config import compose_cfg
+from zero_rank import one_zero_rank
 
 from collage_train.engine import build_engine, launch
+from collage_train.engine import zero as zero_engine
 from collage_train.engine.deepspeed_config import render_deepspeed_config
 from collage_train.engine.zero import _merge_runs
 from collage_train.engine.zero_memory import zero_state_bytes
@@ -20,6 +24,7 @@ from collage_train.errors import ConfigError
 from collage_train.metrics import descent_metrics, descent_partials
 from collage_train.optim import AdamW, CollageAdamW
 from collage_train.precision import get_strategy
+from collage_train.trainer import Trainer
 
 
 def render(*overrides: str, precision: str = "collage_plus", **kwargs):
@@ -146,20 +151,19 @@ def test_offload_rules_are_explained():
 
 def test_analytic_zero_state_bytes():
     plus, mixed = get_strategy("collage_plus"), get_strategy("mixed_fp32")
-    # weights 2, bf16 master partition 2/N, (m, v, dtheta, dv) 8/N
-    assert zero_state_bytes(plus, 1, 2).persistent == 2 + 1 + 4
+    # weights 2, the bf16 master partition is the weights' own, (m, v, dtheta, dv) 8/N
+    assert zero_state_bytes(plus, 1, 2).persistent == 2 + 0 + 4
     assert zero_state_bytes(plus, 2, 4).gradients == 0.5
-    assert zero_state_bytes(plus, 3, 2).persistent == 1 + 1 + 4  # DeepSpeed copies it
+    assert zero_state_bytes(plus, 3, 2).persistent == 1 + 0 + 4
+    # with offload DeepSpeed's own copy of the partition stays (2/N)
+    assert zero_state_bytes(plus, 3, 2, offload=True).persistent == 1 + 1 + 4
     # weights 2, fp32 master 4/N, fp32 moments 8/N
     assert zero_state_bytes(mixed, 2, 2).persistent == 2 + 2 + 4
     assert zero_state_bytes(mixed, 3, 2).persistent == 1 + 2 + 4
     # one rank and stage 1 holds what one process holds
-    for name in ("mixed_fp32", "bf16", "collage_light", "collage_plus"):
+    for name in ("fp32", "mixed_fp32", "split_fp32", "bf16", "collage_light", "collage_plus"):
         strategy = get_strategy(name)
-        one = zero_state_bytes(strategy, 1, 1)
-        master = (strategy.master_dtype or strategy.param_dtype).itemsize
-        extra = 0 if strategy.master_dtype else master  # DeepSpeed's copy of the partition
-        assert one.total == strategy.expected_state_bytes_per_param + extra
+        assert zero_state_bytes(strategy, 1, 1).total == strategy.expected_state_bytes_per_param
 
 
 def test_adjacent_segments_of_one_group_merge():
@@ -348,3 +352,106 @@ def test_a_cpu_run_in_an_nccl_group_is_refused_in_one_line(monkeypatch):
     with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES="):
         launch.check_process_group(torch.device("cpu"))
     launch.check_process_group(torch.device("cuda", 0))  # what the group is for
+
+
+# ------------------------------------------------ one ZeRO rank in this process
+
+
+def _zero_trainer(make_cfg, run_dir, monkeypatch, *overrides):
+    one_zero_rank(monkeypatch)
+    return Trainer(make_cfg(*overrides), run_dir)
+
+
+@pytest.mark.parametrize(
+    ("precision", "stage"),
+    [("collage_plus", 1), ("collage_plus", 2), ("collage_plus", 3), ("bf16", 2),
+     ("mixed_fp32", 2)],
+)  # fmt: skip
+def test_zero_steps_the_weight_partition_without_a_copy(
+    make_cfg, tmp_path, monkeypatch, precision, stage
+):
+    """DeepSpeed's same-dtype copy of the master partition is freed and the optimizer
+    updates the weights' own partition; the state this rank holds is the analytic one
+    (collage_plus: 10 bytes per parameter on one rank, 12 with the copy). mixed_fp32's
+    fp32 masters are a partition of their own and stay."""
+    copies: list[weakref.ref] = []
+    share = zero_engine.share_weight_partitions
+
+    def spied(zero, stage):
+        masters = (
+            zero.fp32_partitioned_groups_flat
+            if stage == 3
+            else zero.single_partition_of_fp32_groups
+        )
+        copies.extend(weakref.ref(master) for master in masters)
+        return share(zero, stage)
+
+    monkeypatch.setattr(zero_engine, "share_weight_partitions", spied)
+    # ZeRO-3 keeps parameters below the threshold whole on every rank besides their shard
+    # (all of this tiny model's): none here, so that the bytes are the analytic ones.
+    persistence = "+distributed.deepspeed.zero_optimization.stage3_param_persistence_threshold=0"
+    extra = [persistence] if stage == 3 else []
+    trainer = _zero_trainer(
+        make_cfg, tmp_path / "run", monkeypatch,
+        f"precision={precision}", f"distributed=zero{stage}", *extra,
+    )  # fmt: skip
+    try:
+        engine, strategy = trainer.engine, get_strategy(precision)
+        zero = engine.ds.optimizer
+        weights = zero.bit16_groups_flat if stage < 3 else zero.fp16_partitioned_groups_flat
+        masters = engine.master_partitions()
+        shared = [
+            master.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+            for master, weight in zip(masters, weights, strict=True)
+        ]
+        gc.collect()
+        freed = [copy() is None for copy in copies]
+        assert engine.shares_weight_partitions == (precision != "mixed_fp32")
+        assert all(shared) == all(freed) == engine.shares_weight_partitions
+        trainer.train_step()
+        # the partitions the optimizer stepped (its state is keyed by them)
+        assert {id(p) for p in trainer.optimizer.state} == {id(m) for m in masters}
+        assert all(m.dtype == (strategy.master_dtype or strategy.param_dtype) for m in masters)
+        num_params = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.model.parameters())
+        analytic = engine.expected_state_bytes_per_param(strategy)
+        assert engine.state_bytes() / num_params == pytest.approx(analytic, rel=2e-3)
+        # a checkpoint holds each master partition in its own storage of its own size
+        saved = zero.state_dict()
+        key = "single_partition_of_fp32_groups" if stage < 3 else "fp32_flat_groups"
+        for tensor, weight in zip(saved[key], weights, strict=True):
+            storage = tensor.untyped_storage()
+            assert storage.nbytes() == tensor.numel() * tensor.element_size()
+            assert storage.data_ptr() != weight.untyped_storage().data_ptr()
+    finally:
+        trainer.engine.close()
+    if precision == "collage_plus":
+        assert analytic == 2 + 8  # weights + (m, v, dtheta, dv): no master beside them
+
+
+def test_one_zero2_rank_trains_bit_for_bit_like_one_process(make_cfg, tmp_path, monkeypatch):
+    """A world of one: ZeRO-2 reduces nothing, and DeepSpeed's clipping leaves a gradient
+    under the limit untouched, so its steps are one process's to the bit, losses, weights
+    and every Collage state component (stepping the weights in place changed none)."""
+    common = ("precision=collage_plus", "optim.lr=3e-3", "optim.warmup_steps=0")
+    single = Trainer(make_cfg(*common), tmp_path / "single")
+    expected = [single.train_step()["loss"] for _ in range(4)]
+    trainer = _zero_trainer(make_cfg, tmp_path / "zero", monkeypatch, *common, "distributed=zero2")
+    try:
+        assert [trainer.train_step()["loss"] for _ in range(4)] == expected
+        theirs = dict(single.model.named_parameters())
+        for name, param in trainer.model.named_parameters():
+            assert torch.equal(param.detach(), theirs[name].detach()), name
+        by_name = {param: name for name, param in trainer.model.named_parameters()}
+        zero = trainer.engine.ds.optimizer
+        for index, flat in enumerate(trainer.engine.master_partitions()):
+            state = trainer.optimizer.state[flat]
+            for param in zero.bit16_groups[index]:
+                low = param._hp_mapping.lp_fragment_address
+                high = param._hp_mapping.hp_fragment_address
+                mine = single.optimizer.state[theirs[by_name[param]]]
+                for key in ("exp_avg", "exp_avg_sq", "dtheta", "dv"):
+                    got = state[key][high.start : high.start + high.numel]
+                    want = mine[key].reshape(-1)[low.start : low.start + low.numel]
+                    assert torch.equal(got, want), (by_name[param], key)
+    finally:
+        trainer.engine.close()

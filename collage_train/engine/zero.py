@@ -6,6 +6,11 @@ all-bf16 strategies (bf16, collage_light, collage_plus) DeepSpeed keeps bf16 mas
 weights and bf16 optimizer state, so Collage's extra components (dtheta, dv) are
 partitioned with the rest and nothing is held in fp32. For mixed_fp32 the partitions
 are fp32 masters (DeepSpeed's standard bf16 mode).
+
+Where the master partition would be in the weights' own dtype (bf16, collage_light,
+collage_plus and split_fp32 with bf16 masters; fp32), DeepSpeed would still keep it as a
+copy of this rank's partition of the weights; ``ZeroEngine`` hands the optimizer the
+weight partition itself instead and frees the copy (``share_weight_partitions``).
 """
 
 from __future__ import annotations
@@ -86,6 +91,98 @@ def _merge_runs(segments: list[Segment]) -> list[Segment]:
     return merged
 
 
+def _detached_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor with its own storage holding ``tensor``'s values, flags and attributes."""
+    copy = tensor.detach().clone().requires_grad_(tensor.requires_grad)
+    copy.__dict__.update(tensor.__dict__)
+    return copy
+
+
+def _save_partitions_compact(zero: Any, key: str) -> None:
+    """Make ``zero.state_dict()`` hold copies of its ``key`` partitions.
+
+    ``torch.save`` writes a view's whole storage: a master partition that is a view of the
+    weights would otherwise carry every rank's weights into each rank's optimizer file.
+    The copies hold the same values under the same key (2/N bytes per parameter, only
+    while a checkpoint is being written).
+    """
+    state_dict = zero.state_dict
+
+    def compact_state_dict() -> dict[str, Any]:
+        state = state_dict()
+        state[key] = [_detached_copy(tensor) for tensor in state[key]]
+        return state
+
+    zero.state_dict = compact_state_dict
+
+
+def share_weight_partitions(zero: Any, stage: int) -> bool:
+    """Let the client optimizer step this rank's weight partition in place, where DeepSpeed
+    keeps the master partition as a copy of it in the same dtype; free the copy.
+
+    DeepSpeed 0.19.8 clones the partition at stages 1 and 2; at stage 3 it means to reuse
+    the weight partition when the dtypes match, but compares the tensor's ``torch.device``
+    with its device-name string, which is never equal, so it clones there too. After each
+    optimizer step it copies the master partition into the weight partition (and then
+    all-gathers the weights, stages 1-2, or re-points the parameters' shards, stage 3).
+    With the master the weight partition itself, that copy is a no-op: torch returns early
+    when source and destination are the same memory. Every value computed is therefore
+    the same as with the copy, which only ever held what it was about to copy back.
+
+    Replaces each master partition by an alias of the weight partition (a leaf tensor on
+    the same storage, with the master's attributes) in DeepSpeed's list and the client
+    optimizer's ``param_groups`` (and state, if any), re-links DeepSpeed's per-parameter
+    views of it (stages 1-2: ``_hp_mapping``, used by its fragment API and checkpoints), and
+    makes checkpoints save compact copies (``_save_partitions_compact``). Nothing else
+    holds the old copy, so it is freed. Not done with optimizer or parameter offload (the
+    master then lives on another device, or in buffers DeepSpeed swaps), nor when any
+    partition's dtype, device or size differs (mixed_fp32's fp32 masters): returns False
+    and DeepSpeed's copy stays. Call it right after ``deepspeed.initialize``, before the
+    first step and before anything keys on the master partitions.
+    """
+    if stage < 3:
+        if zero.cpu_offload:
+            return False
+        masters = zero.single_partition_of_fp32_groups
+        weights = [
+            partitions[dist.get_rank(group=zero.real_dp_process_group[index])]
+            for index, partitions in enumerate(zero.parallel_partitioned_bit16_groups)
+        ]
+        key = "single_partition_of_fp32_groups"
+    else:
+        if zero.offload_optimizer or zero.offload_param:
+            return False
+        masters = zero.fp32_partitioned_groups_flat
+        weights = list(zero.fp16_partitioned_groups_flat)
+        key = "fp32_flat_groups"
+
+    def layout(tensor: torch.Tensor | None) -> tuple[Any, ...] | None:
+        return None if tensor is None else (tensor.dtype, tensor.device, tensor.shape)
+
+    if len(masters) != len(weights) or any(
+        layout(master) != layout(weight) for master, weight in zip(masters, weights, strict=True)
+    ):
+        return False
+    optimizer = zero.optimizer
+    for index, (master, weight) in enumerate(zip(masters, weights, strict=True)):
+        if not torch.equal(master.detach().view(torch.uint8), weight.view(torch.uint8)):
+            raise RuntimeError(
+                f"DeepSpeed's master partition {index} differs from the weights it was copied "
+                "from before the first step; refusing to replace it"
+            )
+        alias = weight.detach().requires_grad_(True)
+        alias.__dict__.update(master.__dict__)  # stage 3: ds_id
+        masters[index] = alias
+        for group in optimizer.param_groups:
+            group["params"] = [alias if param is master else param for param in group["params"]]
+        if master in optimizer.state:
+            optimizer.state[alias] = optimizer.state.pop(master)
+    if stage < 3:
+        zero._link_all_hp_params()
+    _save_partitions_compact(zero, key)
+    return True
+
+
 class ZeroEngine:
     """One data-parallel rank of a DeepSpeed ZeRO run."""
 
@@ -112,6 +209,7 @@ class ZeroEngine:
         # the run directory, so that what DeepSpeed was told is on record.
         self.deepspeed_config: dict[str, Any] | None = None
         self.gradient_dtypes: GradientDtypes | None = None
+        self.shares_weight_partitions = False  # set at prepare
 
     @property
     def is_main(self) -> bool:
@@ -143,6 +241,9 @@ class ZeroEngine:
             model=model, optimizer=optimizer, config=config, dist_init_required=False
         )
         self.model, self.optimizer = model, optimizer
+        # The optimizer steps the weight partition itself where DeepSpeed would keep a
+        # same-dtype copy of it (zero_memory.zero_state_bytes counts what stays).
+        self.shares_weight_partitions = share_weight_partitions(self.ds.optimizer, self.stage)
         if strategy.master_dtype is not None and strategy.master_dtype != strategy.param_dtype:
             # The optimizer updates fp32 masters; the model sees their bf16 rounding.
             optimizer.descent_view_dtype = strategy.param_dtype
@@ -249,7 +350,12 @@ class ZeroEngine:
 
     def _analytic_bytes(self, strategy: PrecisionStrategy) -> ZeroStateBytes:
         dtypes = self.gradient_dtypes or gradient_dtypes(self.dist_cfg, strategy, self.stage)
-        return zero_state_bytes(strategy, self.stage, self.world_size, dtypes.accumulate)
+        offload = any(
+            getattr(self.dist_cfg, key, False) for key in ("offload_optimizer", "offload_param")
+        )
+        return zero_state_bytes(
+            strategy, self.stage, self.world_size, dtypes.accumulate, offload=offload
+        )
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -6,13 +6,18 @@ What one rank of N holds, per parameter, for a precision strategy (DeepSpeed 0.1
 |-------------------------------------|---------|---------|-----------------|
 | weights (param dtype)               | full    | full    | 1/N             |
 | gradients at the step (accum dtype) | full    | 1/N     | 1/N             |
-| master partition (master dtype)     | 1/N     | 1/N     | 1/N*            |
+| master partition (master dtype)     | 1/N*    | 1/N*    | 1/N*            |
 | optimizer state (its components)    | 1/N     | 1/N     | 1/N             |
 
-(*) Stage 3 is meant to update the weight partition in place when master and param
-dtypes match (bf16 masters), but DeepSpeed 0.19.8 decides this by comparing a
-``torch.device`` with a device-name string, which is never equal, so it always keeps
-a separate copy of the partition (measured by scripts/bench_zero_memory.py).
+(*) Only where the master dtype differs from the weights' (mixed_fp32's fp32 masters),
+or with offload. Where they match (bf16, collage_light, collage_plus and split_fp32 with
+bf16 masters; fp32), DeepSpeed 0.19.8 would keep a copy of this rank's weight partition
+as the master partition (stages 1-2 clone it; stage 3 means not to, but compares a
+``torch.device`` with a device-name string, which is never equal), and
+``engine.zero.share_weight_partitions`` has the optimizer step the weight partition
+itself and frees that copy: the master costs nothing beyond the weights. With
+``offload`` (``distributed.offload_optimizer`` or ``offload_param``) the copy stays:
+the master then lives apart from the weights. Measured by scripts/bench_zero_memory.py.
 
 Gradients are held in ``distributed.grad_accum_dtype`` (DeepSpeed's fp32 gradient
 partition at stages 2 and 3, its ``grad_accum`` copies at stage 1 with offload), in the
@@ -59,14 +64,21 @@ def zero_state_bytes(
     stage: int,
     world_size: int,
     grad_accum_dtype: torch.dtype | None = None,
+    *,
+    offload: bool = False,
 ) -> ZeroStateBytes:
-    """Analytic bytes per parameter on one of ``world_size`` ranks at ZeRO ``stage``."""
+    """Analytic bytes per parameter on one of ``world_size`` ranks at ZeRO ``stage``.
+
+    ``offload``: optimizer or parameter offload is on, so a master partition in the
+    weights' dtype is a copy of its own (it is the weight partition otherwise).
+    """
     param = strategy.param_dtype.itemsize
     grad = (grad_accum_dtype or strategy.param_dtype).itemsize
     master_dtype = strategy.master_dtype or strategy.param_dtype
+    is_weights = master_dtype == strategy.param_dtype and not offload
     return ZeroStateBytes(
         weights=param if stage < 3 else param / world_size,
         gradients=grad if stage == 1 else grad / world_size,
-        master=master_dtype.itemsize / world_size,
+        master=0.0 if is_weights else master_dtype.itemsize / world_size,
         optimizer=optimizer_state_bytes(strategy) / world_size,
     )
