@@ -19,8 +19,9 @@ three record classes DeepSpeed writes (``verify_checkpoint_files``).
 
 The rest of the package reads a checkpoint of any layout per parameter for an elastic
 resume (``full_state``, with ``pieces`` saying where each parameter's elements lie on
-each rank) and writes the rank-independent layout (``universal``; ``python -m
-collage_train.checkpoint convert``).
+each rank) and writes any checkpoint in the rank-independent layout (``universal``) or
+in an engine's own layout (``native``: DeepSpeed ZeRO-1/2/3 on N ranks, one process),
+both through ``python -m collage_train.checkpoint convert``.
 """
 
 from __future__ import annotations
@@ -209,6 +210,33 @@ def save_checkpoint(
     tmp = begin_checkpoint(run_dir, step)
     write_tensors(tmp, tensors)
     return commit_checkpoint(run_dir, step, tmp, meta, keep, extra_files)
+
+
+def begin_new_directory(out: Path) -> Path:
+    """The hidden temporary directory ``.NAME.tmp`` beside ``out`` that a converted
+    checkpoint is written into (a stale one of a crashed writer is removed first);
+    ``out`` must not exist."""
+    if out.exists():
+        raise CheckpointError(f"{out} already exists; name a new directory")
+    tmp = out.parent / f".{out.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish_directory(
+    tmp: Path, out: Path, meta: dict[str, Any], extra_files: dict[str, bytes]
+) -> Path:
+    """Make every file in ``tmp`` durable, ``seal`` it (``meta.json`` last) and rename it
+    to ``out``: a crash before the rename leaves only the hidden ``tmp``."""
+    for file in tmp.rglob("*"):  # files written by safetensors or json are not fsynced yet
+        if file.is_file():
+            with file.open("rb") as handle:
+                os.fsync(handle.fileno())
+    seal(tmp, meta, extra_files)
+    os.rename(tmp, out)
+    _fsync_dir(out.parent)
+    return out
 
 
 def remove_temporary_dirs(run_dir: Path) -> None:

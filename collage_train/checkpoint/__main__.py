@@ -1,11 +1,18 @@
-"""``python -m collage_train.checkpoint convert SRC OUT``: any checkpoint into the
-rank-independent layout (``collage_train.checkpoint.universal``).
+"""``python -m collage_train.checkpoint convert SRC OUT [--to LAYOUT] [--world-size N]``: any
+checkpoint into another layout.
 
-SRC is a ``checkpoints/step-N`` directory or a run directory (its newest checkpoint);
-OUT must not exist. SRC is checked against its recorded sizes and CRC-32s and its pickled
-files against the restricted unpickler before anything is read, and is never changed.
-One parameter's state is in memory at a time. Bad input ends in one ``error:`` line
-and exit status 2.
+``--to universal`` (the default) writes the rank-independent layout
+(``collage_train.checkpoint.universal``) that every engine resumes from on any number of
+ranks; ``--to zero1|zero2|zero3 --world-size N`` writes DeepSpeed's own ZeRO layout for N
+ranks, and ``--to unsharded`` the one-process layout (``collage_train.checkpoint.native``),
+which those engines load directly, without resharding.
+
+SRC is a ``checkpoints/step-N`` directory or a run directory (its newest checkpoint), in any
+layout; OUT must not exist. SRC is checked against its recorded sizes and CRC-32s and its
+pickled files against the restricted unpickler before anything is read, and is never
+changed. At most one parameter's state is read into memory at a time (the ZeRO and
+one-process writers hold the output file being filled; ``native`` bounds it). Bad input
+ends in one ``error:`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -13,17 +20,22 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from collage_train import checkpoint
+from collage_train.checkpoint import native
 from collage_train.checkpoint.full_state import open_full_state
-from collage_train.checkpoint.universal import write_universal
+from collage_train.checkpoint.universal import UNIVERSAL, write_universal
 from collage_train.errors import (
     BAD_INPUT,
     WEIGHT_LOAD_ERRORS,
     CheckpointError,
     CollageError,
+    ConfigError,
     first_line,
 )
+
+LAYOUTS = (UNIVERSAL, *native.ENGINES)
 
 
 def _resolve(path: Path) -> Path:
@@ -35,29 +47,62 @@ def _resolve(path: Path) -> Path:
     return latest
 
 
-def convert(source: Path, out: Path) -> Path:
-    """Write checkpoint ``source`` (or a run's newest) into ``out`` in the universal layout."""
+def convert(source: Path, out: Path, to: str = UNIVERSAL, world_size: int | None = None) -> Path:
+    """Write checkpoint ``source`` (or a run's newest) into ``out`` in layout ``to``: the
+    universal layout, or ``unsharded``/``zero1..3`` for ``world_size`` ranks."""
+    if to not in LAYOUTS:
+        raise ConfigError(f"unknown layout --to {to}; choose one of: {', '.join(LAYOUTS)}")
+    if to == UNIVERSAL and world_size is not None:
+        raise ConfigError(
+            "--world-size applies to --to unsharded|zero1|zero2|zero3; the "
+            "universal layout is the same on any number of ranks"
+        )
+    if out.exists():
+        raise CheckpointError(f"{out} already exists; name a new directory")
     source = _resolve(source)
     why = checkpoint.damage(source)
     if why:
         raise CheckpointError(f"{source} is damaged: {why}")
     checkpoint.verify_checkpoint_files(source)
-    return write_universal(source, open_full_state(source), out)
+    if to == UNIVERSAL:
+        return write_universal(source, open_full_state(source), out)
+    target = native.check_target(checkpoint.read_meta(source), to, world_size)
+    return native.write_native(source, open_full_state(source), out, target)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one ``error:`` line and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(BAD_INPUT)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collage_train.checkpoint", description=__doc__)
+    parser = _Parser(prog="python -m collage_train.checkpoint", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    command = commands.add_parser("convert", help="write a checkpoint in the universal layout")
+    command = commands.add_parser("convert", help="write a checkpoint in another layout")
     command.add_argument("source", type=Path, help="checkpoints/step-N or a run directory")
-    command.add_argument("out", type=Path, help="new directory for the universal layout")
+    command.add_argument("out", type=Path, help="new directory for the converted checkpoint")
+    command.add_argument(
+        "--to",
+        default=UNIVERSAL,
+        metavar="LAYOUT",
+        help=f"{', '.join(LAYOUTS)} (default: {UNIVERSAL})",
+    )
+    command.add_argument(
+        "--world-size", type=int, metavar="N", help="ranks to write for (zero1|zero2|zero3)"
+    )
     args = parser.parse_args(argv)
     try:
-        out = convert(args.source, args.out)
+        out = convert(args.source, args.out, args.to, args.world_size)
     except (CollageError, *WEIGHT_LOAD_ERRORS) as err:
         print(f"error: cannot convert {args.source}: {first_line(err)}", file=sys.stderr)
         return BAD_INPUT
-    print(f"wrote {out} (universal layout: one safetensors file per parameter)")
+    if args.to == UNIVERSAL:
+        print(f"wrote {out} (universal layout: one safetensors file per parameter)")
+    else:
+        print(native.describe(out))
     return 0
 
 

@@ -159,13 +159,15 @@ def _zero(path: Path, stage: int, world_size: int) -> FullState:
     weight_dtype = next(module[name].dtype for name in shapes if name in module)
     if stage < 3:
         layout = zero12_pieces([optim["param_slice_mappings"] for optim in optims])
-        states = [_group_states(optim["base_optimizer_state"]) for optim in optims]
+        states = [_group_states(optim["base_optimizer_state"], len(group_shapes))
+                  for optim in optims]  # fmt: skip
         masters = [optim["single_partition_of_fp32_groups"] for optim in optims]
     else:
         numels = [[(name, math.prod(shape)) for name, shape in group.items()]
                   for group in group_shapes]  # fmt: skip
         layout = [zero3_rank_pieces(numels, rank, world_size) for rank in range(world_size)]
-        states = [_group_states(optim["optimizer_state_dict"]) for optim in optims]
+        states = [_group_states(optim["optimizer_state_dict"], len(group_shapes))
+                  for optim in optims]  # fmt: skip
         masters = [optim["fp32_flat_groups"] for optim in optims]
     check_tiling(layout, {name: math.prod(shape) for name, shape in shapes.items()}, str(path))
     by_name: dict[str, list[tuple[int, Piece]]] = {}
@@ -205,11 +207,12 @@ def _zero(path: Path, stage: int, world_size: int) -> FullState:
     )  # fmt: skip
 
 
-def _group_states(saved: Any) -> list[dict[str, Any]]:
-    """The client optimizer's state of each parameter group (one flat tensor per group)."""
+def _group_states(saved: Any, flat_count: int) -> list[dict[str, Any]]:
+    """The client optimizer's state of each of a rank's ``flat_count`` flat tensors (one per
+    parameter group; at stage 3 one per sub-group, several where a group is cut)."""
     if isinstance(saved, dict) and "state" in saved:
         state = saved["state"]
-        return [state.get(index, {}) for index in range(len(saved["param_groups"]))]
+        return [state.get(index, {}) for index in range(flat_count)]
     return list(saved)  # DeepSpeed's elastic form: a list, one state per group
 
 

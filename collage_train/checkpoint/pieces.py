@@ -5,14 +5,20 @@ parameter ``name`` sit at ``[flat_start, flat_start + numel)`` of flat tensor ``
 one rank. Every layout is a list of pieces per rank:
 
 - one process: each parameter is its own flat tensor, one piece covering it whole;
-- ZeRO stages 1 and 2: each parameter group is concatenated (with DeepSpeed's alignment
-  padding) and cut into equal partitions, so a parameter may be split between ranks;
+- ZeRO stages 1 and 2: each parameter group is concatenated, padded at its end to a
+  multiple of 2 x N elements (DeepSpeed's 4-byte alignment of 16-bit elements, times the
+  N ranks) and cut into N equal partitions, so a parameter may be split between ranks;
   DeepSpeed records each rank's fragments (``param_slice_mappings``: start in the rank's
   partition and length) in flat order, and a parameter's fragments over the ranks, in
   rank order, tile it;
 - ZeRO stage 3: each parameter is cut into ``ceil(numel / N)``-element shards (the last
   one padded), and rank ``r``'s flat tensor concatenates shard ``r`` of each parameter of
-  the group, in the order of DeepSpeed's ``param_shapes``.
+  the group, in the order of DeepSpeed's ``param_shapes``. DeepSpeed cuts a group into
+  sub-groups (each its own flat tensor) once its running partition size reaches
+  ``zero_optimization.sub_group_size`` (``zero3_sub_groups``).
+
+The ``*_rank_pieces`` functions compute where DeepSpeed puts each element for a given
+number of ranks, for writing a checkpoint in its layout (``checkpoint.native``).
 
 Invariant: over all ranks of a layout, the pieces of a parameter tile ``[0, numel)``
 exactly once; padding belongs to no piece. ``check_tiling`` refuses a layout that breaks
@@ -58,6 +64,56 @@ def zero12_pieces(slice_mappings: list[list[dict[str, Any]]]) -> list[list[Piece
                 consumed[name] = consumed.get(name, 0) + numel
         layout.append(pieces)
     return layout
+
+
+def zero12_partition_numel(group_numel: int, world_size: int) -> int:
+    """Elements of each rank's partition of a ZeRO-1/2 flat group of ``group_numel``
+    elements: DeepSpeed pads the group to a multiple of ``2 * world_size``."""
+    alignment = 2 * world_size
+    return math.ceil(group_numel / alignment) * alignment // world_size
+
+
+def zero12_rank_pieces(
+    group_numels: list[list[tuple[str, int]]], rank: int, world_size: int
+) -> list[Piece]:
+    """Pieces of ``rank`` at ZeRO stages 1-2 from each group's (name, numel) in flat order
+    (DeepSpeed's defaults: no ``round_robin_gradients``, no ``parameter_alignment``)."""
+    pieces = []
+    for group, params in enumerate(group_numels):
+        size = zero12_partition_numel(sum(numel for _, numel in params), world_size)
+        low, high = rank * size, (rank + 1) * size
+        offset = 0
+        for name, numel in params:
+            start, stop = max(low, offset), min(high, offset + numel)
+            if start < stop:
+                pieces.append(Piece(name, group, start - offset, start - low, stop - start))
+            offset += numel
+    return pieces
+
+
+def zero3_sub_groups(
+    group_numels: list[list[tuple[str, int]]], world_size: int, sub_group_size: int
+) -> tuple[list[list[tuple[str, int]]], list[int]]:
+    """DeepSpeed's stage-3 sub-groups of each group (a sub-group ends with the parameter
+    whose shard brings its running size to ``sub_group_size``) and the group of each."""
+    sub_groups: list[list[tuple[str, int]]] = []
+    group_of: list[int] = []
+    for group, params in enumerate(group_numels):
+        shard = [math.ceil(numel / world_size) for _, numel in params]
+        if sub_group_size >= sum(shard):
+            sub_groups.append(list(params))
+            group_of.append(group)
+            continue
+        current: list[tuple[str, int]] = []
+        running = 0
+        for index, (param, size) in enumerate(zip(params, shard, strict=True)):
+            current.append(param)
+            running += size
+            if running >= sub_group_size or index == len(params) - 1:
+                sub_groups.append(current)
+                group_of.append(group)
+                current, running = [], 0
+    return sub_groups, group_of
 
 
 def zero3_rank_pieces(

@@ -23,8 +23,6 @@ engine's own layout.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,11 +80,8 @@ def write_universal(source: Path, state: FullState, out: Path) -> Path:
 
     ``out`` must not exist; an unfinished write leaves only a hidden ``.NAME.tmp``.
     """
-    if out.exists():
-        raise CheckpointError(f"{out} already exists; name a new directory")
-    tmp = out.parent / f".{out.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "params").mkdir(parents=True)
+    tmp = checkpoint.begin_new_directory(out)
+    (tmp / "params").mkdir()
     parameters = {}
     for name, shape in state.shapes.items():
         components = {key: value.contiguous() for key, value in state.read(name).items()}
@@ -109,11 +104,4 @@ def write_universal(source: Path, state: FullState, out: Path) -> Path:
         },
         "parameters": parameters,
     }
-    for file in tmp.rglob("*"):  # written by safetensors and json: make them durable
-        if file.is_file():
-            with file.open("rb") as handle:
-                os.fsync(handle.fileno())
-    checkpoint.seal(tmp, meta, extra)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    os.rename(tmp, out)
-    return out
+    return checkpoint.publish_directory(tmp, out, meta, extra)

@@ -1,0 +1,249 @@
+"""``python -m collage_train.checkpoint convert --to zero1|zero2|zero3|unsharded``: any checkpoint
+written in an engine's own layout (``checkpoint.native``), in process.
+
+One process -> one in-process ZeRO rank through DeepSpeed's own loader (the non-elastic
+path), element for element, and the files equal what DeepSpeed itself saves; chains over
+3 and 6 ranks read back bit for bit by our reader and by DeepSpeed's ``zero_to_fp32``; bad
+input is one line. The 2-rank launch that resumes a converted checkpoint is in test_zero.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_elastic import _assert_bitwise, _plant_ties, _state_of
+from zero_rank import one_zero_rank
+
+from collage_train import checkpoint
+from collage_train.checkpoint.__main__ import main as convert_main
+from collage_train.checkpoint.full_state import needs_reshard, open_full_state
+from collage_train.checkpoint.pieces import zero3_sub_groups, zero12_rank_pieces
+from collage_train.trainer import Trainer
+
+
+def files_of(path: Path) -> dict[str, bytes]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+def convert(source: Path, out: Path, *options: str) -> int:
+    return convert_main(["convert", str(source), str(out), *options])
+
+
+def assert_same_tree(mine: Any, theirs: Any, where: str = "") -> None:
+    """Equal structure and values, tensors bit for bit with their dtype; DeepSpeed's records
+    by their state. Learning rates (set again at every step) and ``ds_config`` (the converter
+    records the layout's settings only) are not compared."""
+    if torch.is_tensor(theirs):
+        assert torch.is_tensor(mine) and mine.dtype == theirs.dtype, where
+        assert mine.shape == theirs.shape and torch.equal(mine, theirs), where
+    elif isinstance(theirs, dict):
+        assert type(mine) is type(theirs) and list(mine) == list(theirs), (where, mine, theirs)
+        for key in theirs:
+            if key not in ("lr", "ds_config"):
+                assert_same_tree(mine[key], theirs[key], f"{where}.{key}")
+    elif isinstance(theirs, list | tuple):
+        assert type(mine) is type(theirs) and len(mine) == len(theirs), where
+        for index, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+            assert_same_tree(a, b, f"{where}[{index}]")
+    elif type(theirs).__name__ == "_Record":
+        assert type(mine).__name__ == "_Record" and vars(mine) == vars(theirs), where
+    else:
+        assert mine == theirs, (where, mine, theirs)
+
+
+def assert_same_deepspeed_files(mine: Path, theirs: Path) -> None:
+    names = sorted(p.name for p in theirs.glob("*.pt"))
+    assert sorted(p.name for p in mine.glob("*.pt")) == names and names
+    for name in names:
+        ours = checkpoint.open_restricted(mine / name)
+        assert isinstance(ours["ds_config"], dict)  # DeepSpeed's universal converter needs one
+        assert_same_tree(ours, checkpoint.open_restricted(theirs / name), name)
+
+
+def assert_zero_state_matches(zero: Trainer, expected: dict[str, dict]) -> None:
+    """Each master partition and optimizer-state tensor of an in-process ZeRO rank holds the
+    one-process state ``expected`` (``_state_of``) element for element, ties renumbered."""
+    flats = zero.engine.master_partitions()
+    for pieces, flat in zip(zero.engine.partition_pieces(), flats, strict=True):
+        state, ties = zero.optimizer.state[flat], []
+        for piece in pieces:
+            want = expected[piece.name]
+            span = slice(piece.flat_start, piece.flat_start + piece.numel)
+            master = want.get("master", want["weight"])
+            assert torch.equal(flat[span], master.reshape(-1)), piece.name
+            assert state["step"] == want["step"]
+            for key, value in want.items():
+                if key == "remainder_ties":
+                    ties.append(value + piece.flat_start)
+                elif key not in ("weight", "master", "step"):
+                    assert torch.equal(state[key][span], value.reshape(-1)), (piece, key)
+        if ties:
+            assert torch.equal(state["remainder_ties"], torch.cat(ties))
+    with zero.engine.full_weights() as model:
+        for name, param in model.named_parameters():
+            assert torch.equal(param.detach(), expected[name]["weight"]), name
+
+
+@pytest.mark.parametrize(
+    ("precision", "stage"), [("mixed_fp32", 3), ("collage_plus", 2), ("split_fp32", 1)]
+)
+def test_one_process_converted_to_zero_loads_with_deepspeeds_own_loader(
+    make_cfg, tmp_path, monkeypatch, capsys, precision, stage
+):
+    """The converted files resume through ``engine.load`` (not the elastic reader) with
+    every weight, master and optimizer-state component of the source, and are the files
+    DeepSpeed writes when it saves that state."""
+    single = Trainer(make_cfg(f"precision={precision}"), tmp_path / "run")
+    for _ in range(2):
+        single.train_step()
+    if precision == "split_fp32":
+        _plant_ties(single)
+    path = single.save_checkpoint()
+    expected, saved = _state_of(single), files_of(path)
+    out = tmp_path / "converted"
+    assert convert(path, out, "--to", f"zero{stage}", "--world-size", "1") == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert f"distributed=zero{stage} on 1 rank" in line and "not carried over: nothing" in line
+    meta = checkpoint.read_meta(out)
+    assert (meta["distributed"], meta["world_size"]) == (f"zero{stage}", 1)
+    assert not needs_reshard(meta, f"zero{stage}", 1) and checkpoint.damage(out) is None
+    assert files_of(path) == saved  # the source is read, never changed
+
+    one_zero_rank(monkeypatch)
+    cfg = make_cfg(f"precision={precision}", f"distributed=zero{stage}")
+    zero = Trainer(cfg, tmp_path / "zero-run")
+    try:
+
+        def elastic(_state):
+            raise AssertionError(
+                "read per parameter: the converted files were not used as they are"
+            )
+
+        monkeypatch.setattr(zero.engine, "load_full", elastic)
+        zero.resume_from(out)
+        assert "elastic resume" not in capsys.readouterr().out
+        assert zero.step == 2
+        assert zero.data.train_loader.state_dict() == single.data.train_loader.state_dict()
+        assert_zero_state_matches(zero, expected)
+        # DeepSpeed saving what it loaded writes the converter's files again (learning rates
+        # aside, which the trainer sets before each step)
+        again = zero.save_checkpoint()
+        assert_same_deepspeed_files(out, again)
+        assert zero.train_step()["loss"] == pytest.approx(single.train_step()["loss"], rel=1e-6)
+    finally:
+        zero.engine.close()
+
+
+def zero_to_fp32(path: Path) -> dict[str, torch.Tensor]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+
+
+def test_layouts_chain_over_3_and_6_ranks_and_back_to_one_process_bit_for_bit(make_cfg, tmp_path):
+    """One process -> ZeRO-2 on 3 ranks -> ZeRO-3 on 6 -> universal -> ZeRO-1 on 2 -> one
+    process (mixed_fp32: fp32 masters apart from the weights): every component of every
+    parameter arrives bit for bit at each hop, DeepSpeed's zero_to_fp32 reads each ZeRO hop
+    to the masters (tied weights included), and the last checkpoint resumes in one process
+    as the source. Collage's components on several ranks: test_zero.py."""
+    cfg = make_cfg("precision=mixed_fp32", "train.global_batch_size=12", "train.micro_batch_size=2")
+    single = Trainer(cfg, tmp_path / "run")
+    for _ in range(2):
+        single.train_step()
+    source = single.save_checkpoint()
+    reference = open_full_state(source)
+    hops = [
+        ("zero2", "3"),
+        ("zero3", "6"),
+        ("universal", None),
+        ("zero1", "2"),
+        ("unsharded", None),
+    ]
+    previous = source
+    for layout, ranks in hops:
+        out = tmp_path / f"{layout}-{ranks}"
+        options = ["--to", layout] + (["--world-size", ranks] if ranks else [])
+        assert convert(previous, out, *options) == 0, layout
+        state = open_full_state(out)
+        assert state.layout == layout and state.shapes == reference.shapes
+        for name in reference.shapes:
+            theirs, mine = reference.read(name), state.read(name)
+            assert mine.keys() == theirs.keys(), name
+            for key, value in theirs.items():
+                assert mine[key].dtype == value.dtype and torch.equal(mine[key], value), (name, key)
+            assert state.steps[name] == reference.steps[name]
+        if layout.startswith("zero"):
+            masters = zero_to_fp32(out)
+            assert masters["lm_head.weight"] is masters["transformer.wte.weight"]  # tied
+            for name in reference.shapes:
+                parts = reference.read(name)
+                want = parts.get("master", parts["weight"]).float()
+                assert torch.equal(masters[name].reshape(-1), want), (layout, name)
+        previous = out
+    resumed = Trainer(cfg, tmp_path / "resumed")
+    resumed.resume_from(previous)
+    _assert_bitwise(_state_of(resumed), _state_of(single))
+    assert resumed.train_step()["loss"] == single.train_step()["loss"]
+
+
+def test_deepspeeds_partitions_for_n_ranks():
+    """Stages 1-2 pad each group to a multiple of 2N and cut it in N; stage 3 cuts a group
+    once its running shard size reaches sub_group_size."""
+    groups = [[("a", 5), ("b", 4)], [("c", 3)]]
+    # group 0: 9 elements padded to 12 for 3 ranks: partitions [0, 4), [4, 8), [8, 12)
+    assert [(p.name, p.param_start, p.flat_start, p.numel) for p in zero12_rank_pieces(groups, 1, 3)
+            if p.group == 0] == [("a", 4, 0, 1), ("b", 0, 1, 3)]  # fmt: skip
+    # group 1: 3 elements padded to 6; rank 2's share of it is padding only
+    assert [(p.name, p.group) for p in zero12_rank_pieces(groups, 2, 3)] == [("b", 0)]
+    assert [(p.name, p.param_start) for p in zero12_rank_pieces(groups, 1, 3) if p.group] == [
+        ("c", 2)
+    ]
+    sub_groups, group_of = zero3_sub_groups([[("a", 8), ("b", 8), ("c", 2)]], 2, 4)
+    assert sub_groups == [[("a", 8)], [("b", 8)], [("c", 2)]] and group_of == [0, 0, 0]
+    assert zero3_sub_groups(groups, 2, 10**9) == (groups, [0, 1])
+
+
+def exit_status(source: Path, out: Path, *options: str) -> int:
+    """``convert``'s exit status, argparse's usage errors (SystemExit) included."""
+    try:
+        return convert(source, out, *options)
+    except SystemExit as stop:
+        return int(stop.code)
+
+
+def test_bad_input_is_one_error_line_and_leaves_the_source(make_cfg, tmp_path, capsys):
+    trainer = Trainer(make_cfg("precision=collage_plus"), tmp_path / "run")  # batch 16 = 8 x 2
+    trainer.train_step()
+    path = trainer.save_checkpoint()
+    scalify = Trainer(make_cfg("precision=scalify"), tmp_path / "scalify")
+    scalify.train_step()
+    scalify_path = scalify.save_checkpoint()
+    (tmp_path / "taken").mkdir()
+    cases = [
+        (path, "new", ["--to", "zero4", "--world-size", "2"], "unknown layout"),
+        (path, "new", ["--to", "zero2"], "needs --world-size"),
+        (path, "new", ["--to", "zero2", "--world-size", "two"], "invalid int"),
+        (path, "new", ["--to", "zero2", "--world-size", "3"], "choose a world size among [1, 2]"),
+        (path, "new", ["--to", "unsharded", "--world-size", "2"], "one process"),
+        (path, "new", ["--world-size", "2"], "universal layout is the same"),
+        (path, "taken", ["--to", "zero2", "--world-size", "2"], "already exists"),
+        (scalify_path, "new", ["--to", "zero3", "--world-size", "1"], "does not run under"),
+    ]
+    shard = path / "optimizer.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # damaged: refused on its checksum before anything is read
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for file in path.iterdir():
+        (damaged / file.name).write_bytes(bytes(data) if file == shard else file.read_bytes())
+    cases.append((damaged, "new", ["--to", "zero2", "--world-size", "2"], "checksum"))
+    before = files_of(tmp_path)
+    for source, out, options, reason in cases:
+        assert exit_status(source, tmp_path / out, *options) == 2, options
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("error:") and reason in line, (options, line)
+        assert files_of(tmp_path) == before  # nothing changed, nothing written
+        assert not list(tmp_path.glob(".new*"))
