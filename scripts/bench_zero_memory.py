@@ -4,7 +4,9 @@ For every precision strategy and ZeRO stage, two ranks (the real ``deepspeed`` l
 CPU accelerator with gloo unless a GPU is present) build the model, take one optimizer
 step through ``ZeroEngine`` and measure what each rank holds between steps: weights,
 master partition and optimizer state (gradients are freed after every step and are
-listed analytically). The analytic values are ``collage_train.engine.zero_memory``.
+listed analytically), and whether the master partition is the weight partition itself
+(``ZeroEngine.shares_weight_partitions``) or a copy of its own. The analytic values are
+``collage_train.engine.zero_memory``.
 
     python scripts/bench_zero_memory.py --model gpt_125m --json zero_memory.json
 
@@ -28,7 +30,7 @@ STRATEGIES = ("mixed_fp32", "bf16", "collage_light", "collage_plus")
 STAGES = (1, 2, 3)
 
 
-def measure(model_name: str, seq_len: int, device: str) -> list[dict]:
+def measure(model_name: str, seq_len: int, device: str, strategies: list[str]) -> list[dict]:
     """Worker: run inside each launched rank; rank 0 returns the rows."""
     import torch
     import torch.nn.functional as F
@@ -45,7 +47,7 @@ def measure(model_name: str, seq_len: int, device: str) -> list[dict]:
     register_schemas()
     rows = []
     for stage in STAGES:
-        for name in STRATEGIES:
+        for name in strategies:
             with initialize_config_dir(config_dir(), version_base="1.3"):
                 cfg = compose(
                     "config",
@@ -92,6 +94,7 @@ def measure(model_name: str, seq_len: int, device: str) -> list[dict]:
                     "expected_bytes_per_param": expected.persistent,
                     "expected_gradient_bytes_per_param": expected.gradients,
                     "state_dtypes": dtypes,
+                    "master_is_weights": engine.shares_weight_partitions,
                     "device": str(engine.device),
                 }
             )
@@ -103,8 +106,8 @@ def measure(model_name: str, seq_len: int, device: str) -> list[dict]:
 def table(rows: list[dict]) -> str:
     lines = [
         "| strategy | ZeRO stage | measured B/param, rank 0 / rank 1 | analytic | ratio | "
-        "gradients (analytic) | master + optimizer dtypes |",
-        "|---|---|---|---|---|---|---|",
+        "gradients (analytic) | master partition | master + optimizer dtypes |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         measured = row["measured_bytes_per_param"]
@@ -113,7 +116,9 @@ def table(rows: list[dict]) -> str:
             f"{' / '.join(f'{m:.2f}' for m in measured)} | "
             f"{row['expected_bytes_per_param']:.2f} | "
             f"{max(measured) / row['expected_bytes_per_param']:.3f} | "
-            f"{row['expected_gradient_bytes_per_param']:.2f} | {', '.join(row['state_dtypes'])} |"
+            f"{row['expected_gradient_bytes_per_param']:.2f} | "
+            f"{'the weights' if row.get('master_is_weights') else 'own copy'} | "
+            f"{', '.join(row['state_dtypes'])} |"
         )
     return "\n".join(lines)
 
@@ -124,13 +129,16 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument(
+        "--strategies", nargs="+", default=list(STRATEGIES), help="precision strategies"
+    )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.worker_out is not None:  # inside a launched rank
-        rows = measure(args.model, args.seq_len, args.device)
+        rows = measure(args.model, args.seq_len, args.device, args.strategies)
         if int(os.environ.get("RANK", "0")) == 0:
             args.worker_out.write_text(json.dumps(rows))
         return
@@ -144,7 +152,7 @@ def main() -> None:
         shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed"),
         "--num_gpus", str(args.ranks), "--no_local_rank", str(Path(__file__).resolve()),
         "--model", args.model, "--seq-len", str(args.seq_len), "--device", args.device,
-        "--worker-out", str(out),
+        "--worker-out", str(out), "--strategies", *args.strategies,
     ]  # fmt: skip
     proc = subprocess.run(command, cwd=scratch, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
