@@ -35,7 +35,7 @@ from collage_train.scalify.params import (
     unscale_weights,
     value_of,
 )
-from collage_train.scalify.scale import SCALE_ATTR, is_power_of_two
+from collage_train.scalify.scale import SCALE_ATTR, is_power_of_two, rms_scale, value_rms_scale
 
 IDS = torch.randint(0, 96, (3, 16), generator=torch.Generator().manual_seed(1))
 
@@ -75,6 +75,22 @@ def test_the_registry_entries_and_their_bytes(make_cfg, tmp_path):
         from collage_train.trainer import Trainer
 
         Trainer(make_cfg("precision=scalify_fp32_params", "distributed=zero1"), tmp_path)
+
+
+def test_value_rms_scale_of_scaled_data_is_the_values_rms_scale():
+    """What propagation reads off a scaled parameter: the RMS scale of data * scale, exactly."""
+    generator = torch.Generator().manual_seed(5)
+    params = [
+        torch.nn.Parameter(torch.randn(64, 32, generator=generator) * magnitude)
+        for magnitude in (1e-30, 1e-6, 1.0, 3e4, 0.0)
+    ]
+    scale_parameters(torch.nn.ParameterList(params))
+    for param in params:
+        expected = rms_scale(value_of(param))
+        assert torch.equal(value_rms_scale(param), expected), expected
+        with torch.no_grad():
+            param.mul_(1.9)  # data off its stored scale's range: still the value's
+        assert torch.equal(value_rms_scale(param), rms_scale(value_of(param)))
 
 
 def test_the_scale_attribute_is_one_name_everywhere():
@@ -235,9 +251,9 @@ def test_descent_is_measured_on_the_values():
         accumulate_grad(p, g)
     before = [value_of(p).double() for p in params]
     grads = [grad_value(p).double() for p in params]
-    optimizer.track_descent = True
+    optimizer.track_edq = True
     optimizer.step()
-    metrics = optimizer.descent_metrics()
+    metrics = optimizer.edq_metrics()
     dot = norm_sq = lost = moved = 0.0
     for p, w, g in zip(params, before, grads, strict=True):
         update = -LR * g / (g.abs() + EPS) - LR * WD * w
@@ -293,7 +309,7 @@ def test_step_temporaries_of_scaled_parameters_match_the_planner():
         live.track_training_state(params, optimizer)
         live.track(p.grad for p in params)
         before = live.current
-        optimizer.track_descent = True
+        optimizer.track_edq = True
         optimizer.step()
     numel = sum(p.numel() for p in params)
     largest = max(p.numel() for p in params)

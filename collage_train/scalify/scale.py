@@ -76,11 +76,14 @@ def value_rms_scale(t: torch.Tensor) -> torch.Tensor:
     RMS scale of ``data * scale`` exactly (scaling by a power of two commutes with every
     rounding of the float64 RMS); for any other tensor ``rms_scale(t)``."""
     scale = getattr(t, SCALE_ATTR, None)
-    data_scale = rms_scale(t)
     if scale is None:
-        return data_scale
+        return rms_scale(t)
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.float32, device=t.device)
+    rms = t.detach().to(torch.float64).square().mean().sqrt()
+    value = _as_scale(rms * scale.to(device=t.device, dtype=torch.float64))
     # all-zero data stands for zero, whose scale is 1 whatever the stored scale
-    return torch.where(t.detach().ne(0).any(), data_scale * scale.to(t.device), data_scale)
+    return torch.where(rms == 0, torch.ones_like(value), value)
 
 
 def load_scaled(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
