@@ -40,6 +40,31 @@ def _assert_bitwise(mine: dict, theirs: dict) -> None:
                 assert value == other, (name, key)
 
 
+def assert_zero_state_matches(zero: Trainer, expected: dict[str, dict]) -> None:
+    """Each master partition and optimizer-state tensor of an in-process ZeRO rank, and each
+    weight, holds the one-process state ``expected`` (``_state_of``) element for element,
+    tie positions renumbered into the flat partition."""
+    flats = zero.engine.master_partitions()
+    for pieces, flat in zip(zero.engine.partition_pieces(), flats, strict=True):
+        state, ties = zero.optimizer.state[flat], []
+        for piece in pieces:
+            want = expected[piece.name]
+            span = slice(piece.flat_start, piece.flat_start + piece.numel)
+            master = want.get("master", want["weight"])
+            assert torch.equal(flat[span], master.reshape(-1)), piece.name
+            assert state["step"] == want["step"]
+            for key, value in want.items():
+                if key == "remainder_ties":
+                    ties.append(value + piece.flat_start)
+                elif key not in ("weight", "master", "step"):
+                    assert torch.equal(state[key][span], value.reshape(-1)), (piece, key)
+        if ties:
+            assert torch.equal(state["remainder_ties"], torch.cat(ties))
+    with zero.engine.full_weights() as model:
+        for name, param in model.named_parameters():
+            assert torch.equal(param.detach(), expected[name]["weight"]), name
+
+
 def _plant_ties(trainer: Trainer) -> torch.Tensor:
     """Make elements 3 and 7 of the first weight's fp32 master exact ties (low half 0x8000),
     which split_fp32 stores as positions beside its remainder."""
@@ -138,27 +163,10 @@ def test_one_process_checkpoint_resumes_under_zero_element_for_element(
     try:
         zero.resume_from(path)
         assert zero.step == 2
-        flats = zero.engine.master_partitions()
-        for pieces, flat in zip(zero.engine.partition_pieces(), flats, strict=True):
-            state, ties = zero.optimizer.state[flat], []
-            for piece in pieces:
-                want = expected[piece.name]
-                span = slice(piece.flat_start, piece.flat_start + piece.numel)
-                master = want.get("master", want["weight"])
-                assert torch.equal(flat[span], master.reshape(-1)), piece.name
-                assert state["step"] == want["step"]
-                for key, value in want.items():
-                    if key == "remainder_ties":
-                        ties.append(value + piece.flat_start)
-                    elif key not in ("weight", "master", "step"):
-                        assert torch.equal(state[key][span], value.reshape(-1)), (piece, key)
-            if ties:
-                assert torch.equal(state["remainder_ties"], torch.cat(ties))
+        assert_zero_state_matches(zero, expected)
         if precision == "split_fp32":
+            flats = zero.engine.master_partitions()
             assert sum(zero.optimizer.state[f]["remainder_ties"].numel() for f in flats) >= 2
-        with zero.engine.full_weights() as model:
-            for name, param in model.named_parameters():
-                assert torch.equal(param.detach(), expected[name]["weight"]), name
         # the same weights and data: the next step's loss (before its update) agrees
         assert zero.train_step()["loss"] == pytest.approx(single.train_step()["loss"], rel=1e-6)
     finally:
