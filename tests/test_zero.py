@@ -24,9 +24,11 @@ import pytest
 import torch
 from cli_runner import Result, rank_threads, run_cli, run_deepspeed, run_torchrun, tiny_overrides
 from safetensors.torch import load_file
+from test_convert_native import assert_same_deepspeed_files
 from tiny_config import compose_tiny
 
 from collage_train import checkpoint
+from collage_train.checkpoint.__main__ import main as convert_main
 from collage_train.checkpoint.full_state import open_full_state
 from collage_train.trainer import Trainer
 
@@ -391,3 +393,35 @@ def test_corrupted_shard_or_other_strategy_is_one_line_and_leaves_the_checkpoint
     (line,) = result.error_lines
     assert "no intact checkpoint" in line and "checksum" in line and shard.name in line, line
     assert files_of(run_dir / "checkpoints") == before
+
+
+def test_zero2_through_universal_and_back_resumes_with_deepspeeds_loader(
+    runs, corpus_dir, cache_dir, tmp_path
+):
+    """2-rank ZeRO-2 -> universal -> ZeRO-2 on 2 ranks (``checkpoint convert --to zero2``)
+    gives DeepSpeed's own files (every tensor, record and mapping as it saved them), which a
+    2-rank launch resumes through DeepSpeed's loader, not the elastic reader, to the very
+    losses and weights of the original resumed (test_zero2_resume_continues_to_the_same_weights:
+    those of the uninterrupted run)."""
+    full_dir, _ = runs("zero2", "collage_plus")
+    run_dir = rewound_to_step_4(full_dir, tmp_path / "run")
+    step_4 = run_dir / "checkpoints" / "step-4"
+    universal, back = tmp_path / "universal", tmp_path / "zero2"
+    assert convert_main(["convert", str(step_4), str(universal)]) == 0
+    to_zero2 = ["--to", "zero2", "--world-size", "2"]
+    assert convert_main(["convert", str(universal), str(back), *to_zero2]) == 0
+    assert_same_deepspeed_files(back, step_4)
+    shutil.rmtree(step_4)
+    back.rename(step_4)
+    result = run_deepspeed(
+        *tiny_overrides(corpus_dir, cache_dir, run_dir), "logging.log_every=1",
+        "precision=collage_plus", "distributed=zero2", "train.resume=true",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout and "elastic resume" not in result.stdout
+    resumed, full = train_records(run_dir), train_records(full_dir)
+    assert [resumed[s]["loss"] for s in range(5, 9)] == [full[s]["loss"] for s in range(5, 9)]
+    weights = load_file(run_dir / "hf" / "model.safetensors")
+    at_end = load_file(full_dir / "hf" / "model.safetensors")
+    assert weights.keys() == at_end.keys()
+    assert all(torch.equal(weights[k], at_end[k]) for k in at_end)
