@@ -94,10 +94,10 @@ def check_target(meta: dict[str, Any], engine: str, world_size: int | None) -> T
             "it resumes only with the replicas that wrote it"
         )
     strategy = strategy_for(OmegaConf.create(config["precision"]))
-    if engine in ZERO_ENGINES and not strategy.runs_under_zero:
+    if not strategy.runs_under_zero:  # resume.py refuses to reshard it too
         raise ConfigError(
-            f"precision={strategy.name} does not run under DeepSpeed ZeRO; convert it --to "
-            "unsharded or --to universal"
+            f"precision={strategy.name} does not run under DeepSpeed ZeRO and resumes only on "
+            "the engine and processes that wrote it (its scales are per tensor): not converted"
         )
     global_batch = int(config["train"]["global_batch_size"])
     micro_batch = int(config["train"]["micro_batch_size"])
