@@ -77,6 +77,17 @@ def assert_same_deepspeed_files(mine: Path, theirs: Path) -> None:
         assert_same_tree(ours, checkpoint.open_restricted(theirs / name), name)
 
 
+def assert_same_full_state(mine: FullState, theirs: FullState) -> None:
+    """Every component of every parameter, and its step, bit for bit with its dtype."""
+    assert mine.shapes == theirs.shapes
+    for name in theirs.shapes:
+        ours, other = mine.read(name), theirs.read(name)
+        assert ours.keys() == other.keys(), name
+        for key, value in other.items():
+            assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), (name, key)
+        assert mine.steps[name] == theirs.steps[name]
+
+
 @pytest.mark.parametrize(
     ("precision", "stage"), [("mixed_fp32", 3), ("collage_plus", 2), ("split_fp32", 1)]
 )
@@ -85,8 +96,12 @@ def test_one_process_converted_to_zero_loads_with_deepspeeds_own_loader(
 ):
     """The converted files resume through ``engine.load`` (not the elastic reader) with
     every weight, master and optimizer-state component of the source, and are the files
-    DeepSpeed writes when it saves that state."""
-    single = Trainer(make_cfg(f"precision={precision}"), tmp_path / "run")
+    DeepSpeed writes when it saves that state. At stage 3 the run's recorded
+    ``sub_group_size`` cuts the matrices' group into sub-groups, as DeepSpeed does."""
+    settings = [f"precision={precision}"]
+    if stage == 3:  # 16384 + 1024 + 3072 elements reach 20000: a sub-group ends there
+        settings.append("+distributed.deepspeed={zero_optimization:{sub_group_size:20000}}")
+    single = Trainer(make_cfg(*settings), tmp_path / "run")
     for _ in range(2):
         single.train_step()
     if precision == "split_fp32":
@@ -100,10 +115,11 @@ def test_one_process_converted_to_zero_loads_with_deepspeeds_own_loader(
     meta = checkpoint.read_meta(out)
     assert (meta["distributed"], meta["world_size"]) == (f"zero{stage}", 1)
     assert not needs_reshard(meta, f"zero{stage}", 1) and checkpoint.damage(out) is None
+    assert_same_full_state(open_full_state(out), open_full_state(path))  # stage 3: sub-groups
     assert files_of(path) == saved  # the source is read, never changed
 
     one_zero_rank(monkeypatch)
-    cfg = make_cfg(f"precision={precision}", f"distributed=zero{stage}")
+    cfg = make_cfg(*settings, f"distributed=zero{stage}")
     zero = Trainer(cfg, tmp_path / "zero-run")
     try:
 
@@ -118,6 +134,7 @@ def test_one_process_converted_to_zero_loads_with_deepspeeds_own_loader(
         assert zero.step == 2
         assert zero.data.train_loader.state_dict() == single.data.train_loader.state_dict()
         assert_zero_state_matches(zero, expected)
+        assert len(zero.engine.master_partitions()) == (3 if stage == 3 else 2)
         # DeepSpeed saving what it loaded writes the converter's files again (learning rates
         # aside, which the trainer sets before each step)
         again = zero.save_checkpoint()
@@ -152,13 +169,8 @@ def test_layouts_chain_over_3_and_6_ranks_and_back_to_one_process_bit_for_bit(ma
         options = ["--to", layout] + (["--world-size", ranks] if ranks else [])
         assert convert(previous, out, *options) == 0, layout
         state = open_full_state(out)
-        assert state.layout == layout and state.shapes == reference.shapes
-        for name in reference.shapes:
-            theirs, mine = reference.read(name), state.read(name)
-            assert mine.keys() == theirs.keys(), name
-            for key, value in theirs.items():
-                assert mine[key].dtype == value.dtype and torch.equal(mine[key], value), (name, key)
-            assert state.steps[name] == reference.steps[name]
+        assert state.layout == layout
+        assert_same_full_state(state, reference)
         if layout.startswith("zero"):
             masters = zero_to_fp32(out)
             assert masters["lm_head.weight"] is masters["transformer.wte.weight"]  # tied
