@@ -151,7 +151,7 @@ def plot_loss(runs: list[Run]) -> plt.Figure:
     return fig
 
 
-def plot_descent(runs: list[Run]) -> plt.Figure:
+def plot_edq(runs: list[Run]) -> plt.Figure:
     fig, (edq_ax, lost_ax) = _figure(runs)
     for i, run in enumerate(runs):
         measured = [r for r in run.train if "edq_normalized" in r]
@@ -217,7 +217,7 @@ def write_report(runs: list[Run], out: Path) -> list[Path]:
     written = []
     plots = {"loss.png": plot_loss, "throughput_memory.png": plot_throughput_memory}
     if any(any("edq_normalized" in r for r in run.train) for run in runs):
-        plots["descent.png"] = plot_descent
+        plots["edq.png"] = plot_edq
     for name, plot in plots.items():
         fig = plot(runs)
         fig.savefig(out / name, dpi=110)

@@ -181,7 +181,7 @@ def _keeps_master(strategy: Any) -> bool:
     cast to fp16 before scaling flushes values below 2**-14 to fp16's subnormals)."""
     return (
         strategy.master_dtype is not None
-        or getattr(strategy, "master_remainder", False)
+        or strategy.optimizer.kind == "split_master"
         or getattr(strategy, "scaled_params", False)
     )
 

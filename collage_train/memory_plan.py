@@ -290,14 +290,13 @@ def saved_activation_bytes(
 
 
 def step_transient_kind(setting: Setting) -> str:
-    """Which optimizer implementation runs, for ``STEP_TRANSIENT``."""
-    strategy = setting.strategy
-    if strategy.collage_mode is not None:
-        return "fused" if setting.fused_optimizer else f"collage_{strategy.collage_mode}"
-    if strategy.master_remainder:
-        return "split_master"
-    if getattr(strategy, "step_transient_kind", None):  # e.g. Scalify's ScaledAdamW
-        return strategy.step_transient_kind
+    """Which optimizer implementation runs (the strategy's ``OptimizerSpec``), for
+    ``STEP_TRANSIENT``."""
+    strategy, spec = setting.strategy, setting.strategy.optimizer
+    if spec.kind == "collage":
+        return "fused" if setting.fused_optimizer else f"collage_{spec.collage_mode}"
+    if spec.kind in ("split_master", "scaled_adamw"):
+        return spec.kind
     if strategy.master_dtype is not None and setting.stage == 0:
         return "adamw_master"
     return "adamw_fp32"  # fp32, or mixed_fp32 under ZeRO (DeepSpeed hands it fp32 masters)

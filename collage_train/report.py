@@ -67,7 +67,7 @@ def train_record(trainer: Any, window: list[dict[str, Any]]) -> dict[str, Any]:
     elapsed = sum(w["time"] for w in window)
     tokens_per_s = trainer.tokens_per_step * len(window) / elapsed
     world_size = trainer.engine.world_size
-    descent = next((w["descent"] for w in reversed(window) if w["descent"]), {})
+    edq = next((w["edq"] for w in reversed(window) if w["edq"]), {})
     loader = trainer.data.train_loader
     return {
         "step": trainer.step,
@@ -86,7 +86,7 @@ def train_record(trainer: Any, window: list[dict[str, Any]]) -> dict[str, Any]:
             tokens_per_s / world_size, trainer.flops_per_token, trainer.peak_tflops
         ),
         **peak_memory(trainer.device),
-        **descent,
+        **edq,
         **trainer.engine.comm_metrics(),
         **scale_metrics(trainer),
     }

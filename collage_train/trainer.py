@@ -33,7 +33,7 @@ from collage_train.errors import ConfigError
 from collage_train.export import export_from_engine
 from collage_train.memory_plan import check_state_fits
 from collage_train.metrics import Sink, detect_peak_tflops, reset_peak_memory
-from collage_train.metrics.descent import layer_groups
+from collage_train.metrics.edq import layer_groups
 from collage_train.metrics.step_window import settle
 from collage_train.models import (
     build_model,
@@ -91,9 +91,10 @@ class Trainer:
         self.num_params = count_parameters(self.model)
         self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
         self.layer_groups = layer_groups(self.model)  # rows of StepOutcome.edq
-        self.with_dtheta = self.strategy.collage_mode in ("light", "plus")  # EDQ's dtheta terms
+        spec = self.strategy.optimizer
+        self.with_dtheta = spec.has_dtheta  # EDQ's dtheta terms
         self.optimizer_kernel = choose_kernel(
-            cfg.optim.kernel, self.device, self.num_params, self.strategy.collage_mode
+            cfg.optim.kernel, self.device, self.num_params, spec.collage_mode
         )
         self.optimizer = self.strategy.build_optimizer(
             decay_param_groups(self.model, cfg.optim.weight_decay),
@@ -261,7 +262,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": outcome.grad_norm,
             "data_time": data_time,
-            "descent": outcome.edq,
+            "edq": outcome.edq,
         }
 
     def _settle(self, window: list[dict[str, Any]], *, stop_requested: bool, since: float) -> bool:

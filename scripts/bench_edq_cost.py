@@ -1,7 +1,7 @@
 """Cost of measuring effective descent quality: optimizer step time with tracking on and off.
 
 Times ``CollageAdamW`` (modes none, light, plus) and the fp32-master ``AdamW`` on bf16
-parameters of transformer-like shapes, each step with ``track_descent`` off and on, in
+parameters of transformer-like shapes, each step with ``track_edq`` off and on, in
 alternating order; reports the median step time and the ratio. With EDQ measured every
 ``log_every`` steps, the amortised overhead is the ratio's excess divided by that.
 
@@ -46,11 +46,11 @@ def time_steps(optimizer: torch.optim.Optimizer, steps: int) -> dict[bool, float
     times: dict[bool, list[float]] = {False: [], True: []}
     for i in range(2 * steps):
         track = i % 2 == 1
-        optimizer.track_descent = track
+        optimizer.track_edq = track
         start = time.perf_counter()
         optimizer.step()
         times[track].append(time.perf_counter() - start)
-    optimizer.track_descent = False
+    optimizer.track_edq = False
     return {track: statistics.median(values) for track, values in times.items()}
 
 

@@ -149,7 +149,7 @@ def time_steps(
         pair, second = divmod(index, 2)
         tracked = track and (second == pair % 2)  # T U, U T, T U, ...
         if track:
-            optimizer.track_descent = tracked
+            optimizer.track_edq = tracked
         copy = copier.seconds()
         if tracked or not track:
             copies.append(copy)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from collage_train.metrics.descent import partials_close
+from collage_train.metrics.edq import partials_close
 from collage_train.optim.collage.step_math import collage_tensor_step, step_scalars
 from collage_train.optim.collage.triton_kernel import triton_tensor_step
 

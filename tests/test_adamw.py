@@ -141,17 +141,17 @@ def _adamw_run(chunk: int, *, master: bool, view: bool):
         master_dtype=torch.float32 if master else None,
     )  # fmt: skip
     optimizer.step_chunk_numel = chunk
-    optimizer.descent_segments = {params[-1]: [("a", 0, 1200), ("b", 1200, 4900)]}
+    optimizer.edq_segments = {params[-1]: [("a", 0, 1200), ("b", 1200, 4900)]}
     if view:  # ZeRO hands mixed_fp32's fp32 masters: EDQ on their bf16 rounding
-        optimizer.descent_view_dtype = torch.bfloat16
+        optimizer.edq_view_dtype = torch.bfloat16
     sums = []
     for step in range(4):
         for p in params:
             p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(dtype)
-        optimizer.track_descent = step % 2 == 1
+        optimizer.track_edq = step % 2 == 1
         optimizer.step()
-        if optimizer.track_descent:
-            sums.append([optimizer.last_descent[p] for p in params])
+        if optimizer.track_edq:
+            sums.append([optimizer.last_edq[p] for p in params])
     return params, optimizer, sums
 
 
@@ -159,7 +159,7 @@ def _adamw_run(chunk: int, *, master: bool, view: bool):
 def test_tracked_steps_in_chunks_change_no_bit(master, view):
     """Chunks of 97 elements against one pass: the same weights, masters and moments
     bitwise; the same EDQ sums to fp32 rounding, per segment of a flat partition."""
-    from collage_train.metrics.descent import partials_close
+    from collage_train.metrics.edq import partials_close
 
     whole, whole_opt, whole_sums = _adamw_run(1 << 22, master=master, view=view)
     chunked, chunked_opt, chunked_sums = _adamw_run(97, master=master, view=view)
@@ -188,12 +188,12 @@ def test_tracking_an_fp32_partition_allocates_one_chunk_not_the_partition():
     param = torch.nn.Parameter(torch.randn(numel, generator=gen) * 0.05)
     optimizer = AdamW([param], lr=1e-3, weight_decay=0.1)
     optimizer.step_chunk_numel = chunk
-    optimizer.descent_view_dtype = torch.bfloat16
-    optimizer.descent_segments = {param: [("block_0", 0, numel // 2), ("head", numel // 2, numel)]}
+    optimizer.edq_view_dtype = torch.bfloat16
+    optimizer.edq_segments = {param: [("block_0", 0, numel // 2), ("head", numel // 2, numel)]}
     peaks = {}
     for track in (False, True, False, True):
         param.grad = torch.randn(numel, generator=gen) * 1e-2
-        optimizer.track_descent = track
+        optimizer.track_edq = track
         with LiveTensorBytes() as live:
             live.track_training_state([param], optimizer)
             before = live.current

@@ -39,10 +39,10 @@ def test_edq_pairs_alternate_their_order_and_every_step_follows_a_copy():
     events: list[str] = []
 
     class Optimizer:
-        track_descent = False
+        track_edq = False
 
         def step(self) -> None:
-            events.append("T" if self.track_descent else "U")
+            events.append("T" if self.track_edq else "U")
 
     class Copier:
         device = "cpu"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from collage_train.metrics import descent_metrics
+from collage_train.metrics import edq_metrics
 from collage_train.optim import AdamW, CollageAdamW
 
 BETAS = (0.9, 0.999)
@@ -126,12 +126,12 @@ def test_trajectory_error_of_the_compensated_value(trajectories):
 # ------------------------------------------------------------------- lost updates
 
 
-def _descent_after(opt, param, steps):
+def _edq_after(opt, param, steps):
     for _ in range(steps):
         param.grad = torch.ones_like(param) * 0.5
-        opt.track_descent = True
+        opt.track_edq = True
         opt.step()
-    return descent_metrics(opt.last_descent[param], with_dtheta="dtheta" in opt.state[param])
+    return edq_metrics(opt.last_edq[param], with_dtheta="dtheta" in opt.state[param])
 
 
 def test_small_lr_updates_are_lost_in_bf16_and_kept_by_collage():
@@ -140,7 +140,7 @@ def test_small_lr_updates_are_lost_in_bf16_and_kept_by_collage():
     for mode in ("none", "light", "plus"):
         param = torch.nn.Parameter(start.clone())
         opt = CollageAdamW([param], lr=1e-5, betas=(0.9, 0.95), mode=mode)
-        metrics[mode] = _descent_after(opt, param, 50)
+        metrics[mode] = _edq_after(opt, param, 50)
         state = opt.state[param]
         effective[mode] = param.double() + state.get("dtheta", torch.zeros(1)).double()
     assert metrics["none"]["lost_update_frac"] == 1.0
@@ -161,10 +161,10 @@ def test_edq_is_one_for_fp32_and_below_one_for_bf16():
     bf16_opt = CollageAdamW([bf16], lr=1e-3, mode="none")
     for param, opt in ((fp32, fp32_opt), (bf16, bf16_opt)):
         param.grad = torch.randn(4096, generator=gen).to(param.dtype)
-        opt.track_descent = True
+        opt.track_edq = True
         opt.step()
-    fp32_metrics = descent_metrics(fp32_opt.last_descent[fp32], with_dtheta=False)
-    bf16_metrics = descent_metrics(bf16_opt.last_descent[bf16], with_dtheta=False)
+    fp32_metrics = edq_metrics(fp32_opt.last_edq[fp32], with_dtheta=False)
+    bf16_metrics = edq_metrics(bf16_opt.last_edq[bf16], with_dtheta=False)
     assert fp32_metrics["edq_normalized"] == pytest.approx(1.0, abs=1e-4)
     assert fp32_metrics["lost_update_frac"] < 1e-3
     assert bf16_metrics["edq_normalized"] < 0.9
@@ -176,7 +176,7 @@ def test_tracking_off_does_no_descent_work():
     opt = CollageAdamW([param], lr=1e-3)
     param.grad = torch.ones_like(param)
     opt.step()
-    assert opt.last_descent == {}
+    assert opt.last_edq == {}
 
 
 # ------------------------------------------------------------------- drop-in use
@@ -207,16 +207,16 @@ def test_plain_training_loop_with_param_groups():
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
         loss.backward()
-        optimizer.track_descent = step == 199
+        optimizer.track_edq = step == 199
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.2 * losses[0]
     assert torch.equal(frozen_lr.detach(), bias_before)
-    assert set(optimizer.last_descent) == set(model.parameters())
-    latest = optimizer.descent_metrics()
+    assert set(optimizer.last_edq) == set(model.parameters())
+    latest = optimizer.edq_metrics()
     assert {"edq", "edq_normalized", "lost_update_frac", "dtheta_norm"} <= latest.keys()
     assert 0 < latest["edq_normalized"] < 2
-    assert optimizer.last_descent[frozen_lr][1] == 0  # ||u||^2 of the lr-0 group
+    assert optimizer.last_edq[frozen_lr][1] == 0  # ||u||^2 of the lr-0 group
 
 
 def test_state_dict_round_trip_continues_bitwise():

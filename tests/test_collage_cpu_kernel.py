@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from collage_train.errors import ConfigError
-from collage_train.metrics.descent import partials_close
+from collage_train.metrics.edq import partials_close
 from collage_train.optim.collage import cpu_kernel, kernels
 from collage_train.optim.collage.step_math import collage_tensor_step, step_scalars
 

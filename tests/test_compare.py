@@ -43,14 +43,14 @@ def two_runs(tmp_path_factory, corpus_dir, cache_dir):
 def test_every_run_writes_its_own_plots(two_runs):
     for run_dir in two_runs:
         plots = run_dir / "plots"
-        assert {p.name for p in plots.iterdir()} >= {"loss.png", "descent.png", "summary.md"}
+        assert {p.name for p in plots.iterdir()} >= {"loss.png", "edq.png", "summary.md"}
         assert matplotlib.image.imread(plots / "loss.png").ndim == 3
 
 
 def test_compare_writes_valid_plots_that_show_every_run(two_runs, tmp_path, capsys):
     out = tmp_path / "cmp"
     assert compare.main([*map(str, two_runs), "--out", str(out)]) == 0
-    for name in ("loss.png", "descent.png", "throughput_memory.png"):
+    for name in ("loss.png", "edq.png", "throughput_memory.png"):
         image = matplotlib.image.imread(out / name)
         assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 800
     table = (out / "summary.md").read_text()
@@ -59,7 +59,7 @@ def test_compare_writes_valid_plots_that_show_every_run(two_runs, tmp_path, caps
 
     runs = [compare.load_run(path) for path in two_runs]
     compare.label_runs(runs)
-    for plot in (compare.plot_loss, compare.plot_descent, compare.plot_throughput_memory):
+    for plot in (compare.plot_loss, compare.plot_edq, compare.plot_throughput_memory):
         figure = plot(runs)
         legend = [text.get_text() for text in figure.legends[0].get_texts()]
         assert legend == ["1: mixed_fp32", "2: collage_plus"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from collage_train.metrics.descent import descent_partials, partials_close
+from collage_train.metrics.edq import edq_partials, partials_close
 
 
 def sums(seed: int, n: int = 10_000, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -13,7 +13,7 @@ def sums(seed: int, n: int = 10_000, dtype: torch.dtype = torch.float32) -> torc
     update = (torch.randn(n, generator=gen) * 1e-3).bfloat16()
     after = (before.float() + update.float()).bfloat16()
     low = ((before.float() + update.float()) - after.float()).bfloat16()
-    return descent_partials(before.to(dtype), after.to(dtype), update.to(dtype), low.to(dtype))
+    return edq_partials(before.to(dtype), after.to(dtype), update.to(dtype), low.to(dtype))
 
 
 def test_the_same_sums_in_another_order_are_close():
@@ -49,9 +49,9 @@ def test_counts_must_match_exactly_and_nans_must_line_up():
 
 def test_layer_group_rows_sum_each_segment_into_its_group():
     """A whole tensor is one segment; a flat partition spans several layer groups."""
-    from collage_train.metrics.descent import (
+    from collage_train.metrics.edq import (
         FIELDS,
-        descent_metrics,
+        edq_metrics,
         layer_group_metrics,
         layer_group_partials,
     )
@@ -67,8 +67,8 @@ def test_layer_group_rows_sum_each_segment_into_its_group():
     assert torch.equal(sums[0], torch.arange(width, dtype=torch.float32) + 1)
     assert torch.equal(sums[1], torch.ones(width))
     metrics = layer_group_metrics(sums.flatten().tolist(), ["block_0", "head"], with_dtheta=True)
-    whole_model = descent_metrics(sums.sum(0).tolist(), True)
+    whole_model = edq_metrics(sums.sum(0).tolist(), True)
     assert {k: metrics[k] for k in whole_model} == whole_model
     for group, row in (("block_0", sums[0]), ("head", sums[1])):
-        for key, value in descent_metrics(row.tolist(), True).items():
+        for key, value in edq_metrics(row.tolist(), True).items():
             assert metrics[f"{key}.{group}"] == value

@@ -21,7 +21,7 @@ from collage_train.engine.deepspeed_config import render_deepspeed_config
 from collage_train.engine.zero import _merge_runs
 from collage_train.engine.zero_memory import zero_state_bytes
 from collage_train.errors import ConfigError
-from collage_train.metrics import descent_metrics, descent_partials
+from collage_train.metrics import edq_metrics, edq_partials
 from collage_train.optim import AdamW, CollageAdamW
 from collage_train.precision import get_strategy
 from collage_train.trainer import Trainer
@@ -182,30 +182,30 @@ def test_segment_rows_sum_to_the_whole_partition(mode):
         param = torch.nn.Parameter(start.clone())
         opt = CollageAdamW([param], lr=1e-3, weight_decay=0.1, mode=mode)
         if segments:
-            opt.descent_segments = {param: segments}
+            opt.edq_segments = {param: segments}
         param.grad = grad.clone()
-        opt.track_descent = True
+        opt.track_edq = True
         opt.step()
-        results.append(opt.last_descent[param])
+        results.append(opt.last_edq[param])
     whole, rows = results
     assert rows.shape == (3, 6)
     torch.testing.assert_close(rows.sum(dim=0), whole, rtol=1e-5, atol=0)
-    assert opt.descent_metrics() == pytest.approx(descent_metrics(whole, mode != "none"))
+    assert opt.edq_metrics() == pytest.approx(edq_metrics(whole, mode != "none"))
 
 
 def test_view_dtype_measures_the_change_the_model_sees():
     """Handed fp32 masters (DeepSpeed), EDQ is measured on their bf16 rounding."""
     master = torch.nn.Parameter(torch.linspace(1, 2, 512))
     opt = AdamW([master], lr=1e-5)
-    opt.descent_view_dtype = torch.bfloat16
+    opt.edq_view_dtype = torch.bfloat16
     before = master.detach().clone()
     master.grad = torch.ones(512)
-    opt.track_descent = True
+    opt.track_edq = True
     opt.step()
     update = master.detach() - before  # no weight decay: the whole update landed in fp32
-    expected = descent_partials(before.bfloat16(), master.detach().bfloat16(), update)
-    torch.testing.assert_close(opt.last_descent[master], expected)
-    assert opt.descent_metrics()["lost_update_frac"] > 0.9  # 1e-5 steps vanish in bf16
+    expected = edq_partials(before.bfloat16(), master.detach().bfloat16(), update)
+    torch.testing.assert_close(opt.last_edq[master], expected)
+    assert opt.edq_metrics()["lost_update_frac"] > 0.9  # 1e-5 steps vanish in bf16
 
 
 class _TwoBlocks(torch.nn.Module):
@@ -223,7 +223,7 @@ def test_engine_step_sets_lr_and_returns_edq_rows_per_layer_group(precision):
     tracking flag is never left on, and a tracked step's rows are the groups' sums of
     what the optimizer measured per parameter."""
     from collage_train.engine.base import StepOutcome
-    from collage_train.metrics.descent import FIELDS, layer_group_of, layer_groups
+    from collage_train.metrics.edq import FIELDS, layer_group_of, layer_groups
     from collage_train.optim import decay_param_groups
 
     strategy = get_strategy(precision)
@@ -240,7 +240,7 @@ def test_engine_step_sets_lr_and_returns_edq_rows_per_layer_group(precision):
         outcome = engine.step(lr, track)
         assert isinstance(outcome, StepOutcome) and outcome.applied
         assert [group["lr"] for group in optimizer.param_groups] == [lr] * 2
-        assert optimizer.track_descent is False
+        assert optimizer.track_edq is False
         if not track:
             assert outcome.edq is None, step
             continue
@@ -250,7 +250,7 @@ def test_engine_step_sets_lr_and_returns_edq_rows_per_layer_group(precision):
             expected = sum(
                 (
                     sums.reshape(-1, len(FIELDS)).sum(dim=0)  # one segment per parameter
-                    for param, sums in optimizer.last_descent.items()
+                    for param, sums in optimizer.last_edq.items()
                     if group_of[param] == group
                 ),
                 torch.zeros(len(FIELDS)),
@@ -270,7 +270,7 @@ def test_a_failing_step_does_not_leave_edq_tracking_on():
 
     with pytest.raises(RuntimeError, match="boom"):
         step_tracked(optimizer, torch.nn.Linear(1, 1), torch.device("cpu"), 0.5, True, apply)
-    assert optimizer.track_descent is False
+    assert optimizer.track_edq is False
 
 
 def test_single_engine_refuses_a_multi_rank_launch(monkeypatch):

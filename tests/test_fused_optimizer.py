@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from collage_train.metrics.descent import partials_close
+from collage_train.metrics.edq import partials_close
 from collage_train.optim import CollageAdamW
 
 SHAPES = [(129, 67), (1000,), (1,), (0,), (3, 5, 7)]
@@ -46,7 +46,7 @@ def test_compiled_kernel_is_bitwise_equal_to_eager(mode, device):
             grad = (torch.randn(a.shape, generator=gen) * 1e-2).bfloat16().to(device)
             a.grad, b.grad = grad.clone(), grad.clone()
         track = step % 5 == 4
-        eager.track_descent = fused.track_descent = track
+        eager.track_edq = fused.track_edq = track
         for group in (*eager.param_groups, *fused.param_groups):
             group["lr"] = 3e-3 * (0.97**step)  # the schedule changes lr every step
         eager.step()
@@ -54,7 +54,7 @@ def test_compiled_kernel_is_bitwise_equal_to_eager(mode, device):
         if track:
             for a, b in zip(eager_params, fused_params, strict=True):
                 if a.numel():
-                    expected, got = eager.last_descent[a], fused.last_descent[b]
+                    expected, got = eager.last_edq[a], fused.last_edq[b]
                     assert partials_close(got, expected), (step, a.shape, expected, got)
     for a, b in zip(eager_params, fused_params, strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
@@ -242,16 +242,16 @@ def test_stepping_in_chunks_changes_no_bit(mode, kernel):
         params = [*make_params("cpu", 5), _flat_partition(6)]
         optimizer = CollageAdamW(params, lr=1e-3, weight_decay=0.1, mode=mode, kernel=kernel)
         optimizer.step_chunk_numel = chunk
-        optimizer.descent_segments = {params[-1]: [("a", 0, 1200), ("b", 1200, 4900)]}
+        optimizer.edq_segments = {params[-1]: [("a", 0, 1200), ("b", 1200, 4900)]}
         gen = torch.Generator().manual_seed(2)
         sums = []
         for step in range(4):
             for p in params:
                 p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).bfloat16()
-            optimizer.track_descent = step % 2 == 1
+            optimizer.track_edq = step % 2 == 1
             optimizer.step()
-            if optimizer.track_descent:
-                sums.append([optimizer.last_descent[p] for p in params if p.numel()])
+            if optimizer.track_edq:
+                sums.append([optimizer.last_edq[p] for p in params if p.numel()])
         results.append((params, optimizer, sums))
     (whole, whole_opt, whole_sums), (chunked, chunked_opt, chunked_sums) = results
     for a, b in zip(whole, chunked, strict=True):
@@ -280,11 +280,11 @@ def test_tracking_a_flat_partition_allocates_one_chunk_not_the_partition():
     param = torch.nn.Parameter((torch.randn(numel, generator=gen) * 0.05).bfloat16())
     optimizer = CollageAdamW([param], lr=1e-3, mode="plus", kernel="eager")
     optimizer.step_chunk_numel = chunk
-    optimizer.descent_segments = {param: [("block_0", 0, numel // 2), ("head", numel // 2, numel)]}
+    optimizer.edq_segments = {param: [("block_0", 0, numel // 2), ("head", numel // 2, numel)]}
     peaks = {}
     for track in (False, True, False, True):
         param.grad = (torch.randn(numel, generator=gen) * 1e-2).bfloat16()
-        optimizer.track_descent = track
+        optimizer.track_edq = track
         with LiveTensorBytes() as live:
             live.track_training_state([param], optimizer)
             before = live.current

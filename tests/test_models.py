@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from collage_train.errors import ConfigError
-from collage_train.metrics.descent import layer_group
+from collage_train.metrics.edq import layer_group
 from collage_train.models import (
     build_model,
     count_parameters,

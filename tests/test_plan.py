@@ -158,7 +158,7 @@ def test_optimizer_step_temporaries_match_the_table(name):
         live.track_training_state(params, optimizer)
         live.track(p.grad for p in params)
         before = live.current
-        optimizer.track_descent = True
+        optimizer.track_edq = True
         optimizer.step()
     numel = sum(p.numel() for p in params)
     largest = max(p.numel() for p in params)

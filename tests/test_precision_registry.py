@@ -82,3 +82,38 @@ def test_strategy_is_a_frozen_record():
     with pytest.raises(AttributeError):
         get_strategy("bf16").name = "x"  # type: ignore[misc]
     assert isinstance(get_strategy("fp32"), PrecisionStrategy)
+
+
+@pytest.mark.parametrize("name", available())
+def test_each_strategys_optimizer_spec_is_the_optimizer_it_builds(name):
+    """The one declared record every consumer reads says what build_optimizer builds:
+    its class, Collage's mode, and whether the state holds dtheta (EDQ's extra terms)."""
+    from collage_train.optim import AdamW, CollageAdamW, SplitMasterAdamW
+    from collage_train.scalify.adamw import ScaledAdamW
+
+    strategy = get_strategy(name)
+    spec = strategy.optimizer
+    model = torch.nn.Linear(4, 4).to(strategy.param_dtype)
+    model = strategy.prepare_model(model)
+    opt = strategy.build_optimizer(decay_param_groups(model, 0.1), OptCfg)
+    classes = {"adamw": AdamW, "split_master": SplitMasterAdamW, "collage": CollageAdamW,
+               "scaled_adamw": ScaledAdamW}  # fmt: skip
+    assert type(opt) is classes[spec.kind]
+    if spec.kind == "collage":
+        assert opt.mode == spec.collage_mode
+    values = torch.float32 if spec.kind == "scaled_adamw" else strategy.param_dtype  # hooks
+    model(torch.ones(2, 4, dtype=values)).float().sum().backward()
+    opt.step()
+    holds_dtheta = any("dtheta" in state for state in opt.state.values())
+    assert holds_dtheta == spec.has_dtheta
+
+
+def test_an_optimizer_spec_that_contradicts_itself_is_refused():
+    from collage_train.precision.base import OptimizerSpec
+
+    with pytest.raises(ValueError, match="collage_mode"):
+        OptimizerSpec("collage")
+    with pytest.raises(ValueError, match="collage_mode"):
+        OptimizerSpec("adamw", "plus")
+    with pytest.raises(ValueError, match="not one of"):
+        OptimizerSpec("lion")

@@ -93,7 +93,7 @@ def test_edq_every_controls_descent_metrics(make_cfg, tmp_path):
     trainer = Trainer(make_cfg("precision=collage_plus", "metrics.edq_every=0"), tmp_path / "b")
     trainer.fit([off])
     assert not any("edq" in r for r in off.records)
-    assert trainer.optimizer.last_descent == {}
+    assert trainer.optimizer.last_edq == {}
 
 
 def test_model_state_that_cannot_fit_is_refused_before_building(make_cfg, tmp_path, monkeypatch):

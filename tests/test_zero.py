@@ -90,8 +90,8 @@ def optimizer_shards(run_dir: Path, step: int) -> list[dict]:
 def assert_matches_single_process(
     zero_dir: Path,
     single_dir: Path,
-    descent_keys: tuple[str, ...],
-    descent_rtol: float = RTOL,
+    edq_keys: tuple[str, ...],
+    edq_rtol: float = RTOL,
     grad_norm_rtol: float = RTOL,
 ) -> None:
     zero, single = train_records(zero_dir), train_records(single_dir)
@@ -101,8 +101,8 @@ def assert_matches_single_process(
         assert zero[step]["grad_norm"] == pytest.approx(
             single[step]["grad_norm"], rel=grad_norm_rtol
         ), step
-        for key in descent_keys:
-            assert zero[step][key] == pytest.approx(single[step][key], rel=descent_rtol), (
+        for key in edq_keys:
+            assert zero[step][key] == pytest.approx(single[step][key], rel=edq_rtol), (
                 step,
                 key,
             )

@@ -20,7 +20,7 @@ import torch
 import triton.language as tl
 from triton.runtime import interpreter
 
-from collage_train.metrics.descent import partials_close
+from collage_train.metrics.edq import partials_close
 from collage_train.optim.collage.step_math import collage_tensor_step, step_scalars
 from collage_train.optim.collage.triton_kernel import BLOCK, triton_tensor_step
 

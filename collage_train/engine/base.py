@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from collage_train.checkpoint.full_state import FullState
-from collage_train.metrics.descent import layer_group_partials, layer_groups
+from collage_train.metrics.edq import layer_group_partials, layer_groups
 from collage_train.optim.base import TrackingOptimizer, chunk_numel_for
 from collage_train.precision.base import PrecisionStrategy
 
@@ -38,8 +38,8 @@ class StepOutcome:
     Attributes:
         grad_norm: the gradient norm before clipping, of the whole model.
         applied: False when the engine skipped the update (DeepSpeed's overflow check).
-        edq: this rank's EDQ partial sums, one row of ``metrics.descent.FIELDS`` per
-            layer group (``metrics.descent.layer_groups`` order); None unless the step
+        edq: this rank's EDQ partial sums, one row of ``metrics.edq.FIELDS`` per
+            layer group (``metrics.edq.layer_groups`` order); None unless the step
             was tracked and applied. The trainer sums them over ranks.
 
     Tensors may live on the device: the trainer reads them at its next settle, so that
@@ -135,7 +135,7 @@ def declare_layout(
     holds (``optim.base.chunk_numel_for``)."""
     if not isinstance(optimizer, TrackingOptimizer):
         return
-    optimizer.descent_segments = segments
+    optimizer.edq_segments = segments
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3
     optimizer.step_chunk_numel = chunk_numel_for(num_params * state_bytes_per_param)
 
@@ -153,16 +153,16 @@ def step_tracked(
     asked, and reduce the tracked partials to this rank's rows per layer group."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    optimizer.track_descent = track_edq
+    optimizer.track_edq = track_edq
     try:
         grad_norm, applied = apply()
         edq = None
         if track_edq and applied:
             edq = layer_group_partials(
-                optimizer.last_descent, optimizer.descent_segments, layer_groups(model), device
+                optimizer.last_edq, optimizer.edq_segments, layer_groups(model), device
             )
     finally:
-        optimizer.track_descent = False
+        optimizer.track_edq = False
     return StepOutcome(grad_norm=grad_norm, applied=applied, edq=edq)
 
 

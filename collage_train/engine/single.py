@@ -22,7 +22,7 @@ from collage_train.engine.base import (
 )
 from collage_train.errors import ConfigError
 from collage_train.metrics import model_state_bytes
-from collage_train.metrics.descent import layer_group_of
+from collage_train.metrics.edq import layer_group_of
 from collage_train.optim import clip_grad_norm
 from collage_train.precision.base import PrecisionStrategy
 
@@ -87,7 +87,7 @@ class SingleProcessEngine:
         del micro_batch_size  # one process does not need it
         self.model, self.optimizer = model, optimizer
         self.accum_steps, self.grad_clip = accum_steps, grad_clip
-        segments = self.descent_segments(layer_group_of(model))
+        segments = self.edq_segments(layer_group_of(model))
         declare_layout(optimizer, model, segments, self.peak_state_bytes_per_param(strategy))
         return model
 
@@ -111,7 +111,7 @@ class SingleProcessEngine:
     def barrier(self) -> None:
         """One process: there is no one to wait for."""
 
-    def descent_segments(
+    def edq_segments(
         self, group_of: dict[torch.Tensor, str]
     ) -> dict[torch.Tensor, list[Segment]]:
         return {param: [(group, 0, param.numel())] for param, group in group_of.items()}

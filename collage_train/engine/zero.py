@@ -40,7 +40,7 @@ from collage_train.engine.deepspeed_config import (
 from collage_train.engine.launch import check_process_group, init_process_group, local_rank
 from collage_train.engine.zero_memory import ZeroStateBytes, zero_state_bytes
 from collage_train.errors import CheckpointError, ConfigError
-from collage_train.metrics.descent import layer_group_of
+from collage_train.metrics.edq import layer_group_of
 from collage_train.metrics.memory import storage_bytes
 from collage_train.precision.base import PrecisionStrategy
 
@@ -246,8 +246,8 @@ class ZeroEngine:
         self.shares_weight_partitions = share_weight_partitions(self.ds.optimizer, self.stage)
         if strategy.master_dtype is not None and strategy.master_dtype != strategy.param_dtype:
             # The optimizer updates fp32 masters; the model sees their bf16 rounding.
-            optimizer.descent_view_dtype = strategy.param_dtype
-        segments = self.descent_segments(layer_group_of(model))
+            optimizer.edq_view_dtype = strategy.param_dtype
+        segments = self.edq_segments(layer_group_of(model))
         declare_layout(optimizer, model, segments, self.peak_state_bytes_per_param(strategy))
         return self.ds
 
@@ -291,7 +291,7 @@ class ZeroEngine:
             return list(self.model.parameters())
         return [p.ds_tensor for p in self.model.parameters()]
 
-    def descent_segments(
+    def edq_segments(
         self, group_of: dict[torch.Tensor, str]
     ) -> dict[torch.Tensor, list[Segment]]:
         """Map each flat master partition to the layer groups of the elements it holds.

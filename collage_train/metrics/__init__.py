@@ -1,6 +1,6 @@
 """Metrics: throughput and MFU, memory, and the sinks records are streamed to."""
 
-from collage_train.metrics.descent import descent_metrics, descent_partials, layer_group
+from collage_train.metrics.edq import edq_metrics, edq_partials, layer_group
 from collage_train.metrics.memory import (
     available_memory,
     model_state_bytes,
@@ -17,9 +17,9 @@ __all__ = [
     "Sink",
     "WandbSink",
     "available_memory",
-    "descent_metrics",
-    "descent_partials",
     "detect_peak_tflops",
+    "edq_metrics",
+    "edq_partials",
     "layer_group",
     "model_flops_utilisation",
     "model_state_bytes",

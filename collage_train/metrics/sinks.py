@@ -193,10 +193,10 @@ _DESCENT_KEYS = ("edq", "edq_normalized", "lost_update_frac", "dtheta_norm", "dt
 
 
 def _wandb_section(key: str) -> str:
-    """W&B panel section of a record key; per-layer descent keys go to their own panel."""
+    """W&B panel section of a record key; per-layer EDQ keys go to their own panel."""
     base, _, group = key.partition(".")
     if base in _DESCENT_KEYS:
-        return "descent_by_layer" if group else "descent"
+        return "edq_by_layer" if group else "edq"
     return _WANDB_SECTIONS.get(key, "train")
 
 

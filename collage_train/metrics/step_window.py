@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from collage_train.errors import TrainingDiverged
-from collage_train.metrics.descent import FIELDS, layer_group_metrics
+from collage_train.metrics.edq import FIELDS, layer_group_metrics
 
 
 def settle(
@@ -34,15 +34,15 @@ def settle(
     host numbers, in place; return whether any rank was asked to stop.
 
     ``window`` holds one dict per step with ``loss`` (this rank's share of the mean),
-    ``grad_norm`` (already global) and ``descent`` (``StepOutcome.edq`` or None);
-    afterwards ``loss`` and ``grad_norm`` are floats, ``descent`` the EDQ metrics
+    ``grad_norm`` (already global) and ``edq`` (``StepOutcome.edq`` or None);
+    afterwards ``loss`` and ``grad_norm`` are floats, ``edq`` the EDQ metrics
     (``layer_group_metrics``) and ``time`` the window's wall time per step. A non-finite
     loss raises ``TrainingDiverged`` naming its step, before anything is checkpointed.
     """
     reduced = [stats["loss"].reshape(1) for stats in window]
     reduced.append(torch.tensor([float(stop_requested)]))
-    descents = [stats for stats in window if stats["descent"] is not None]
-    reduced += [stats["descent"].flatten() for stats in descents]
+    tracked = [stats for stats in window if stats["edq"] is not None]
+    reduced += [stats["edq"].flatten() for stats in tracked]
     local = [torch.as_tensor(s["grad_norm"], dtype=torch.float64).reshape(1) for s in window]
     flat = torch.cat([t.to(device, torch.float64) for t in reduced + local])
     count = sum(t.numel() for t in reduced)
@@ -56,8 +56,8 @@ def settle(
         stats["grad_norm"] = values[count + index]
         stats["time"] = elapsed / size
     offset = size + 1
-    for stats in descents:
-        stats["descent"] = layer_group_metrics(
+    for stats in tracked:
+        stats["edq"] = layer_group_metrics(
             values[offset : offset + width], layer_groups, with_dtheta
         )
         offset += width

@@ -126,10 +126,10 @@ class AdamW(TrackingOptimizer):
         steps = [s["step"] for s in states]
         updates = self._adamw_updates(group, steps, exp_avgs, exp_avg_sqs, targets)
 
-        if self.track_descent and self.tracks_in_chunks:
+        if self.track_edq and self.tracks_in_chunks:
             self._apply_tracked(params, targets, updates)
             return
         before = self._snapshot(params)
         torch._foreach_add_(targets, updates)
         self._store_masters(params, states, targets)
-        self._record_descent(params, before, updates)
+        self._record_edq(params, before, updates)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from collage_train.metrics.descent import FIELDS, descent_metrics, descent_partials
+from collage_train.metrics.edq import FIELDS, edq_metrics, edq_partials
 
 # What one element of a chunk may cost during a step: Collage's eager step's fp32
 # temporaries (memory_plan.STEP_TRANSIENT: up to 39 bytes in mode plus) and, with EDQ
@@ -28,31 +28,31 @@ def chunk_numel_for(state_bytes: float) -> int:
 class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
     """Base of the AdamW family.
 
-    Setting ``track_descent = True`` clears ``last_descent`` and makes the following
+    Setting ``track_edq = True`` clears ``last_edq`` and makes the following
     ``step`` calls record, per parameter, the partial sums of the effective-descent
-    metrics in ``last_descent`` (keyed by parameter); with it False a step does no
-    extra work. A parameter listed in ``descent_segments`` (as ``(label, start, stop)``
+    metrics in ``last_edq`` (keyed by parameter); with it False a step does no
+    extra work. A parameter listed in ``edq_segments`` (as ``(label, start, stop)``
     ranges of its flattened elements, as for DeepSpeed's flat partitions) gets one row
-    of partial sums per range instead. ``descent_view_dtype`` measures the realised
+    of partial sums per range instead. ``edq_view_dtype`` measures the realised
     change in that dtype: the weight the model sees when the optimizer is handed fp32
     masters directly. ``step_chunk_numel`` bounds the elements a step works on at a
     time where it works in chunks (the trainer sizes it with ``chunk_numel_for``).
     """
 
     step_chunk_numel: int = MAX_CHUNK_NUMEL
-    _track_descent: bool = False
-    descent_view_dtype: torch.dtype | None = None
+    _track_edq: bool = False
+    edq_view_dtype: torch.dtype | None = None
     unshaped_state: tuple[str, ...] = ("step",)  # state entries not shaped like the param
 
     @property
-    def track_descent(self) -> bool:
-        return self._track_descent
+    def track_edq(self) -> bool:
+        return self._track_edq
 
-    @track_descent.setter
-    def track_descent(self, value: bool) -> None:
+    @track_edq.setter
+    def track_edq(self, value: bool) -> None:
         if value:
-            self.last_descent = {}
-        self._track_descent = bool(value)
+            self.last_edq = {}
+        self._track_edq = bool(value)
 
     def __init__(
         self, params: Any, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
@@ -65,8 +65,8 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
             raise ValueError(f"AdamW betas must lie in [0, 1), got {betas}")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
-        self.last_descent: dict[torch.Tensor, torch.Tensor] = {}
-        self.descent_segments: dict[torch.Tensor, list[tuple[str, int, int]]] = {}
+        self.last_edq: dict[torch.Tensor, torch.Tensor] = {}
+        self.edq_segments: dict[torch.Tensor, list[tuple[str, int, int]]] = {}
 
     def ordered_params(self) -> list[torch.Tensor]:
         """Every parameter, in ``param_groups`` order (the order of the weight lists)."""
@@ -137,7 +137,7 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         """Update ``params`` (those of ``group`` that have gradients) in place."""
 
-    def _record_descent(
+    def _record_edq(
         self,
         params: list[torch.Tensor],
         before: list[torch.Tensor] | None,
@@ -147,23 +147,23 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
         if before is None:
             return
         lows = dthetas if dthetas is not None else [None] * len(params)
-        view = self.descent_view_dtype
+        view = self.edq_view_dtype
         for param, old, update, low in zip(params, before, updates, lows, strict=True):
             after = self._model_view(param)
             if view is not None and after.dtype != view:
                 old, after = old.to(view), after.to(view)
-            segments = self.descent_segments.get(param)
+            segments = self.edq_segments.get(param)
             if segments is None:
-                self.last_descent[param] = descent_partials(old, after, update, low)
+                self.last_edq[param] = edq_partials(old, after, update, low)
                 continue
             if not segments:
-                self.last_descent[param] = torch.zeros(0, len(FIELDS), device=after.device)
+                self.last_edq[param] = torch.zeros(0, len(FIELDS), device=after.device)
                 continue
             old, after, update = old.flatten(), after.flatten(), update.flatten()
             low = low.flatten() if low is not None else None
-            self.last_descent[param] = torch.stack(
+            self.last_edq[param] = torch.stack(
                 [
-                    descent_partials(
+                    edq_partials(
                         old[start:stop],
                         after[start:stop],
                         update[start:stop],
@@ -181,10 +181,10 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
     ) -> None:
         """``targets += updates`` and each bf16 weight refreshed from its master (where
         the target is a master, not the weight itself), recording every parameter's EDQ
-        partials as ``_record_descent`` does, ``step_chunk_numel`` elements at a time.
+        partials as ``_record_edq`` does, ``step_chunk_numel`` elements at a time.
 
         Elementwise, so the weights are the same bits as one ``_foreach_add_``; but the
-        copy of the weights before the update, their ``descent_view_dtype`` roundings and
+        copy of the weights before the update, their ``edq_view_dtype`` roundings and
         the partials' fp32 temporaries exist for one chunk instead of a whole tensor (a
         whole flat partition under ZeRO).
         """
@@ -195,9 +195,9 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
                 target.add_(update)
                 if target is not param:
                     weight.copy_(target)
-                self._record_descent([param], [before], [update])
+                self._record_edq([param], [before], [update])
                 continue
-            segments = self.descent_segments.get(param)
+            segments = self.edq_segments.get(param)
             ranges = segments if segments is not None else [("", 0, weight.numel())]
             sums = torch.zeros(len(ranges), len(FIELDS), device=weight.device)
             flat_w, flat_t, flat_u = weight.view(-1), target.view(-1), update.view(-1)
@@ -207,37 +207,37 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
                 if target is not param:
                     flat_w[start:stop].copy_(flat_t[start:stop])
                 new = flat_w[start:stop]
-                if self.descent_view_dtype is not None and new.dtype != self.descent_view_dtype:
-                    old, new = old.to(self.descent_view_dtype), new.to(self.descent_view_dtype)
+                if self.edq_view_dtype is not None and new.dtype != self.edq_view_dtype:
+                    old, new = old.to(self.edq_view_dtype), new.to(self.edq_view_dtype)
                 for row, (_, first, last) in enumerate(ranges):
                     low, high = max(first, start) - start, min(last, stop) - start
                     if low < high:
-                        sums[row] += descent_partials(
+                        sums[row] += edq_partials(
                             old[low:high], new[low:high], flat_u[start + low : start + high]
                         )
-            self.last_descent[param] = sums if segments is not None else sums[0]
+            self.last_edq[param] = sums if segments is not None else sums[0]
 
     def _chunks(self, numel: int) -> list[tuple[int, int]]:
         """``[start, stop)`` ranges of at most ``step_chunk_numel`` elements covering ``numel``."""
         chunk = max(1, self.step_chunk_numel)
         return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
 
-    def descent_metrics(self) -> dict[str, float]:
+    def edq_metrics(self) -> dict[str, float]:
         """EDQ metrics of the last tracked step over all its parameters ({} if none)."""
-        if not self.last_descent:
+        if not self.last_edq:
             return {}
-        with_dtheta = any("dtheta" in self.state[p] for p in self.last_descent)
-        total = sum(p.reshape(-1, len(FIELDS)).sum(dim=0) for p in self.last_descent.values())
-        return descent_metrics(total, with_dtheta)
+        with_dtheta = any("dtheta" in self.state[p] for p in self.last_edq)
+        total = sum(p.reshape(-1, len(FIELDS)).sum(dim=0) for p in self.last_edq.values())
+        return edq_metrics(total, with_dtheta)
 
     def _model_view(self, param: torch.Tensor) -> torch.Tensor:
-        """The weight the model computes with, as ``_record_descent`` measures it: the
+        """The weight the model computes with, as ``_record_edq`` measures it: the
         parameter itself (Scalify's ScaledAdamW: a scaled parameter's value)."""
         return param.detach()
 
     def _snapshot(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Copies of the weights before an update, only when descent is tracked."""
-        if not self.track_descent:
+        if not self.track_edq:
             return None
         return [self._model_view(p).clone() for p in params]
 

@@ -9,6 +9,40 @@ import torch
 
 from collage_train.errors import ConfigError
 
+OPTIMIZER_KINDS = ("adamw", "split_master", "collage", "scaled_adamw")
+COLLAGE_MODES = ("none", "light", "plus")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Which optimizer a strategy steps with, declared once on its record and read by every
+    consumer: ``build_optimizer``, the fused-kernel choice, the trainer's EDQ terms, the
+    memory planner's step transients and ``model.init_from``'s master seeding.
+
+    Attributes:
+        kind: ``adamw`` (``optim.AdamW``: fp32 weights, or low-precision weights with a
+            ``master_dtype`` master), ``split_master`` (``SplitMasterAdamW``: the exact fp32
+            master as the bf16 weight plus a 16-bit remainder), ``collage``
+            (``CollageAdamW``: every state bf16) or ``scaled_adamw`` (Scalify's
+            ``ScaledAdamW``, built by its own strategy).
+        collage_mode: for ``collage`` only: ``none``, ``light`` (+ dtheta) or ``plus``
+            (+ dtheta and dv).
+    """
+
+    kind: str = "adamw"
+    collage_mode: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in OPTIMIZER_KINDS:
+            raise ValueError(f"optimizer kind {self.kind!r} is not one of {OPTIMIZER_KINDS}")
+        if (self.kind == "collage") != (self.collage_mode in COLLAGE_MODES):
+            raise ValueError(f"collage_mode {self.collage_mode!r} does not fit kind {self.kind}")
+
+    @property
+    def has_dtheta(self) -> bool:
+        """Whether the state holds dtheta, the weight's lost low part (EDQ's dtheta terms)."""
+        return self.collage_mode in ("light", "plus")
+
 
 @dataclass(frozen=True)
 class PrecisionStrategy:
@@ -23,10 +57,7 @@ class PrecisionStrategy:
         expected_state_bytes_per_param: analytic bytes per parameter of weights,
             gradients and optimizer state; the trainer also measures the real value.
         checkpoint_holds: what a checkpoint of this strategy contains, for meta.json.
-        collage_mode: None for the master-weight AdamW, else the CollageAdamW mode
-            ("none", "light" or "plus") that keeps all state in bf16.
-        master_remainder: keep an exact fp32 master as the bf16 weight plus a 16-bit
-            remainder (SplitMasterAdamW) instead of a separate fp32 copy.
+        optimizer: which optimizer steps it (``OptimizerSpec``).
         activation_dtype: dtype of the activations the model computes and saves where it
             is neither ``autocast_dtype`` nor ``param_dtype`` (Scalify: the fp32 values of
             scaled fp16 parameters), for the memory planner; None: those decide.
@@ -44,8 +75,7 @@ class PrecisionStrategy:
     checkpoint_holds: tuple[str, ...]
     optimizer_state: tuple[tuple[str, int], ...] = ()
     runs_under_zero: bool = True  # False: refused with distributed=zero1|zero2|zero3
-    collage_mode: str | None = None
-    master_remainder: bool = False
+    optimizer: OptimizerSpec = OptimizerSpec()
     activation_dtype: torch.dtype | None = None
 
     def configured(self, precision_cfg: Any) -> PrecisionStrategy:
@@ -92,11 +122,12 @@ class PrecisionStrategy:
             "eps": optim_cfg.eps,
             "weight_decay": optim_cfg.weight_decay,
         }
-        if self.collage_mode is not None:
+        spec = self.optimizer
+        if spec.kind == "collage":
             return CollageAdamW(
-                param_groups, mode=self.collage_mode, kernel=kernel, **hyperparameters
+                param_groups, mode=spec.collage_mode, kernel=kernel, **hyperparameters
             )
-        if self.master_remainder:
+        if spec.kind == "split_master":
             return SplitMasterAdamW(param_groups, **hyperparameters)
         return AdamW(param_groups, master_dtype=self.master_dtype, **hyperparameters)
 

@@ -6,7 +6,7 @@ is lost to rounding, and with beta2 = 0.999 the second moment never decays.
 
 import torch
 
-from collage_train.precision.base import PrecisionStrategy, register
+from collage_train.precision.base import OptimizerSpec, PrecisionStrategy, register
 
 BF16 = register(
     PrecisionStrategy(
@@ -18,6 +18,6 @@ BF16 = register(
         expected_state_bytes_per_param=8,  # theta 2 + grad 2 + m 2 + v 2
         checkpoint_holds=("bf16 weights", "bf16 exp_avg", "bf16 exp_avg_sq"),
         optimizer_state=(("exp_avg", 2), ("exp_avg_sq", 2)),
-        collage_mode="none",
+        optimizer=OptimizerSpec("collage", "none"),
     )
 )

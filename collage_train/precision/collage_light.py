@@ -7,7 +7,7 @@ stays plain bf16; the authors pair light with beta2 = 0.98.
 
 import torch
 
-from collage_train.precision.base import PrecisionStrategy, register
+from collage_train.precision.base import OptimizerSpec, PrecisionStrategy, register
 
 COLLAGE_LIGHT = register(
     PrecisionStrategy(
@@ -19,6 +19,6 @@ COLLAGE_LIGHT = register(
         expected_state_bytes_per_param=10,  # theta 2 + grad 2 + m 2 + v 2 + dtheta 2
         checkpoint_holds=("bf16 weights", "bf16 dtheta", "bf16 exp_avg", "bf16 exp_avg_sq"),
         optimizer_state=(("dtheta", 2), ("exp_avg", 2), ("exp_avg_sq", 2)),
-        collage_mode="light",
+        optimizer=OptimizerSpec("collage", "light"),
     )
 )

@@ -7,7 +7,7 @@ MCF and multiplying by the MCF (bf16(beta2), beta2 - bf16(beta2)) tracks it to a
 
 import torch
 
-from collage_train.precision.base import PrecisionStrategy, register
+from collage_train.precision.base import OptimizerSpec, PrecisionStrategy, register
 
 COLLAGE_PLUS = register(
     PrecisionStrategy(
@@ -25,6 +25,6 @@ COLLAGE_PLUS = register(
             "bf16 dv",
         ),
         optimizer_state=(("dtheta", 2), ("exp_avg", 2), ("exp_avg_sq", 2), ("dv", 2)),
-        collage_mode="plus",
+        optimizer=OptimizerSpec("collage", "plus"),
     )
 )

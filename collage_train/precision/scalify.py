@@ -73,7 +73,7 @@ from typing import Any
 import torch
 
 from collage_train.errors import ConfigError
-from collage_train.precision.base import PrecisionStrategy, register
+from collage_train.precision.base import OptimizerSpec, PrecisionStrategy, register
 
 MATMULS = ("fp8", "fp16", "bf16", "fp32")
 MASTERS = ("fp16", "fp32")
@@ -83,6 +83,9 @@ DEFAULT_RESCALE = ("layernorm_grad", "grads")
 DEFAULTS = {"matmul": "fp8", "master": "fp16", "optimizer_state": "fp16"}
 _MODULE_FORMAT = {"fp8": "float8", "fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 _BYTES = {"fp16": 2, "fp32": 4}
+
+
+SCALED_ADAMW = OptimizerSpec("scaled_adamw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +101,7 @@ class ScalifyStrategy(PrecisionStrategy):
     state: str = DEFAULTS["optimizer_state"]
     rescale: tuple[str, ...] = DEFAULT_RESCALE
     params: str = "fp16"
-    step_transient_kind: str = "scaled_adamw"  # memory_plan.STEP_TRANSIENT row
+    optimizer: OptimizerSpec = SCALED_ADAMW
 
     def configured(self, precision_cfg: Any) -> ScalifyStrategy:
         def choice(key: str, choices: tuple[str, ...]) -> str:

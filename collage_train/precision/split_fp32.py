@@ -13,7 +13,7 @@ to 12 bytes too, but then it would no longer be the fp32-master trajectory.
 
 import torch
 
-from collage_train.precision.base import PrecisionStrategy, register
+from collage_train.precision.base import OptimizerSpec, PrecisionStrategy, register
 
 SPLIT_FP32 = register(
     PrecisionStrategy(
@@ -30,6 +30,6 @@ SPLIT_FP32 = register(
             "fp32 exp_avg_sq",
         ),
         optimizer_state=(("remainder", 2), ("exp_avg", 4), ("exp_avg_sq", 4)),
-        master_remainder=True,
+        optimizer=OptimizerSpec("split_master"),
     )
 )

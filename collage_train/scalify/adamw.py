@@ -189,7 +189,7 @@ class ScaledAdamW(TrackingOptimizer):
 
     def _snapshot(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Copies of the weights the model computes with, only when descent is tracked."""
-        return [value_of(p) for p in params] if self.track_descent else None
+        return [value_of(p) for p in params] if self.track_edq else None
 
     def _store(self, state: dict[str, Any], name: str, value: torch.Tensor) -> torch.Tensor:
         """Store ``value`` into the scaled entry ``name``, counting a change of scale.
@@ -266,4 +266,4 @@ class ScaledAdamW(TrackingOptimizer):
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         before = self._snapshot(params)
         updates = [self._step_one(group, param) for param in params]
-        self._record_descent(params, before, updates)
+        self._record_edq(params, before, updates)

@@ -23,7 +23,7 @@ a fused kernel passes before first use        compiled``)
 
 The precision strategies that select it (``collage_light``, ``collage_plus``, and ``bf16``
 as mode "none") are records in ``collage_train/precision/``; the EDQ formulas are in
-``collage_train/metrics/descent.py``. Nothing here imports the trainer, the engines or
+``collage_train/metrics/edq.py``. Nothing here imports the trainer, the engines or
 the strategies.
 """
 

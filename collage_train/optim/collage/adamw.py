@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from collage_train.metrics.descent import FIELDS, descent_partials
+from collage_train.metrics.edq import FIELDS, edq_partials
 from collage_train.optim.base import TrackingOptimizer, chunk_numel_for
 
 __all__ = ["CollageAdamW", "chunk_numel_for"]
@@ -122,7 +122,7 @@ class CollageAdamW(TrackingOptimizer):
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         self._resolve_kernel()
         beta1, beta2 = group["betas"]
-        track = self.track_descent
+        track = self.track_edq
         for param in params:
             state = self._state_for(param)
             state["step"] += 1
@@ -140,9 +140,9 @@ class CollageAdamW(TrackingOptimizer):
             scalars = step_scalars(
                 group["lr"], beta1, beta2, group["eps"], group["weight_decay"], t
             )
-            partials = self._step_in_chunks(tensors, scalars, self.descent_segments.get(param))
+            partials = self._step_in_chunks(tensors, scalars, self.edq_segments.get(param))
             if track:
-                self.last_descent[param] = partials
+                self.last_edq[param] = partials
 
     def _step_in_chunks(
         self,
@@ -158,7 +158,7 @@ class CollageAdamW(TrackingOptimizer):
         instead of for the whole tensor. Returns the partial sums (one row per segment for
         a flat partition) when descent is tracked, else None.
         """
-        track = self.track_descent
+        track = self.track_edq
         if not all(t is None or t.is_contiguous() for t in tensors):
             chunks, flat = [(0, tensors[0].numel())], None  # as it is, in one piece
         else:
@@ -185,7 +185,7 @@ class CollageAdamW(TrackingOptimizer):
                 low, high = max(seg_start, start) - start, min(seg_stop, stop) - start
                 if low < high:
                     dtheta = low_part[low:high] if low_part is not None else None
-                    sums[row] += descent_partials(
+                    sums[row] += edq_partials(
                         before[low:high], after[low:high], update[low:high], dtheta
                     )
         if sums is None or segments is not None:

@@ -24,7 +24,7 @@ import shutil
 import torch
 
 from collage_train.errors import ConfigError, first_line
-from collage_train.metrics.descent import partials_close
+from collage_train.metrics.edq import partials_close
 from collage_train.optim.collage.cpu_kernel import KernelBuildError, c_compiler
 from collage_train.optim.collage.step_math import (
     collage_tensor_step,

@@ -9,7 +9,7 @@ weight to bf16 first, ``add(alpha=)`` differs), which is why the update is not w
 with them.
 
 ``collage_tensor_step`` updates its state tensors in place and, when ``track`` is set,
-returns the six effective-descent partial sums of ``metrics.descent.FIELDS`` (or, with
+returns the six effective-descent partial sums of ``metrics.edq.FIELDS`` (or, with
 ``return_update``, the intended update itself, for callers that split the sums).
 """
 
@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from collage_train.metrics.descent import descent_partials
+from collage_train.metrics.edq import edq_partials
 from collage_train.optim.collage import mcf
 
 _BF16 = torch.bfloat16
@@ -78,7 +78,7 @@ def collage_tensor_step(
     if track and return_update:
         result = update
     elif track:
-        result = descent_partials(theta, new_theta, update, new_dtheta)
+        result = edq_partials(theta, new_theta, update, new_dtheta)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     if dv_new is not None:

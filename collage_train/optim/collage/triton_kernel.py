@@ -3,7 +3,7 @@
 One program reads a block of each input once (theta, dtheta, m, v, dv, g: bf16), runs
 ``step_math.collage_tensor_step``'s arithmetic with every bf16 rounding written out,
 writes the new state once, and, when EDQ is tracked, stores the block's six partial
-sums (``metrics.descent.FIELDS``) beside it; a deterministic sum over the blocks
+sums (``metrics.edq.FIELDS``) beside it; a deterministic sum over the blocks
 finishes them. So EDQ costs six floats per block instead of another pass over the
 data, which is what the TorchInductor version of the same graph did on CUDA (it split
 the sums into separate reduction kernels that recompute the update).
@@ -134,7 +134,7 @@ def _collage_step_kernel(
     tl.store(theta_ptr + offsets, new_theta.to(tl.bfloat16), mask=mask)
     if WRITE_UPDATE:
         tl.store(update_ptr + offsets, update.to(tl.bfloat16), mask=mask)
-    if TRACK:  # this block's partial sums, in the order of metrics.descent.FIELDS
+    if TRACK:  # this block's partial sums, in the order of metrics.edq.FIELDS
         update = tl.where(mask, update, 0.0)
         realised = tl.where(mask, new_theta - theta, 0.0)
         moved = update != 0.0
