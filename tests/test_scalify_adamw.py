@@ -208,9 +208,9 @@ def test_full_precision_weights_round_trip(master):
 def test_descent_tracking_and_bad_arguments():
     params = _params()
     optimizer = ScaledAdamW(params, lr=LR)
-    optimizer.track_descent = True
+    optimizer.track_edq = True
     _run(optimizer, params, steps=2)
-    metrics = optimizer.descent_metrics()
+    metrics = optimizer.edq_metrics()
     assert metrics and all(math.isfinite(v) for v in metrics.values())
     with pytest.raises(ValueError, match="master"):
         ScaledAdamW(params, master="bf16")

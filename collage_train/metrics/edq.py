@@ -6,8 +6,8 @@ the lost-update fraction is the share of elements with u != 0 whose theta did no
 For Collage, ||dtheta|| and <dtheta, u> show what the low part is carrying.
 
 Optimizers produce one small fp32 vector of partial sums per parameter
-(``descent_partials``); partials add across parameters, layer groups and ranks, and
-``descent_metrics`` turns a sum into the reported values.
+(``edq_partials``); partials add across parameters, layer groups and ranks, and
+``edq_metrics`` turns a sum into the reported values.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ FIELDS = ("dot", "update_sq", "nonzero", "lost", "dtheta_sq", "dtheta_dot")
 
 
 @torch.no_grad()
-def descent_partials(
+def edq_partials(
     before: torch.Tensor,
     after: torch.Tensor,
     update: torch.Tensor,
@@ -73,7 +73,7 @@ def partials_close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> bool
     return bool(((a - b).abs() <= rtol * scale + 1e-30).all())
 
 
-def descent_metrics(
+def edq_metrics(
     partials: torch.Tensor | Sequence[float], with_dtheta: bool
 ) -> dict[str, float]:
     """EDQ, normalised EDQ, lost-update fraction (and dtheta norms) from summed partials
@@ -115,21 +115,21 @@ def layer_groups(model: torch.nn.Module) -> list[str]:
 
 
 def layer_group_partials(
-    last_descent: dict[torch.Tensor, torch.Tensor],
+    last_edq: dict[torch.Tensor, torch.Tensor],
     segments: dict[torch.Tensor, list[tuple[str, int, int]]],
     layer_groups: Sequence[str],
     device: torch.device,
 ) -> torch.Tensor:
     """This rank's partial sums of the last step, one row of ``FIELDS`` per layer group.
 
-    ``last_descent`` holds each stepped parameter's partials, one row per segment of
+    ``last_edq`` holds each stepped parameter's partials, one row per segment of
     ``segments[param]`` (``(layer group, start, stop)``; a whole tensor is one segment, a
     ZeRO flat partition several). Each rank sums what it updated; an all-reduce of these
     rows gives the global sums ``layer_group_metrics`` turns into metrics.
     """
     index = {group: i for i, group in enumerate(layer_groups)}
     sums = torch.zeros(len(layer_groups), len(FIELDS), device=device)
-    for param, partials in last_descent.items():
+    for param, partials in last_edq.items():
         rows = partials.reshape(-1, len(FIELDS))
         for (group, _, _), row in zip(segments[param], rows, strict=True):
             sums[index[group]] += row.to(device)
@@ -143,8 +143,8 @@ def layer_group_metrics(
     global sums laid out as ``layer_group_partials`` lays them out (row-major)."""
     width = len(FIELDS)
     rows = [list(sums[i : i + width]) for i in range(0, len(sums), width)]
-    metrics = descent_metrics([sum(column) for column in zip(*rows, strict=True)], with_dtheta)
+    metrics = edq_metrics([sum(column) for column in zip(*rows, strict=True)], with_dtheta)
     for group, partials in zip(layer_groups, rows, strict=True):
-        for key, value in descent_metrics(partials, with_dtheta).items():
+        for key, value in edq_metrics(partials, with_dtheta).items():
             metrics[f"{key}.{group}"] = value
     return metrics
