@@ -166,6 +166,20 @@ def test_analytic_zero_state_bytes():
         assert zero_state_bytes(strategy, 1, 1).total == strategy.expected_state_bytes_per_param
 
 
+def test_zero_engine_counts_deepspeeds_copy_when_it_offloads():
+    """An offload section, from the flags or added through distributed.deepspeed, keeps
+    DeepSpeed's copy of a bf16 master partition (share_weight_partitions leaves it)."""
+    engine = object.__new__(zero_engine.ZeroEngine)  # the analytic side only
+    engine.dist_cfg = compose_cfg("distributed=zero3").distributed
+    engine.stage, engine.world_size, engine.gradient_dtypes = 3, 2, None
+    engine.deepspeed_config = None
+    plus = get_strategy("collage_plus")
+    assert engine.expected_state_bytes_per_param(plus) == 1 + 0 + 4
+    offload = {"offload_param": {"device": "cpu", "pin_memory": True}}
+    engine.deepspeed_config = {"zero_optimization": {"stage": 3, **offload}}
+    assert engine.expected_state_bytes_per_param(plus) == 1 + 1 + 4
+
+
 def test_adjacent_segments_of_one_group_merge():
     runs = [("block_0", 0, 5), ("block_0", 5, 9), ("block_1", 9, 9), ("block_1", 9, 12)]
     assert _merge_runs(runs) == [("block_0", 0, 9), ("block_1", 9, 12)]

@@ -350,11 +350,20 @@ class ZeroEngine:
 
     def _analytic_bytes(self, strategy: PrecisionStrategy) -> ZeroStateBytes:
         dtypes = self.gradient_dtypes or gradient_dtypes(self.dist_cfg, strategy, self.stage)
-        offload = any(
-            getattr(self.dist_cfg, key, False) for key in ("offload_optimizer", "offload_param")
-        )
         return zero_state_bytes(
-            strategy, self.stage, self.world_size, dtypes.accumulate, offload=offload
+            strategy, self.stage, self.world_size, dtypes.accumulate, offload=self._offloads()
+        )
+
+    def _offloads(self) -> bool:
+        """Whether DeepSpeed offloads the optimizer or the parameters: the rendered config
+        once prepared (``distributed.deepspeed`` may add an offload section), else the flags."""
+        if self.deepspeed_config is None:
+            keys = ("offload_optimizer", "offload_param")
+            return any(getattr(self.dist_cfg, key, False) for key in keys)
+        zero = self.deepspeed_config.get("zero_optimization", {})
+        return any(
+            str((zero.get(key) or {}).get("device", "none")) != "none"
+            for key in ("offload_optimizer", "offload_param")
         )
 
     def close(self) -> None:
