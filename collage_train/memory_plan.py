@@ -116,9 +116,10 @@ STEP_TRANSIENT = {
     "collage_light": (0.0, 37.0),
     "collage_plus": (0.0, 39.0),
     "fused": (0.0, 0.0),  # one in-place kernel per chunk
-    # Scalify's ScaledAdamW, scaled-fp16 master: fp32 loads and stores of the largest
-    # tensor (fp32 master 39, fp32 master and state 27), plus each update kept for descent.
-    "scaled_adamw": (4.0, 47.0),
+    # Scalify's ScaledAdamW, scaled-fp16 moments: fp32 loads and stores of the largest
+    # tensor, freed as the step goes (fp32 moments 31, fp32 master and moments with fp32
+    # parameters 23), plus each weight before the step and each update kept for EDQ.
+    "scaled_adamw": (4.0, 35.0),
 }
 
 CHUNKED_KINDS = (

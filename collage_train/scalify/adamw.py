@@ -236,17 +236,21 @@ class ScaledAdamW(TrackingOptimizer):
         exp_avg_sq = load_scaled(state["exp_avg_sq"], state["exp_avg_sq_scale"])
         exp_avg.lerp_(grad, 1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        del grad  # fp32 temporaries are freed as soon as they are used (the step's peak)
 
         denom = exp_avg_sq.sqrt().div_(math.sqrt(1.0 - beta2**step)).add_(group["eps"])
         update = exp_avg.div(denom).mul_(-lr / (1.0 - beta1**step))
+        del denom
+        self._store(state, "exp_avg", exp_avg)
+        self._store(state, "exp_avg_sq", exp_avg_sq)
+        del exp_avg, exp_avg_sq
         weight = self._master_value(state, param)
         if weight_decay != 0.0:
             update.add_(weight, alpha=-lr * weight_decay)
-        self._store(state, "exp_avg", exp_avg)
-        self._store(state, "exp_avg_sq", exp_avg_sq)
 
         if is_scaled(param):  # the parameter holds (or rounds) the master as scaled fp16
-            new_weight = weight + update
+            # value_of made ``weight`` a copy: update it in place (an fp32 master: a new one)
+            new_weight = weight + update if "master" in state else weight.add_(update)
             if "master" in state:
                 state["master"] = new_weight
             if store_value(param, new_weight, self.scaled):
