@@ -293,8 +293,7 @@ def test_full_precision_round_trip_changes_no_bit(master):
 
 
 def test_step_temporaries_of_scaled_parameters_match_the_planner():
-    from collage_train.memory_plan import STEP_TRANSIENT, Setting, step_transient_kind
-    from collage_train.metrics.live_memory import LiveTensorBytes
+    from test_plan import assert_step_temporaries_match_the_table
 
     strategy = get_strategy("scalify")
     sizes = [(512, 256), (256,), (256, 768), (768,), (768, 256)]
@@ -304,19 +303,7 @@ def test_step_temporaries_of_scaled_parameters_match_the_planner():
     optimizer = strategy.build_optimizer(decay_param_groups(module, 0.1), OptCfg)
     for p in params:
         accumulate_grad(p, torch.randn(p.shape) * 1e-3)
-    optimizer.step()  # creates the state
-    with LiveTensorBytes() as live:
-        live.track_training_state(params, optimizer)
-        live.track(p.grad for p in params)
-        before = live.current
-        optimizer.track_edq = True
-        optimizer.step()
-    numel = sum(p.numel() for p in params)
-    largest = max(p.numel() for p in params)
-    per_param, per_largest = STEP_TRANSIENT[
-        step_transient_kind(Setting(strategy, 0, fused_optimizer=False))
-    ]
-    assert live.peak - before == pytest.approx(per_param * numel + per_largest * largest, rel=0.1)
+    assert_step_temporaries_match_the_table(strategy, params, optimizer)
 
 
 # ------------------------------------------------------------------ a real run
