@@ -150,7 +150,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--seeds", type=int, default=1, help="seeds per cell (train.seed 1..N); mean +- sd"
     )
-    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument(
+        "--json", type=Path, help="also write the rows as JSON here (rewritten after every run)"
+    )
     parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     return parser.parse_args(argv)
@@ -171,10 +173,10 @@ def main() -> None:
                     )
                     run_dir = Path(root) / f"{precision}-{beta2}-{seed}"
                     rows.append(study_run(precision, beta2, args, run_dir, seed))
+                    if args.json:  # after every run: a stopped study keeps what it measured
+                        args.json.write_text(json.dumps(rows, indent=2) + "\n")
     result = table(rows) if args.seeds == 1 else seeds_table(aggregate(rows))
     print(result)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
     if not args.no_append:
         minutes = (time.perf_counter() - start) / 60
         append_results(
