@@ -191,7 +191,7 @@ def _check_reshard(
             "each replica's inner state is its own: resume with "
             f"{saved_world} processes (torchrun --nproc_per_node {saved_world})"
         )
-    if not strategy_for(cfg.precision).runs_under_zero:
+    if not strategy_for(cfg.precision).reshards:
         raise ConfigError(
             f"{path} was written by distributed={layout} on {saved_world} rank(s); "
             f"precision={cfg.precision.name} resumes only with the engine and number of "

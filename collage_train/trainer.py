@@ -62,10 +62,11 @@ class Trainer:
                 f"train.stop_at_step={train.stop_at_step} must lie in 1..{train.max_steps}"
             )
         self.strategy = strategy_for(cfg.precision)
-        if not self.strategy.runs_under_zero and cfg.distributed.name != "unsharded":
+        refusal = self.strategy.not_under_zero
+        if refusal and cfg.distributed.name != "unsharded":
             raise ConfigError(
-                f"precision={self.strategy.name} does not run under DeepSpeed ZeRO yet; "
-                "use distributed=unsharded (with comm=every_step, diloco or sparseloco)"
+                f"precision={self.strategy.name} does not run under DeepSpeed ZeRO "
+                f"(distributed={cfg.distributed.name}): {refusal}"
             )
         self.engine = build_engine(cfg.distributed, cfg.comm, device=train.device)
         self.device = self.engine.device

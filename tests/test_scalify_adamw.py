@@ -214,3 +214,68 @@ def test_descent_tracking_and_bad_arguments():
     assert metrics and all(math.isfinite(v) for v in metrics.values())
     with pytest.raises(ValueError, match="master"):
         ScaledAdamW(params, master="bf16")
+
+
+def _flat_of(params: list[torch.Tensor], pad: int) -> torch.nn.Parameter:
+    """The parameters' values flattened into one fp32 tensor, with ``pad`` zeros after."""
+    values = [p.detach().reshape(-1) for p in params] + [torch.zeros(pad)]
+    return torch.nn.Parameter(torch.cat(values))
+
+
+@pytest.mark.parametrize("master", ["fp16", "fp32"])
+def test_a_flat_tensor_of_pieces_steps_bit_for_bit_as_its_tensors(master):
+    """A ZeRO partition holding whole parameters (and padding) gets each parameter's own
+    scales (``flat_pieces``): the same state and weights as the parameters stepped apart."""
+    from collage_train.optim.base import FlatPieces
+
+    params = _params()
+    apart = ScaledAdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, master=master)
+    flat = _flat_of(params, pad=5)
+    together = ScaledAdamW([flat], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, master=master)
+    lengths = torch.tensor([p.numel() for p in params] + [5])
+    together.flat_pieces = {flat: FlatPieces(lengths)}
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        grads = [
+            torch.randn(p.shape, generator=generator) * magnitude
+            for p, magnitude in zip(params, GRAD_MAGNITUDES, strict=True)
+        ]
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad.clone()
+        flat.grad = _flat_of(grads, pad=5).detach()
+        apart.step()
+        together.step()
+    assert torch.equal(flat.detach(), _flat_of(params, pad=5).detach())
+    state = together.state[flat]
+    assert torch.equal(state["piece_lengths"], lengths)
+    for key in ("exp_avg", "exp_avg_sq"):
+        scales = state[f"{key}_scale"]
+        assert scales.shape == (len(params) + 1,) and scales[-1] == 1  # padding: zeros
+        for index, param in enumerate(params):
+            assert torch.equal(scales[index], apart.state[param][f"{key}_scale"])
+        data = torch.cat([apart.state[p][key].reshape(-1) for p in params])
+        assert torch.equal(state[key][: data.numel()], data)
+    # three magnitudes 1e-6 .. 1e4 under one scale would flush the small one's moments
+    assert len(set(state["exp_avg_sq_scale"][:-1].tolist())) == len(params)
+
+
+def test_pieces_of_one_tensor_take_the_whole_tensors_scale():
+    """Two halves of one tensor, each in a flat tensor of its own (two ZeRO ranks): with
+    ``FlatPieces.whole`` summing over both halves, each half is stored under the whole
+    tensor's scale; alone, each under its own."""
+    from collage_train.optim.base import FlatPieces
+    from collage_train.scalify.scale import rms_scale, segment_rms_scales
+
+    value = torch.cat([torch.randn(64) * 1e-3, torch.randn(64) * 10.0])
+    halves = value[:64], value[64:]
+    sums = [h.double().square().sum() for h in halves]
+
+    def whole(squares, counts):  # what ZeroEngine's all-reduce returns on either rank
+        return torch.stack([sums[0] + sums[1]]), torch.tensor([128.0], dtype=torch.float64)
+
+    lengths = torch.tensor([64])
+    for half in halves:
+        assert torch.equal(segment_rms_scales(half, lengths), rms_scale(half).reshape(1))
+        shared = segment_rms_scales(half, lengths, FlatPieces(lengths, whole).whole)
+        assert torch.equal(shared, rms_scale(value).reshape(1))
+    assert rms_scale(halves[0]) < rms_scale(value) < rms_scale(halves[1])

@@ -66,11 +66,20 @@ def test_other_strategies_refuse_scalify_options(make_cfg, name):
     assert strategy_for(make_cfg(f"precision={name}").precision) is get_strategy(name)
 
 
-def test_scalify_under_zero_is_refused_before_any_process_group(make_cfg, tmp_path):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_scaled_fp16_parameters_under_zero_are_refused_naming_the_layout_that_runs(
+    make_cfg, tmp_path, stage
+):
     from collage_train.trainer import Trainer
 
     with pytest.raises(ConfigError, match="precision=scalify does not run under DeepSpeed ZeRO"):
-        Trainer(make_cfg("precision=scalify", "distributed=zero2"), tmp_path)
+        Trainer(make_cfg("precision=scalify", f"distributed=zero{stage}"), tmp_path)
+    with pytest.raises(ConfigError) as err:
+        Trainer(make_cfg("precision=scalify", f"distributed=zero{stage}"), tmp_path)
+    line = str(err.value)
+    assert "\n" not in line and f"distributed=zero{stage}" in line
+    assert "use precision=scalify_fp32_params" in line  # what runs under ZeRO instead
+    assert not list(tmp_path.iterdir())  # refused before anything was written
 
 
 class OptCfg:

@@ -175,6 +175,64 @@ def test_mixed_fp32_under_zero2_keeps_fp32_masters_and_matches(runs):
     assert all(t.dtype == torch.bfloat16 for t in exported.values())
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_scalify_under_zero_matches_single_process_with_a_scale_per_piece(runs, stage):
+    """``scalify_fp32_params`` under ZeRO: fp32 weights and gradients through DeepSpeed,
+    the scaled-fp16 master (held by the weight partition) and moments sharded, each
+    piece of a parameter in a partition under a power-of-two scale of its own."""
+    single_dir, _ = runs("unsharded", "scalify_fp32_params")
+    zero_dir, _ = runs(f"zero{stage}", "scalify_fp32_params")
+    assert_matches_single_process(zero_dir, single_dir, ("edq", "edq_normalized"))
+    summary = json.loads((zero_dir / "summary.json").read_text())
+    assert (summary["reduce_dtype"], summary["grad_accum_dtype"]) == ("fp32", "fp32")
+    total = summary["num_params"]
+    for shard in optimizer_shards(zero_dir, 8):
+        states = list(shard["state"].values())  # one per parameter group (decay or not)
+        assert len(states) == len(shard["masters"]) == 2
+        assert abs(sum(s["exp_avg"].numel() for s in states) - total / 2) <= 64  # a half
+        for state, master in zip(states, shard["masters"], strict=True):
+            assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float16
+            lengths = state["piece_lengths"]
+            assert int(lengths.sum()) == master.numel() == state["exp_avg"].numel()
+            for key in ("exp_avg", "exp_avg_sq", "master"):  # one scale per piece
+                assert state[f"{key}_scale"].shape == lengths.shape
+            data = master.float() / torch.repeat_interleave(state["master_scale"], lengths)
+            assert torch.equal(data.half().float(), data)  # the weights hold the fp16 master
+        pieces = torch.cat([s["exp_avg_sq_scale"] for s in states])
+        assert pieces.numel() > 4 and len(set(pieces.tolist())) > 2  # each at its own RMS
+
+
+def test_scalify_under_zero2_resumes_on_its_layout_only(runs, corpus_dir, cache_dir, tmp_path):
+    """Stopped at step 4 (the full run's own step-4 checkpoint), resumed by 2 ranks: the
+    same weights and losses as the run that never stopped. On one process: one line."""
+    full_dir, _ = runs("zero2", "scalify_fp32_params")
+    run_dir = tmp_path / "run"
+    shutil.copytree(full_dir, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step-8")
+    shutil.rmtree(run_dir / "hf")
+    args = [
+        *tiny_overrides(corpus_dir, cache_dir, run_dir),
+        "logging.log_every=1",
+        "precision=scalify_fp32_params",
+        "train.resume=true",
+    ]
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    other = run_cli(*args, "distributed=unsharded")
+    assert other.returncode == 2, other.stderr[-2000:]
+    (line,) = [x for x in other.stderr.splitlines() if x.startswith("error:")]
+    assert "resumes only with the engine and number of processes that wrote it" in line
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+
+    resumed = run_deepspeed(*args, "distributed=zero2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    weights = load_file(run_dir / "hf" / "model.safetensors")
+    full = load_file(full_dir / "hf" / "model.safetensors")
+    assert weights.keys() == full.keys()
+    assert all(torch.equal(weights[k], full[k]) for k in full)
+    assert train_records(run_dir)[8]["loss"] == train_records(full_dir)[8]["loss"]
+
+
 def test_global_edq_per_layer_group_equals_single_process(runs):
     """Step 1: same initial weights and same reduced gradient, so the same update."""
     single = train_records(runs("unsharded", "collage_plus")[0])[1]

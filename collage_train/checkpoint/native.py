@@ -94,10 +94,11 @@ def check_target(meta: dict[str, Any], engine: str, world_size: int | None) -> T
             "it resumes only with the replicas that wrote it"
         )
     strategy = strategy_for(OmegaConf.create(config["precision"]))
-    if not strategy.runs_under_zero:  # resume.py refuses to reshard it too
+    if not strategy.reshards:  # resume.py refuses to reshard it too
         raise ConfigError(
-            f"precision={strategy.name} does not run under DeepSpeed ZeRO and resumes only on "
-            "the engine and processes that wrote it (its scales are per tensor): not converted"
+            f"precision={strategy.name} resumes only on the engine and processes that wrote "
+            "it (its scales are kept per tensor, or per piece of a ZeRO partition): not "
+            "converted"
         )
     global_batch = int(config["train"]["global_batch_size"])
     micro_batch = int(config["train"]["micro_batch_size"])

@@ -24,7 +24,7 @@ import torch
 
 from collage_train.checkpoint.full_state import FullState
 from collage_train.metrics.edq import layer_group_partials, layer_groups
-from collage_train.optim.base import TrackingOptimizer, chunk_numel_for
+from collage_train.optim.base import FlatPieces, TrackingOptimizer, chunk_numel_for
 from collage_train.precision.base import PrecisionStrategy
 
 # A contiguous run [start, stop) of a flat optimizer tensor that belongs to one layer group.
@@ -128,14 +128,17 @@ def declare_layout(
     model: torch.nn.Module,
     segments: dict[torch.Tensor, list[Segment]],
     state_bytes_per_param: float,
+    flat_pieces: dict[torch.Tensor, FlatPieces] | None = None,
 ) -> None:
     """Tell the optimizer what the engine decided at ``prepare``: which layer group each
-    range of each tensor it updates belongs to (EDQ), and how many elements a step may
-    work on at a time so that its transients stay small next to the state this rank
-    holds (``optim.base.chunk_numel_for``)."""
+    range of each tensor it updates belongs to (EDQ), where the pieces of model tensors
+    lie in the flat tensors it updates (``flat_pieces``, ZeRO), and how many elements a
+    step may work on at a time so that its transients stay small next to the state this
+    rank holds (``optim.base.chunk_numel_for``)."""
     if not isinstance(optimizer, TrackingOptimizer):
         return
     optimizer.edq_segments = segments
+    optimizer.flat_pieces = flat_pieces or {}
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3
     optimizer.step_chunk_numel = chunk_numel_for(num_params * state_bytes_per_param)
 

@@ -42,6 +42,7 @@ from collage_train.engine.zero_memory import ZeroStateBytes, zero_state_bytes
 from collage_train.errors import CheckpointError, ConfigError
 from collage_train.metrics.edq import layer_group_of
 from collage_train.metrics.memory import storage_bytes
+from collage_train.optim.base import FlatPieces, PieceTotals
 from collage_train.precision.base import PrecisionStrategy
 
 
@@ -183,6 +184,25 @@ def share_weight_partitions(zero: Any, stage: int) -> bool:
     return True
 
 
+def _whole_tensor_totals(owners: torch.Tensor, num_params: int, group: Any) -> PieceTotals:
+    """``FlatPieces.whole`` for one flat partition: ``owners`` holds the index of the
+    parameter each piece belongs to (-1: padding, which stands alone)."""
+    real = owners >= 0
+    index = owners.clamp(min=0)
+
+    def totals(sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        both = torch.zeros(2, num_params, dtype=torch.float64, device=sums.device)
+        both[0].index_add_(0, owners[real], sums[real])
+        both[1].index_add_(0, owners[real], counts[real])
+        dist.all_reduce(both, group=group)
+        return (
+            torch.where(real, both[0][index], sums),
+            torch.where(real, both[1][index], counts),
+        )
+
+    return totals
+
+
 class ZeroEngine:
     """One data-parallel rank of a DeepSpeed ZeRO run."""
 
@@ -248,7 +268,13 @@ class ZeroEngine:
             # The optimizer updates fp32 masters; the model sees their bf16 rounding.
             optimizer.edq_view_dtype = strategy.param_dtype
         segments = self.edq_segments(layer_group_of(model))
-        declare_layout(optimizer, model, segments, self.peak_state_bytes_per_param(strategy))
+        declare_layout(
+            optimizer,
+            model,
+            segments,
+            self.peak_state_bytes_per_param(strategy),
+            self.flat_pieces(),
+        )
         return self.ds
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -291,9 +317,7 @@ class ZeroEngine:
             return list(self.model.parameters())
         return [p.ds_tensor for p in self.model.parameters()]
 
-    def edq_segments(
-        self, group_of: dict[torch.Tensor, str]
-    ) -> dict[torch.Tensor, list[Segment]]:
+    def edq_segments(self, group_of: dict[torch.Tensor, str]) -> dict[torch.Tensor, list[Segment]]:
         """Map each flat master partition to the layer groups of the elements it holds.
 
         Stages 1 and 2 cut the concatenation of a group's parameters into equal
@@ -420,6 +444,36 @@ class ZeroEngine:
                         pieces.append(Piece(names[param], index, start, position, count))
                     position += shard
             layout.append(pieces)
+        return layout
+
+    def flat_pieces(self) -> dict[torch.Tensor, FlatPieces]:
+        """Per flat master partition of this rank: where each parameter's piece lies in it
+        (padding as pieces of their own), and how to sum a statistic of the pieces over
+        the whole parameter on every rank (one all-reduce of one float64 per parameter),
+        for an optimizer that keeps statistics per parameter (``ScaledAdamW``'s scales)."""
+        owner_of = {name: index for index, (name, _) in enumerate(self.model.named_parameters())}
+        group = self._zero_optimizer().dp_process_group
+        layout: dict[torch.Tensor, FlatPieces] = {}
+        for pieces, flat in zip(self.partition_pieces(), self.master_partitions(), strict=True):
+            lengths, owners, position = [], [], 0
+            for piece in sorted(pieces, key=lambda piece: piece.flat_start):
+                if piece.flat_start > position:  # padding before it
+                    lengths.append(piece.flat_start - position)
+                    owners.append(-1)
+                lengths.append(piece.numel)
+                owners.append(owner_of[piece.name])
+                position = piece.flat_start + piece.numel
+            if flat.numel() > position:
+                lengths.append(flat.numel() - position)
+                owners.append(-1)
+            layout[flat] = FlatPieces(
+                torch.tensor(lengths, dtype=torch.long, device=flat.device),
+                _whole_tensor_totals(
+                    torch.tensor(owners, dtype=torch.long, device=flat.device),
+                    len(owner_of),
+                    group,
+                ),
+            )
         return layout
 
     def load_full(self, state: FullState) -> dict[str, Any]:

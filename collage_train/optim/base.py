@@ -4,7 +4,8 @@ full-precision value of every weight (read and written by the replica engines)."
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,6 +17,25 @@ from collage_train.metrics.edq import FIELDS, edq_metrics, edq_partials
 # tracked, the copy of the weight and the intended update (2 + 2).
 STEP_BYTES_PER_ELEMENT = 43
 MIN_CHUNK_NUMEL, MAX_CHUNK_NUMEL = 1 << 14, 1 << 22
+
+
+# Sums and element counts per piece -> the same for the whole tensor each piece belongs to.
+PieceTotals = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class FlatPieces:
+    """The pieces of model tensors that one flat tensor holds, in order (a ZeRO partition).
+
+    ``lengths``: elements of each consecutive piece, covering the flat tensor (padding is a
+    piece of its own). ``whole``: given a float64 sum and an element count per piece,
+    returns the sum and count of the whole tensor each piece belongs to, over every rank
+    (ZeRO: one all-reduce), so that a statistic per tensor is the one an unsharded run
+    computes; None: each piece stands alone.
+    """
+
+    lengths: torch.Tensor
+    whole: PieceTotals | None = None
 
 
 def chunk_numel_for(state_bytes: float) -> int:
@@ -37,6 +57,9 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
     change in that dtype: the weight the model sees when the optimizer is handed fp32
     masters directly. ``step_chunk_numel`` bounds the elements a step works on at a
     time where it works in chunks (the trainer sizes it with ``chunk_numel_for``).
+    ``flat_pieces`` says, for a flat tensor that holds pieces of several model tensors (a
+    ZeRO partition), where they lie (``FlatPieces``), for an optimizer that keeps
+    statistics per model tensor (``ScaledAdamW``'s scales); the others ignore it.
     """
 
     step_chunk_numel: int = MAX_CHUNK_NUMEL
@@ -67,6 +90,7 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
         super().__init__(params, defaults)
         self.last_edq: dict[torch.Tensor, torch.Tensor] = {}
         self.edq_segments: dict[torch.Tensor, list[tuple[str, int, int]]] = {}
+        self.flat_pieces: dict[torch.Tensor, FlatPieces] = {}
 
     def ordered_params(self) -> list[torch.Tensor]:
         """Every parameter, in ``param_groups`` order (the order of the weight lists)."""

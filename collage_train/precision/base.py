@@ -64,6 +64,10 @@ class PrecisionStrategy:
         optimizer_state: the optimizer's own per-parameter state, as (component, bytes
             per parameter) pairs; with weights, gradients and master weights it sums to
             ``expected_state_bytes_per_param``.
+        not_under_zero: why it cannot run under DeepSpeed ZeRO and what to use instead
+            (the refusal's text), or None where it runs.
+        reshards: whether its checkpoints resume on another engine or number of ranks
+            and convert between layouts (``collage_train.checkpoint``).
     """
 
     name: str
@@ -74,7 +78,8 @@ class PrecisionStrategy:
     expected_state_bytes_per_param: float
     checkpoint_holds: tuple[str, ...]
     optimizer_state: tuple[tuple[str, int], ...] = ()
-    runs_under_zero: bool = True  # False: refused with distributed=zero1|zero2|zero3
+    not_under_zero: str | None = None  # why distributed=zero* is refused; None: it runs
+    reshards: bool = True  # whether a checkpoint resumes on another engine or rank count
     optimizer: OptimizerSpec = OptimizerSpec()
     activation_dtype: torch.dtype | None = None
 

@@ -86,6 +86,13 @@ _BYTES = {"fp16": 2, "fp32": 4}
 
 
 SCALED_ADAMW = OptimizerSpec("scaled_adamw")
+SCALED_PARAMS_NOT_UNDER_ZERO = (
+    "its parameters and gradients are fp16 data under a scale per tensor, and its "
+    "gradients are stored outside autograd, where DeepSpeed's flat partitions and gradient "
+    "reduction cannot see the scales; use precision=scalify_fp32_params (the same "
+    "scaled-fp16 master and moments, sharded; fp32 weights and gradients) with "
+    "distributed=zero1|zero2|zero3, or distributed=unsharded"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +263,8 @@ def scalify_strategy(
         expected_state_bytes_per_param=2 * param_bytes + master_bytes + 2 * moment,
         checkpoint_holds=tuple(holds),
         optimizer_state=(("exp_avg", moment), ("exp_avg_sq", moment)),
-        runs_under_zero=False,  # per-parameter gradient hooks and scales are not ZeRO-aware yet
+        not_under_zero=None if params == "fp32" else SCALED_PARAMS_NOT_UNDER_ZERO,
+        reshards=False,  # the scales of a ZeRO checkpoint are per piece of its partitions
         matmul=matmul,
         master=master,
         state=state,

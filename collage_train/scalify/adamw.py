@@ -18,6 +18,13 @@ and stores the new value back into its data and scale, keeping no copy; with
 plain fp16 state, the baseline that under- and overflows. ``state="fp32"`` keeps the
 moments as plain fp32 (scale pinned at 1), the paper's fp32-optimizer-state setting.
 
+A flat tensor listed in ``flat_pieces`` (the pieces of model tensors it holds: a ZeRO
+partition, ``ZeroEngine.prepare``) keeps one scale per piece for each scaled entry
+instead of one for the whole flat tensor: the scale of the model tensor the piece
+belongs to, summed over every rank's pieces of it (``FlatPieces.whole``), so that each
+tensor is stored under the scale an unsharded run gives it. The piece lengths are kept
+in the state (``piece_lengths``) beside the scales they go with.
+
 ``scale_metrics()`` reports the rescales so far and the share of state tensors whose
 stored data has an RMS outside ``[1/16, 16]`` (the range Scalify keeps data in).
 
@@ -41,7 +48,13 @@ from collage_train.scalify.params import (
     store_value,
     value_of,
 )
-from collage_train.scalify.scale import STORAGE_DTYPE, load_scaled, store_scaled
+from collage_train.scalify.scale import (
+    STORAGE_DTYPE,
+    load_scaled,
+    per_element,
+    store_scaled,
+    store_scaled_segments,
+)
 
 __all__ = ["ScaledAdamW", "load_scaled", "store_scaled"]
 
@@ -54,7 +67,7 @@ RMS_RANGE = (1.0 / 16.0, 16.0)
 class ScaledAdamW(TrackingOptimizer):
     """AdamW with scaled-fp16 ``exp_avg`` / ``exp_avg_sq`` (and master if ``master="fp16"``)."""
 
-    unshaped_state = ("step", "exp_avg_scale", "exp_avg_sq_scale", "master_scale")
+    unshaped_state = ("step", "exp_avg_scale", "exp_avg_sq_scale", "master_scale", "piece_lengths")
 
     def __init__(
         self,
@@ -76,6 +89,25 @@ class ScaledAdamW(TrackingOptimizer):
         self.scaled = scaled
         self.state_dtype = torch.float16 if state == "fp16" else torch.float32
         self.rescale_count = 0
+
+    def _store_scaled(
+        self, param: torch.Tensor, value: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(data, scale)`` of ``value`` for a state entry of ``param``: one scale, or one
+        per piece where ``flat_pieces`` lists the parameter (every rank calls this for
+        its partition of the same group together: the scales may need a collective)."""
+        pieces = self.flat_pieces.get(param)
+        if pieces is None:
+            return store_scaled(value, self.scaled, dtype)
+        return store_scaled_segments(value, pieces.lengths, self.scaled, dtype, pieces.whole)
+
+    def _per_element(self, param: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The scale of a state entry of ``param`` to multiply its data by."""
+        pieces = self.flat_pieces.get(param)
+        return per_element(scale, pieces.lengths if pieces is not None else None)
+
+    def _load(self, param: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return load_scaled(data, self._per_element(param, scale))
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict plus the rescale count, so a resumed run keeps counting."""
@@ -136,10 +168,12 @@ class ScaledAdamW(TrackingOptimizer):
         state = self.state[param]
         if not state:
             state["step"] = 0
+            if param in self.flat_pieces:  # on record beside the scales, one per piece
+                state["piece_lengths"] = self.flat_pieces[param].lengths.clone()
             for name in ("exp_avg", "exp_avg_sq"):
                 zeros = torch.zeros_like(param, dtype=torch.float32)
-                state[name], state[f"{name}_scale"] = store_scaled(
-                    zeros, self.scaled, self.state_dtype
+                state[name], state[f"{name}_scale"] = self._store_scaled(
+                    param, zeros, self.state_dtype
                 )
             if self._keeps_master(param):
                 self._set_master(state, param, value_of(param))
@@ -156,20 +190,22 @@ class ScaledAdamW(TrackingOptimizer):
             state["master"] = value.clone()
             return
         scale = state.get("master_scale")
-        if scale is not None and holds_exactly(value, scale):
-            data = (value / scale).to(STATE_DTYPE)
+        if scale is not None and holds_exactly(value, self._per_element(param, scale)):
+            data = (value / self._per_element(param, scale)).to(STATE_DTYPE)
         else:
-            data, scale = store_scaled(value, self.scaled)
+            data, scale = self._store_scaled(param, value, STATE_DTYPE)
         state["master_scale"] = scale
         if param.dtype == torch.float32:
-            param.detach().copy_(load_scaled(data, scale))
+            param.detach().copy_(self._load(param, data, scale))
         else:
             state["master"] = data
 
     def _scaled_data(self, state: dict[str, Any], name: str, param: torch.Tensor) -> torch.Tensor:
         """The stored data of the scaled entry ``name`` (the parameter's, for its master)."""
         if name == "master" and self._master_in_param(state):
-            return (param.detach() / state["master_scale"]).to(STATE_DTYPE)
+            return (param.detach() / self._per_element(param, state["master_scale"])).to(
+                STATE_DTYPE
+            )
         return state[name]
 
     def _master_value(self, state: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
@@ -177,7 +213,7 @@ class ScaledAdamW(TrackingOptimizer):
         value, or the fp32 parameter itself."""
         if "master" in state:
             if "master_scale" in state:
-                return load_scaled(state["master"], state["master_scale"])
+                return self._load(param, state["master"], state["master_scale"])
             return state["master"]
         if is_scaled(param):
             return value_of(param)
@@ -191,20 +227,22 @@ class ScaledAdamW(TrackingOptimizer):
         """Copies of the weights the model computes with, only when descent is tracked."""
         return [value_of(p) for p in params] if self.track_edq else None
 
-    def _store(self, state: dict[str, Any], name: str, value: torch.Tensor) -> torch.Tensor:
+    def _store(
+        self, state: dict[str, Any], param: torch.Tensor, name: str, value: torch.Tensor
+    ) -> torch.Tensor:
         """Store ``value`` into the scaled entry ``name``, counting a change of scale.
 
         Returns the value stored (``data * scale``). The master of an fp32 parameter is
         stored by the caller writing that value into the parameter.
         """
         dtype = STATE_DTYPE if name == "master" else self.state_dtype
-        data, scale = store_scaled(value, self.scaled, dtype)
+        data, scale = self._store_scaled(param, value, dtype)
         if not torch.equal(scale, state[f"{name}_scale"]):
             self.rescale_count += 1
         state[f"{name}_scale"] = scale
         if not (name == "master" and "master" not in state):
             state[name] = data
-        return load_scaled(data, scale)
+        return self._load(param, data, scale)
 
     def _full_precision(self, param: torch.Tensor) -> torch.Tensor:
         state = self.state.get(param, {})
@@ -232,8 +270,8 @@ class ScaledAdamW(TrackingOptimizer):
         state["step"] += 1
         step = state["step"]
         grad = grad_value(param)  # through the gradient's scale where it carries one
-        exp_avg = load_scaled(state["exp_avg"], state["exp_avg_scale"])
-        exp_avg_sq = load_scaled(state["exp_avg_sq"], state["exp_avg_sq_scale"])
+        exp_avg = self._load(param, state["exp_avg"], state["exp_avg_scale"])
+        exp_avg_sq = self._load(param, state["exp_avg_sq"], state["exp_avg_sq_scale"])
         exp_avg.lerp_(grad, 1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         del grad  # fp32 temporaries are freed as soon as they are used (the step's peak)
@@ -241,8 +279,8 @@ class ScaledAdamW(TrackingOptimizer):
         denom = exp_avg_sq.sqrt().div_(math.sqrt(1.0 - beta2**step)).add_(group["eps"])
         update = exp_avg.div(denom).mul_(-lr / (1.0 - beta1**step))
         del denom
-        self._store(state, "exp_avg", exp_avg)
-        self._store(state, "exp_avg_sq", exp_avg_sq)
+        self._store(state, param, "exp_avg", exp_avg)
+        self._store(state, param, "exp_avg_sq", exp_avg_sq)
         del exp_avg, exp_avg_sq
         weight = self._master_value(state, param)
         if weight_decay != 0.0:
@@ -261,7 +299,7 @@ class ScaledAdamW(TrackingOptimizer):
             return update
         new_weight = weight + update
         if "master_scale" in state:
-            new_weight = self._store(state, "master", new_weight)
+            new_weight = self._store(state, param, "master", new_weight)
         else:
             state["master"] = new_weight
         param.detach().copy_(new_weight)
