@@ -121,6 +121,7 @@ def make_plan(cfg: Any) -> Plan:
             "choose distributed=zero1, zero2 or zero3 (or plan.gpus=1)"
         )
     configured = strategy_for(cfg.precision)  # the chosen strategy with its options
+    configured.check_engine(_stage_name(stage))
     chosen = configured.name
     vocab = cfg.model.vocab_size or cfg.data.vocab_size
     if cfg.model.init_from:  # the directory's embedding (its tokenizer fits it)
@@ -133,9 +134,11 @@ def make_plan(cfg: Any) -> Plan:
     stages = ([0] if plan_cfg.gpus == 1 else []) + [1, 2, 3]
     rows = []
     for name in available():
+        strategy = configured if name == chosen else get_strategy(name)
         for row_stage in stages:
+            if row_stage and strategy.not_under_zero:
+                continue  # refused by the trainer: no row
             is_chosen = name == chosen and row_stage == stage
-            strategy = configured if name == chosen else get_strategy(name)
             setting = Setting(
                 strategy,
                 row_stage,

@@ -62,12 +62,7 @@ class Trainer:
                 f"train.stop_at_step={train.stop_at_step} must lie in 1..{train.max_steps}"
             )
         self.strategy = strategy_for(cfg.precision)
-        refusal = self.strategy.not_under_zero
-        if refusal and cfg.distributed.name != "unsharded":
-            raise ConfigError(
-                f"precision={self.strategy.name} does not run under DeepSpeed ZeRO "
-                f"(distributed={cfg.distributed.name}): {refusal}"
-            )
+        self.strategy.check_engine(cfg.distributed.name)
         self.engine = build_engine(cfg.distributed, cfg.comm, device=train.device)
         self.device = self.engine.device
         for note in align_to_outer_steps(cfg.comm, train):

@@ -331,8 +331,10 @@ def test_plan_cli_prints_the_chosen_setting_and_every_alternative():
     for word in ("weights", "gradients", "master weights", "dtheta", "dv", "activations"):
         assert word in out
     table = out.split("Every strategy and stage")[1].splitlines()[2:]
-    assert len(table) == len(available()) * 3  # zero1..3 for each strategy on 8 GPUs
-    assert {line.split()[0] for line in table} == set(available())
+    sharded = [name for name in available() if not get_strategy(name).not_under_zero]
+    assert "scalify" not in sharded and "scalify_fp32_params" in sharded
+    assert len(table) == len(sharded) * 3  # zero1..3 for each strategy that runs sharded
+    assert {line.split()[0] for line in table} == set(sharded)
     chosen = [line.split() for line in table if "*" in line]
     assert len(chosen) == 1 and chosen[0][:3] == ["collage_plus", "*", "zero2"]
 
@@ -342,6 +344,7 @@ def test_plan_cli_prints_the_chosen_setting_and_every_alternative():
     [
         (["precision=nope"], "Could not find 'precision/nope'"),
         (["plan.gpus=8"], "distributed=unsharded runs on one GPU"),
+        (["precision=scalify", "distributed=zero2", "plan.gpus=8"], "use precision=scalify_fp32"),
         (["plan.gpu_mem_gb=1", "plan.reserve_gb=2"], "leaves nothing"),
         (["plan.gpuz=2"], "gpuz"),
     ],

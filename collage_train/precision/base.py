@@ -83,6 +83,15 @@ class PrecisionStrategy:
     optimizer: OptimizerSpec = OptimizerSpec()
     activation_dtype: torch.dtype | None = None
 
+    def check_engine(self, distributed: str) -> None:
+        """Refuse, in one line saying why and what runs instead, an engine this strategy
+        cannot run under (``distributed`` is the engine's name: unsharded, zero1..3)."""
+        if self.not_under_zero and distributed != "unsharded":
+            raise ConfigError(
+                f"precision={self.name} does not run under DeepSpeed ZeRO "
+                f"(distributed={distributed}): {self.not_under_zero}"
+            )
+
     def configured(self, precision_cfg: Any) -> PrecisionStrategy:
         """This strategy with the options of ``precision_cfg`` (the ``precision`` sub-config).
 
