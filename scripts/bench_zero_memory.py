@@ -26,7 +26,7 @@ from pathlib import Path
 
 from runs import REPO, append_results
 
-STRATEGIES = ("mixed_fp32", "bf16", "collage_light", "collage_plus")
+STRATEGIES = ("mixed_fp32", "bf16", "collage_light", "collage_plus", "scalify_fp32_params")
 STAGES = (1, 2, 3)
 
 
@@ -57,6 +57,7 @@ def measure(model_name: str, seq_len: int, device: str, strategies: list[str]) -
             engine = build_engine(cfg.distributed, device=device)
             model = build_model(cfg.model, vocab_size=8192, seq_len=seq_len, eot_id=2, seed=0)
             model = model.to(device=engine.device, dtype=strategy.param_dtype)
+            model = strategy.prepare_model(model)  # e.g. Scalify's module swap
             num_params = count_parameters(model)
             optimizer = strategy.build_optimizer(decay_param_groups(model, 0.1), cfg.optim)
             forward = engine.prepare(
