@@ -60,7 +60,7 @@ def _f64_rounding(value: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------ the layout
 
 
-def test_the_registry_entries_and_their_bytes(make_cfg, tmp_path):
+def test_the_registry_entries_and_their_bytes(make_cfg):
     eight = strategy_for(make_cfg("precision=scalify").precision)
     twelve = strategy_for(make_cfg("precision=scalify_fp32_params").precision)
     assert (eight.name, eight.params, eight.param_dtype) == ("scalify", "fp16", torch.float16)
@@ -71,10 +71,12 @@ def test_the_registry_entries_and_their_bytes(make_cfg, tmp_path):
     fp32_master = strategy_for(make_cfg("precision=scalify", "precision.master=fp32").precision)
     assert fp32_master.name == "scalify" and fp32_master.master_dtype == torch.float32
     assert fp32_master.expected_state_bytes_per_param == 12  # 2 + 2 + fp32 master 4 + 2 + 2
-    with pytest.raises(ConfigError, match="precision=scalify_fp32_params does not run under"):
-        from collage_train.trainer import Trainer
-
-        Trainer(make_cfg("precision=scalify_fp32_params", "distributed=zero1"), tmp_path)
+    # the fp32-parameter layout is the one that runs under ZeRO (tests/test_zero.py)
+    assert twelve.not_under_zero is None and "scalify_fp32_params" in eight.not_under_zero
+    assert not eight.reshards and not twelve.reshards  # scales per tensor / per piece
+    with pytest.raises(ConfigError, match="precision=scalify does not run under"):
+        eight.check_engine("zero1")
+    twelve.check_engine("zero1")
 
 
 def test_value_rms_scale_of_scaled_data_is_the_values_rms_scale():
