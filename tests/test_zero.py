@@ -31,6 +31,7 @@ from collage_train import checkpoint
 from collage_train.checkpoint.__main__ import main as convert_main
 from collage_train.checkpoint.full_state import open_full_state
 from collage_train.errors import ConfigError
+from collage_train.export import main as export_main
 from collage_train.resume import check_resume
 from collage_train.trainer import Trainer
 
@@ -208,6 +209,12 @@ def test_scalify_under_zero2_resumes_on_its_layout_only(runs, corpus_dir, cache_
     """Stopped at step 4 (the full run's own step-4 checkpoint), resumed by 2 ranks: the
     same weights and losses as the run that never stopped. On one process: refused."""
     full_dir, _ = runs("zero2", "scalify_fp32_params")
+    # exported from its shards on one CPU process: the run's own hf/ export
+    step_8 = full_dir / "checkpoints" / "step-8"
+    assert export_main([str(step_8), "--out", str(tmp_path / "x")]) == 0
+    exported = load_file(tmp_path / "x" / "model.safetensors")
+    full = load_file(full_dir / "hf" / "model.safetensors")
+    assert exported.keys() == full.keys() and all(torch.equal(exported[k], full[k]) for k in full)
     run_dir = tmp_path / "run"
     shutil.copytree(full_dir, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "step-8")
@@ -226,7 +233,6 @@ def test_scalify_under_zero2_resumes_on_its_layout_only(runs, corpus_dir, cache_
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     weights = load_file(run_dir / "hf" / "model.safetensors")
-    full = load_file(full_dir / "hf" / "model.safetensors")
     assert weights.keys() == full.keys()
     assert all(torch.equal(weights[k], full[k]) for k in full)
     assert train_records(run_dir)[8]["loss"] == train_records(full_dir)[8]["loss"]
