@@ -116,14 +116,17 @@ STEP_TRANSIENT = {
     "collage_light": (0.0, 37.0),
     "collage_plus": (0.0, 39.0),
     "fused": (0.0, 0.0),  # one in-place kernel per chunk
-    # Scalify's ScaledAdamW, scaled-fp16 moments: fp32 loads and stores of the largest
-    # tensor, freed as the step goes (fp32 moments 31, fp32 master and moments with fp32
-    # parameters 23), plus each weight before the step and each update kept for EDQ.
-    "scaled_adamw": (4.0, 35.0),
+    # Scalify's ScaledAdamW steps a chunk at a time (ScaledAdamW._step_param): fp32 loads
+    # of the moments and the weight, the update, the stored data, and the chunk's weight
+    # before and after for EDQ (measured per chunk element: 33 with scaled parameters,
+    # 29 with fp16 parameters and an fp16 master copy; 26 with fp32 parameters).
+    "scaled_adamw": (0.0, 31.0),
+    "scaled_adamw_fp32": (0.0, 26.0),
 }
 
 CHUNKED_KINDS = (
     "adamw_fp32", "adamw_master", "collage_none", "collage_light", "collage_plus", "fused",
+    "scaled_adamw", "scaled_adamw_fp32",
 )  # fmt: skip
 # Under ZeRO, per element of a tracked chunk of a flat partition: Collage copies the bf16
 # weights before the step and keeps the bf16 update; AdamW (mixed_fp32's fp32 partition)
@@ -296,6 +299,8 @@ def step_transient_kind(setting: Setting) -> str:
     strategy, spec = setting.strategy, setting.strategy.optimizer
     if spec.kind == "collage":
         return "fused" if setting.fused_optimizer else f"collage_{spec.collage_mode}"
+    if spec.kind == "scaled_adamw" and strategy.param_dtype == torch.float32:
+        return "scaled_adamw_fp32"
     if spec.kind in ("split_master", "scaled_adamw"):
         return spec.kind
     if strategy.master_dtype is not None and setting.stage == 0:
@@ -383,7 +388,7 @@ def estimate(
     per_param, per_largest = STEP_TRANSIENT[kind]
     if kind in CHUNKED_KINDS:
         largest = min(largest, chunk_numel_for(plan.persistent + plan.gradients))
-        if setting.stage:
+        if setting.stage and not kind.startswith("scaled_adamw"):  # tracking: in its bytes
             per_largest += TRACKED_FLAT_BYTES["adamw" if kind.startswith("adamw") else "collage"]
     transient = per_param * updated + per_largest * largest
     if setting.stage and setting.gradient_dtypes:

@@ -222,16 +222,20 @@ def _flat_of(params: list[torch.Tensor], pad: int) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.cat(values))
 
 
+@pytest.mark.parametrize("chunk", [None, 7], ids=["one-chunk", "chunks-across-pieces"])
 @pytest.mark.parametrize("master", ["fp16", "fp32"])
-def test_a_flat_tensor_of_pieces_steps_bit_for_bit_as_its_tensors(master):
+def test_a_flat_tensor_of_pieces_steps_bit_for_bit_as_its_tensors(master, chunk):
     """A ZeRO partition holding whole parameters (and padding) gets each parameter's own
-    scales (``flat_pieces``): the same state and weights as the parameters stepped apart."""
+    scales (``flat_pieces``): the same state and weights as the parameters stepped apart,
+    also when the step's chunks cut across the pieces."""
     from collage_train.optim.base import FlatPieces
 
     params = _params()
     apart = ScaledAdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, master=master)
     flat = _flat_of(params, pad=5)
     together = ScaledAdamW([flat], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, master=master)
+    if chunk is not None:
+        together.step_chunk_numel = chunk
     lengths = torch.tensor([p.numel() for p in params] + [5])
     together.flat_pieces = {flat: FlatPieces(lengths)}
     generator = torch.Generator().manual_seed(3)
@@ -279,3 +283,106 @@ def test_pieces_of_one_tensor_take_the_whole_tensors_scale():
         shared = segment_rms_scales(half, lengths, FlatPieces(lengths, whole).whole)
         assert torch.equal(shared, rms_scale(value).reshape(1))
     assert rms_scale(halves[0]) < rms_scale(value) < rms_scale(halves[1])
+
+
+def _chunk_case(scaled_params: bool, master: str, chunk: int | None):
+    from collage_train.scalify.params import accumulate_grad, scale_parameters
+
+    params = _params()
+    if scaled_params:
+        scale_parameters(torch.nn.ParameterList(params))
+    optimizer = ScaledAdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, master=master)
+    if chunk is not None:
+        optimizer.step_chunk_numel = chunk
+    generator = torch.Generator().manual_seed(4)
+    edq = []
+    for step in range(4):
+        for param, magnitude in zip(params, GRAD_MAGNITUDES, strict=True):
+            grad = torch.randn(param.shape, generator=generator) * magnitude
+            if scaled_params:
+                param.grad = None
+                accumulate_grad(param, grad)
+            else:
+                param.grad = grad
+        optimizer.track_edq = step % 2 == 1
+        optimizer.step()
+        if optimizer.track_edq:
+            edq.append(torch.stack([optimizer.last_edq[p] for p in params]))
+    return params, optimizer, edq
+
+
+@pytest.mark.parametrize("scaled_params", [True, False], ids=["8-byte", "fp32-params"])
+@pytest.mark.parametrize("master", ["fp16", "fp32"])
+def test_the_step_gives_the_same_bits_whatever_the_chunk(scaled_params, master):
+    """A chunk of 7 elements cuts every tensor many times: the weights, scales and state
+    are those of one chunk per tensor bit for bit (the fresh scales come from float64
+    sums gathered chunk by chunk), and EDQ sums to the same partials."""
+    whole, one, whole_edq = _chunk_case(scaled_params, master, None)
+    chunked, many, chunked_edq = _chunk_case(scaled_params, master, 7)
+    assert max(p.numel() for p in whole) > 7 * 10
+    for a, b in zip(whole, chunked, strict=True):
+        assert torch.equal(a.detach(), b.detach())
+        if scaled_params:
+            assert torch.equal(a.scalify_scale, b.scalify_scale)
+        for key, value in one.state[a].items():
+            other = many.state[b][key]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other, key
+    assert one.rescale_count == many.rescale_count > 0
+    for x, y in zip(whole_edq, chunked_edq, strict=True):
+        assert torch.allclose(x, y, rtol=1e-5, atol=1e-12)
+
+
+def test_the_steps_temporaries_scale_with_the_chunk_not_the_tensor():
+    """One tensor of 2**16 elements stepped 2**10 at a time: the live-tensor peak above the
+    state and gradient is tens of bytes per chunk element, not per tensor element."""
+    from collage_train.metrics.live_memory import LiveTensorBytes
+
+    param = torch.nn.Parameter(torch.randn(1 << 16))
+    optimizer = ScaledAdamW([param], lr=LR, betas=BETAS, master="fp16")
+    optimizer.step_chunk_numel = 1 << 10
+    param.grad = torch.randn(1 << 16)
+    optimizer.step()  # creates the state
+    with LiveTensorBytes() as live:
+        live.track_training_state([param], optimizer)
+        live.track([param.grad])
+        before = live.current
+        optimizer.track_edq = True
+        optimizer.step()
+    assert live.peak - before < 40 * (1 << 10) + 4096  # a whole-tensor step: 26 * 2**16
+
+
+def test_piece_chunks_slice_scales_and_sum_squares_across_chunk_edges():
+    """``PieceChunks`` on a flat tensor of pieces 5, 0, 9, 2 read in chunks of 4: each
+    chunk's per-element scale is that range of the whole expansion, the squares summed
+    chunk by chunk are each piece's, and with ``whole`` adding the other rank's half of a
+    cut tensor the scale is that tensor's."""
+    from collage_train.optim.base import FlatPieces
+    from collage_train.scalify.pieces import PieceChunks
+    from collage_train.scalify.scale import per_element, rms_scale
+
+    lengths = torch.tensor([5, 0, 9, 2])
+    values = torch.randn(16, dtype=torch.float64) * torch.tensor(
+        [1e-3] * 5 + [10.0] * 9 + [1.0] * 2
+    )
+    other_half = torch.randn(9) * 100.0  # piece 2 is half of a tensor; the rest is elsewhere
+
+    def whole(sums, counts):
+        sums, counts = sums.clone(), counts.clone()
+        sums[2] += other_half.double().square().sum()
+        counts[2] += 9
+        return sums, counts
+
+    layout = PieceChunks(16, FlatPieces(lengths, whole), torch.device("cpu"))
+    scale = torch.tensor([2.0, 4.0, 8.0, 16.0])
+    sums = layout.zero_sums()
+    for lo in range(0, 16, 4):
+        hi = min(lo + 4, 16)
+        assert torch.equal(layout.scale_of(scale, lo, hi), per_element(scale, lengths)[lo:hi])
+        layout.add_squares(sums, values[lo:hi], lo, hi)
+    pieces = torch.split(values, lengths.tolist())
+    assert torch.allclose(sums, torch.stack([p.square().sum() for p in pieces]), rtol=1e-12)
+    scales = layout.scales(sums)
+    assert scales[0] == rms_scale(pieces[0]) and scales[3] == rms_scale(pieces[3])
+    assert scales[1] == 1  # an empty piece
+    assert scales[2] == rms_scale(torch.cat([pieces[2].float(), other_half]))
+    assert scales[2] != rms_scale(pieces[2])

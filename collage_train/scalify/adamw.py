@@ -40,15 +40,18 @@ from typing import Any
 
 import torch
 
+from collage_train.metrics.edq import FIELDS, edq_partials
 from collage_train.optim.base import TrackingOptimizer
 from collage_train.scalify.params import (
-    grad_value,
     holds_exactly,
     is_scaled,
     store_value,
     value_of,
 )
+from collage_train.scalify.pieces import PieceChunks
 from collage_train.scalify.scale import (
+    FP16_MAX,
+    SCALE_ATTR,
     STORAGE_DTYPE,
     load_scaled,
     per_element,
@@ -170,14 +173,33 @@ class ScaledAdamW(TrackingOptimizer):
             state["step"] = 0
             if param in self.flat_pieces:  # on record beside the scales, one per piece
                 state["piece_lengths"] = self.flat_pieces[param].lengths.clone()
-            for name in ("exp_avg", "exp_avg_sq"):
-                zeros = torch.zeros_like(param, dtype=torch.float32)
-                state[name], state[f"{name}_scale"] = self._store_scaled(
-                    param, zeros, self.state_dtype
+            pieces = self.flat_pieces.get(param)
+            for name in ("exp_avg", "exp_avg_sq"):  # zero: data 0, scale 1 (as store_scaled)
+                state[name] = torch.zeros_like(param, dtype=self.state_dtype)
+                state[f"{name}_scale"] = torch.ones(
+                    () if pieces is None else len(pieces.lengths), device=param.device
                 )
-            if self._keeps_master(param):
+            if self._keeps_master(param) and self.master == "fp16" and param.dtype == torch.float32:
+                self._round_into_param(state, param)
+            elif self._keeps_master(param):
                 self._set_master(state, param, value_of(param))
         return state
+
+    def _round_into_param(self, state: dict[str, Any], param: torch.Tensor) -> None:
+        """An fp32 parameter takes its scaled-fp16 rounding as the master it holds (fresh
+        scale per piece), a chunk at a time (``_set_master`` without a whole fp32 copy)."""
+        layout = PieceChunks(param.numel(), self.flat_pieces.get(param), param.device)
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        flat_param, chunks = _flat(param.detach(), pending), self._chunks(param.numel())
+        sums = layout.zero_sums()
+        for lo, hi in chunks:
+            layout.add_squares(sums, flat_param[lo:hi], lo, hi)
+        scale = layout.scales(sums, self.scaled)
+        for lo, hi in chunks:
+            _, rounded = _scaled_chunk(flat_param[lo:hi], layout.scale_of(scale, lo, hi))
+            flat_param[lo:hi].copy_(rounded)
+        _write_back(pending)
+        state["master_scale"] = scale
 
     def _set_master(self, state: dict[str, Any], param: torch.Tensor, value: torch.Tensor) -> None:
         """The master becomes ``value`` (rounded to scaled fp16 for ``master="fp16"``).
@@ -223,27 +245,6 @@ class ScaledAdamW(TrackingOptimizer):
         """The weight the model computes with: a scaled parameter's value (for EDQ)."""
         return value_of(param) if is_scaled(param) else param.detach()
 
-    def _snapshot(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Copies of the weights the model computes with, only when descent is tracked."""
-        return [value_of(p) for p in params] if self.track_edq else None
-
-    def _store(
-        self, state: dict[str, Any], param: torch.Tensor, name: str, value: torch.Tensor
-    ) -> torch.Tensor:
-        """Store ``value`` into the scaled entry ``name``, counting a change of scale.
-
-        Returns the value stored (``data * scale``). The master of an fp32 parameter is
-        stored by the caller writing that value into the parameter.
-        """
-        dtype = STATE_DTYPE if name == "master" else self.state_dtype
-        data, scale = self._store_scaled(param, value, dtype)
-        if not torch.equal(scale, state[f"{name}_scale"]):
-            self.rescale_count += 1
-        state[f"{name}_scale"] = scale
-        if not (name == "master" and "master" not in state):
-            state[name] = data
-        return self._load(param, data, scale)
-
     def _full_precision(self, param: torch.Tensor) -> torch.Tensor:
         state = self.state.get(param, {})
         if "master" in state:
@@ -262,50 +263,239 @@ class ScaledAdamW(TrackingOptimizer):
             value = self._master_value(state, param)
         param.detach().copy_(value)
 
-    def _step_one(self, group: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
-        """One AdamW update of ``param`` in fp32; returns the update applied."""
-        beta1, beta2 = group["betas"]
-        lr, weight_decay = group["lr"], group["weight_decay"]
+    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        for param in params:
+            self._step_param(group, param)
+
+    def _weight_kind(self, state: dict[str, Any], param: torch.Tensor) -> str:
+        """Where the weight the update applies to lives, and how it is written back:
+        ``scaled`` (the scaled fp16 parameter is the master), ``scaled_copy`` (an fp32
+        master beside a scaled parameter), ``in_param`` (an fp32 parameter holding the
+        scaled-fp16 master exactly), ``param`` (an fp32 parameter is the master),
+        ``fp16_copy`` / ``fp32_copy`` (a master copy beside a parameter of another dtype)."""
+        if is_scaled(param):
+            return "scaled_copy" if "master" in state else "scaled"
+        if "master" not in state:
+            return "in_param" if "master_scale" in state else "param"
+        return "fp16_copy" if "master_scale" in state else "fp32_copy"
+
+    @torch.no_grad()
+    def _step_param(self, group: dict[str, Any], param: torch.Tensor) -> None:
+        """One AdamW update of ``param``, ``step_chunk_numel`` elements at a time.
+
+        Every scaled entry written gets a fresh power-of-two RMS scale (per piece of a
+        flat partition), which needs the whole new value's RMS before any of it is
+        stored: the fp32 math is done once to sum the squares of the new moments, once
+        for the new weight's (where it is stored under a fresh scale), and a last time
+        to store them chunk by chunk, each pass reading only the old state. The
+        temporaries are a few fp32 copies of one chunk, never of the whole tensor (a
+        whole ZeRO partition); the numbers are the same whatever the chunk size, up to
+        the order of the float64 sums that choose a power of two. EDQ partials are
+        recorded as the chunks are written.
+        """
         state = self._state_for(param)
         state["step"] += 1
-        step = state["step"]
-        grad = grad_value(param)  # through the gradient's scale where it carries one
-        exp_avg = self._load(param, state["exp_avg"], state["exp_avg_scale"])
-        exp_avg_sq = self._load(param, state["exp_avg_sq"], state["exp_avg_sq_scale"])
-        exp_avg.lerp_(grad, 1.0 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        del grad  # fp32 temporaries are freed as soon as they are used (the step's peak)
+        step, (beta1, beta2) = state["step"], group["betas"]
+        lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
+        bias1, bias2_sqrt = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+        kind = self._weight_kind(state, param)
+        layout = PieceChunks(param.numel(), self.flat_pieces.get(param), param.device)
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # written back at the end
+        flat_param = _flat(param.detach(), pending)
+        grad, grad_scale = param.grad.reshape(-1), getattr(param.grad, SCALE_ATTR, None)
+        moments = {name: _flat(state[name], pending) for name in ("exp_avg", "exp_avg_sq")}
+        old_scales = {name: state[f"{name}_scale"] for name in ("exp_avg", "exp_avg_sq")}
+        master = _flat(state["master"], pending) if "master" in state else None
+        if kind == "scaled":
+            old_scales["weight"] = getattr(param, SCALE_ATTR)
+        elif kind == "scaled_copy":
+            old_scales["param"] = getattr(param, SCALE_ATTR)
+        elif kind in ("in_param", "fp16_copy"):
+            old_scales["weight"] = state["master_scale"]
+        chunks = self._chunks(param.numel())
 
-        denom = exp_avg_sq.sqrt().div_(math.sqrt(1.0 - beta2**step)).add_(group["eps"])
-        update = exp_avg.div(denom).mul_(-lr / (1.0 - beta1**step))
-        del denom
-        self._store(state, param, "exp_avg", exp_avg)
-        self._store(state, param, "exp_avg_sq", exp_avg_sq)
-        del exp_avg, exp_avg_sq
-        weight = self._master_value(state, param)
-        if weight_decay != 0.0:
-            update.add_(weight, alpha=-lr * weight_decay)
+        def new_moments(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+            g = grad[lo:hi].to(torch.float32)
+            if grad_scale is not None:
+                g = g * grad_scale
+            m, v = (
+                moments[name][lo:hi].to(torch.float32) * layout.scale_of(old_scales[name], lo, hi)
+                for name in ("exp_avg", "exp_avg_sq")
+            )
+            m.lerp_(g, 1.0 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            return m, v
 
-        if is_scaled(param):  # the parameter holds (or rounds) the master as scaled fp16
-            # value_of made ``weight`` a copy: update it in place (an fp32 master: a new one)
-            new_weight = weight + update if "master" in state else weight.add_(update)
-            if "master" in state:
-                state["master"] = new_weight
-            if store_value(param, new_weight, self.scaled):
-                self.rescale_count += 1
-            return update
-        if "master" not in state and "master_scale" not in state:
-            param.detach().add_(update)
-            return update
-        new_weight = weight + update
-        if "master_scale" in state:
-            new_weight = self._store(state, param, "master", new_weight)
-        else:
-            state["master"] = new_weight
-        param.detach().copy_(new_weight)
-        return update
+        def weight_of(lo: int, hi: int) -> torch.Tensor:
+            """The fp32 master the update applies to (a copy for stored data)."""
+            if kind in ("param", "in_param"):
+                return flat_param[lo:hi]
+            if kind == "fp32_copy" or kind == "scaled_copy":
+                return master[lo:hi]
+            data = flat_param if kind == "scaled" else master
+            return data[lo:hi].to(torch.float32) * layout.scale_of(old_scales["weight"], lo, hi)
 
-    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        before = self._snapshot(params)
-        updates = [self._step_one(group, param) for param in params]
-        self._record_edq(params, before, updates)
+        def new_weight(
+            lo: int, hi: int, m: torch.Tensor, v: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            """The new fp32 master of ``[lo, hi)`` and the update, from the new moments
+            ``m`` and ``v`` (unrounded; consumed)."""
+            update = m.div_(v.sqrt_().div_(bias2_sqrt).add_(eps)).mul_(-lr / bias1)
+            weight = weight_of(lo, hi)
+            if weight_decay != 0.0:
+                update.add_(weight, alpha=-lr * weight_decay)
+            return weight + update, update
+
+        fresh_moments = self.state_dtype != torch.float32 and self.scaled
+        new_scales = {name: torch.ones_like(old_scales[name]) for name in moments}
+        if fresh_moments:
+            sums = {name: layout.zero_sums() for name in moments}
+            for lo, hi in chunks:
+                for name, value in zip(moments, new_moments(lo, hi), strict=True):
+                    layout.add_squares(sums[name], value, lo, hi)
+            new_scales = {name: layout.scales(sums[name]) for name in moments}
+        # the weight's (or the scaled parameter beside an fp32 master's) fresh scale
+        fresh_weight = next((key for key in ("weight", "param") if key in old_scales), None)
+        if fresh_weight is not None:
+            sums = layout.zero_sums()
+            for lo, hi in chunks:
+                layout.add_squares(sums, new_weight(lo, hi, *new_moments(lo, hi))[0], lo, hi)
+            new_scales[fresh_weight] = layout.scales(sums, self.scaled)
+
+        edq = self._edq_rows(param) if self.track_edq else None
+        for lo, hi in chunks:
+            m, v = new_moments(lo, hi)
+            for name, value in (("exp_avg", m), ("exp_avg_sq", v)):
+                _store_chunk(moments[name], lo, hi, value, layout, new_scales[name])
+            weight, update = new_weight(lo, hi, m, v)
+            del m, v
+            before = self._model_chunk(kind, flat_param, old_scales, layout, lo, hi, copy=True)
+            if kind == "param":
+                flat_param[lo:hi].copy_(weight)
+            elif kind == "fp32_copy":
+                master[lo:hi].copy_(weight)
+                flat_param[lo:hi].copy_(weight)
+            elif kind == "scaled_copy":
+                master[lo:hi].copy_(weight)
+                _store_chunk(flat_param, lo, hi, weight, layout, new_scales["param"])
+            elif kind == "in_param":  # the fp32 parameter holds the fp16 master's value
+                scale = layout.scale_of(new_scales["weight"], lo, hi)
+                flat_param[lo:hi].copy_(_scaled_chunk(weight, scale)[1])
+            else:  # fp16 data under the new scale: the parameter itself, or a copy beside it
+                data = flat_param if kind == "scaled" else master
+                stored = _store_chunk(data, lo, hi, weight, layout, new_scales["weight"])
+                if kind == "fp16_copy":
+                    flat_param[lo:hi].copy_(stored)
+            if edq is not None:
+                after_scales = {**old_scales, **new_scales}
+                after = self._model_chunk(kind, flat_param, after_scales, layout, lo, hi)
+                edq.add(before, after, update, lo, hi)
+        _write_back(pending)
+        for name in moments:
+            self._note_rescale(old_scales[name], new_scales[name])
+            state[f"{name}_scale"] = new_scales[name]
+        if kind in ("in_param", "fp16_copy"):
+            self._note_rescale(old_scales["weight"], new_scales["weight"])
+            state["master_scale"] = new_scales["weight"]
+        elif kind in ("scaled", "scaled_copy"):
+            key = "weight" if kind == "scaled" else "param"
+            self._note_rescale(old_scales[key], new_scales[key])
+            getattr(param, SCALE_ATTR).copy_(new_scales[key])  # every holder sees it
+        if edq is not None:
+            self.last_edq[param] = edq.rows()
+
+    def _note_rescale(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        if not torch.equal(old, new):
+            self.rescale_count += 1
+
+    @staticmethod
+    def _model_chunk(
+        kind: str,
+        flat_param: torch.Tensor,
+        scales: dict[str, torch.Tensor],
+        layout: PieceChunks,
+        lo: int,
+        hi: int,
+        copy: bool = False,
+    ) -> torch.Tensor:
+        """The elements ``[lo, hi)`` of the weight the model computes with (a scaled
+        parameter's values) under ``scales``; ``copy``: never a view of the parameter."""
+        if kind in ("scaled", "scaled_copy"):
+            key = "weight" if kind == "scaled" else "param"
+            return flat_param[lo:hi].to(torch.float32) * layout.scale_of(scales[key], lo, hi)
+        chunk = flat_param[lo:hi]
+        return chunk.to(torch.float32, copy=True) if copy else chunk
+
+    def _edq_rows(self, param: torch.Tensor) -> EdqRows:
+        return EdqRows(self.edq_segments.get(param), param.numel(), self.edq_view_dtype)
+
+
+def _flat(tensor: torch.Tensor, pending: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``tensor`` as 1-D, in the order of its elements: a view when it is contiguous; else a
+    contiguous copy, listed in ``pending`` to be written back (``_write_back``) after the
+    step (a transposed weight or gradient: the copy is the size of that tensor only)."""
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    flat = tensor.contiguous().view(-1)
+    pending.append((tensor, flat))
+    return flat
+
+
+def _write_back(pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for tensor, flat in pending:
+        tensor.copy_(flat.view(tensor.shape))
+
+
+def _store_chunk(
+    data: torch.Tensor,
+    lo: int,
+    hi: int,
+    value: torch.Tensor,
+    layout: PieceChunks,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """Write ``value`` (fp32, the elements ``[lo, hi)``) into ``data`` under ``scale``:
+    fp16 data clamped to the fp16 range, or the value itself for fp32 data. Returns the
+    value stored (``data * scale``)."""
+    if data.dtype == torch.float32:
+        data[lo:hi].copy_(value)
+        return value
+    stored, value_stored = _scaled_chunk(value, layout.scale_of(scale, lo, hi))
+    data[lo:hi].copy_(stored)
+    return value_stored
+
+
+def _scaled_chunk(value: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 data of ``value`` under ``scale`` (per element or 0-d), clamped to the fp16
+    range as ``store_scaled`` does, and the value it stands for."""
+    data = (value / scale).clamp_(-FP16_MAX, FP16_MAX).to(STATE_DTYPE)
+    return data, data.to(torch.float32) * scale
+
+
+class EdqRows:
+    """EDQ partial sums of one tensor, accumulated chunk by chunk: one row per layer-group
+    segment (a flat ZeRO partition) or one for the whole tensor, as ``_record_edq``."""
+
+    def __init__(
+        self, segments: list[tuple[str, int, int]] | None, numel: int, view: torch.dtype | None
+    ) -> None:
+        self.segmented = segments is not None
+        self.ranges = segments if segments is not None else [("", 0, numel)]
+        self.view = view
+        self.sums: torch.Tensor | None = None
+
+    def add(
+        self, before: torch.Tensor, after: torch.Tensor, update: torch.Tensor, lo: int, hi: int
+    ) -> None:
+        if self.view is not None and after.dtype != self.view:
+            before, after = before.to(self.view), after.to(self.view)
+        if self.sums is None:
+            self.sums = torch.zeros(len(self.ranges), len(FIELDS), device=after.device)
+        for row, (_, first, last) in enumerate(self.ranges):
+            low, high = max(first, lo) - lo, min(last, hi) - lo
+            if low < high:
+                self.sums[row] += edq_partials(before[low:high], after[low:high], update[low:high])
+
+    def rows(self) -> torch.Tensor:
+        sums = self.sums if self.sums is not None else torch.zeros(len(self.ranges), len(FIELDS))
+        return sums if self.segmented else sums[0]

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from collage_train.optim.base import PieceTotals
 
 STORAGE_DTYPE = torch.float16
-_FP16_MAX = float(torch.finfo(STORAGE_DTYPE).max)
+FP16_MAX = _FP16_MAX = float(torch.finfo(STORAGE_DTYPE).max)
 SCALE_ATTR = "scalify_scale"  # a scaled parameter's power-of-two scale (0-d fp32)
 
 
@@ -127,6 +127,12 @@ def segment_rms_scales(
     counts = lengths.to(device=t.device, dtype=torch.float64)
     if whole is not None:
         squares, counts = whole(squares, counts)
+    return rms_scales_from_sums(squares, counts)
+
+
+def rms_scales_from_sums(squares: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``rms_scale`` of tensors known by their float64 sums of squares and element counts
+    (a tensor summed chunk by chunk, or piece by piece over ranks); zero or empty: 1."""
     rms = (squares / counts.clamp(min=1)).sqrt()
     scales = _as_scale(rms)
     return torch.where(rms == 0, torch.ones_like(scales), scales)
