@@ -215,10 +215,7 @@ def test_scalify_under_zero2_resumes_on_its_layout_only(runs, corpus_dir, cache_
     exported = load_file(tmp_path / "x" / "model.safetensors")
     full = load_file(full_dir / "hf" / "model.safetensors")
     assert exported.keys() == full.keys() and all(torch.equal(exported[k], full[k]) for k in full)
-    run_dir = tmp_path / "run"
-    shutil.copytree(full_dir, run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / "step-8")
-    shutil.rmtree(run_dir / "hf")
+    run_dir = rewound_to_step_4(full_dir, tmp_path / "run")
     args = [
         *tiny_overrides(corpus_dir, cache_dir, run_dir),
         "logging.log_every=1",
@@ -251,17 +248,16 @@ def test_global_edq_per_layer_group_equals_single_process(runs):
 
 
 def test_zero2_resume_continues_to_the_same_weights(runs, corpus_dir, cache_dir, tmp_path):
+    """The 8-step run rewound to its step-4 checkpoint (as a run stopped there leaves it:
+    test_cli_e2e stops and resumes for real) and resumed by 2 ranks: the same weights."""
     full_dir, _ = runs("zero2", "collage_plus")
-    run_dir = tmp_path / "run"
+    run_dir = rewound_to_step_4(full_dir, tmp_path / "run")
     args = [
         *tiny_overrides(corpus_dir, cache_dir, run_dir),
         "logging.log_every=1",
         "precision=collage_plus",
         "distributed=zero2",
     ]
-    first = run_deepspeed(*args, "train.stop_at_step=4")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert not (run_dir / "hf").exists()
     # both ranks' shards are listed with sizes and checksums, and the checkpoint is intact
     step_4 = run_dir / "checkpoints" / "step-4"
     listed = json.loads((step_4 / "meta.json").read_text())["files"]
@@ -395,7 +391,6 @@ def relative_gap(mine: torch.Tensor, theirs: torch.Tensor) -> float:
         ("zero1", "collage_plus", "zero3", "zero3"),
         # no 8-step zero3 run of mixed_fp32 above: ZeRO-2 clips in fp32 as ZeRO-3 does
         ("unsharded", "mixed_fp32", "zero3", "zero2"),
-        ("zero1", "mixed_fp32", "zero3", "zero2"),
         # a stage-2 target: its flat partitions cut through parameters
         ("unsharded", "collage_plus", "zero2", "zero2"),
     ],
