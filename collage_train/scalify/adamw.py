@@ -427,7 +427,8 @@ class ScaledAdamW(TrackingOptimizer):
         return chunk.to(torch.float32, copy=True) if copy else chunk
 
     def _edq_rows(self, param: torch.Tensor) -> EdqRows:
-        return EdqRows(self.edq_segments.get(param), param.numel(), self.edq_view_dtype)
+        segments = self.edq_segments.get(param)
+        return EdqRows(segments, param.numel(), self.edq_view_dtype, param.device)
 
 
 def _flat(tensor: torch.Tensor, pending: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -477,25 +478,26 @@ class EdqRows:
     segment (a flat ZeRO partition) or one for the whole tensor, as ``_record_edq``."""
 
     def __init__(
-        self, segments: list[tuple[str, int, int]] | None, numel: int, view: torch.dtype | None
+        self,
+        segments: list[tuple[str, int, int]] | None,
+        numel: int,
+        view: torch.dtype | None,
+        device: torch.device,
     ) -> None:
         self.segmented = segments is not None
         self.ranges = segments if segments is not None else [("", 0, numel)]
         self.view = view
-        self.sums: torch.Tensor | None = None
+        self.sums = torch.zeros(len(self.ranges), len(FIELDS), device=device)
 
     def add(
         self, before: torch.Tensor, after: torch.Tensor, update: torch.Tensor, lo: int, hi: int
     ) -> None:
         if self.view is not None and after.dtype != self.view:
             before, after = before.to(self.view), after.to(self.view)
-        if self.sums is None:
-            self.sums = torch.zeros(len(self.ranges), len(FIELDS), device=after.device)
         for row, (_, first, last) in enumerate(self.ranges):
             low, high = max(first, lo) - lo, min(last, hi) - lo
             if low < high:
                 self.sums[row] += edq_partials(before[low:high], after[low:high], update[low:high])
 
     def rows(self) -> torch.Tensor:
-        sums = self.sums if self.sums is not None else torch.zeros(len(self.ranges), len(FIELDS))
-        return sums if self.segmented else sums[0]
+        return self.sums if self.segmented else self.sums[0]
