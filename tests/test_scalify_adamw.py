@@ -386,3 +386,32 @@ def test_piece_chunks_slice_scales_and_sum_squares_across_chunk_edges():
     assert scales[1] == 1  # an empty piece
     assert scales[2] == rms_scale(torch.cat([pieces[2].float(), other_half]))
     assert scales[2] != rms_scale(pieces[2])
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_rms_outside_frac_counts_the_pieces_of_a_partition_as_tensors(scaled):
+    """Unscaled state (scale pinned at 1) of gradients 1e-6 .. 1e4 leaves its unit range,
+    scaled state never does; a flat partition of the same tensors counts each piece as the
+    tensor it is, so the fraction is the same as for the tensors apart."""
+    from collage_train.optim.base import FlatPieces
+
+    params = _params()
+    kwargs = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, master="fp16", scaled=scaled)
+    apart = ScaledAdamW(params, **kwargs)
+    flat = _flat_of(params, pad=0)
+    together = ScaledAdamW([flat], **kwargs)
+    together.flat_pieces = {flat: FlatPieces(torch.tensor([p.numel() for p in params]))}
+    together.step_chunk_numel = 5
+    generator = torch.Generator().manual_seed(9)
+    grads = [
+        torch.randn(p.shape, generator=generator) * magnitude
+        for p, magnitude in zip(params, GRAD_MAGNITUDES, strict=True)
+    ]
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad
+    flat.grad = _flat_of(grads, pad=0).detach()
+    apart.step()
+    together.step()
+    frac = apart.scale_metrics()["scalify_rms_outside_frac"]
+    assert together.scale_metrics()["scalify_rms_outside_frac"] == frac
+    assert (frac == 0.0) if scaled else (0.0 < frac < 1.0)

@@ -126,30 +126,51 @@ class ScaledAdamW(TrackingOptimizer):
         """``scalify_rescales`` (scale changes so far) and ``scalify_rms_outside_frac``.
 
         The fraction is over the stored data of every state tensor (moments, and the
-        master when it is scaled fp16, a scaled parameter's own data included) whose RMS
-        is not zero (all-zero tensors, e.g. the moments of a parameter that never got a
-        gradient, hold no data to place).
+        master when it is scaled fp16, a scaled parameter's own data included), piece by
+        piece in a flat ZeRO partition (each piece has its own scale), whose RMS is not
+        zero (all-zero data, e.g. the moments of a parameter that never got a gradient,
+        holds nothing to place). Read a chunk at a time, as the step is.
         """
         low, high = RMS_RANGE
         outside = total = 0
         for param, state in self.state.items():
-            stored = [
-                self._scaled_data(state, name, param)
-                for name in ("exp_avg", "exp_avg_sq", "master")
-                if f"{name}_scale" in state
-            ]
-            if is_scaled(param) and "master" not in state:
-                stored.append(param.detach())  # the parameter is the fp16 master
-            for data in stored:
-                rms = data.to(torch.float64).square().mean().sqrt().item() if data.numel() else 0
-                if rms == 0:
-                    continue
-                total += 1
-                outside += not low <= rms <= high
+            if "exp_avg" not in state:
+                continue
+            layout = PieceChunks(param.numel(), self.flat_pieces.get(param), param.device)
+            for flat, scale in self._stored_data(state, param):
+                sums = layout.zero_sums()
+                for lo, hi in self._chunks(param.numel()):
+                    data = (
+                        flat[lo:hi]
+                        if scale is None
+                        else flat[lo:hi] / layout.scale_of(scale, lo, hi)
+                    )
+                    layout.add_squares(sums, data, lo, hi)
+                rms = (sums / layout.lengths.to(sums).clamp(min=1)).sqrt()
+                total += int((rms > 0).sum())
+                outside += int(((rms > 0) & ((rms < low) | (rms > high))).sum())
         return {
             "scalify_rescales": float(self.rescale_count),
             "scalify_rms_outside_frac": outside / total if total else 0.0,
         }
+
+    def _stored_data(
+        self, state: dict[str, Any], param: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each scaled entry of ``param``'s state as ``(flat tensor, scale)``: its stored
+        data is the tensor (scale None), or the tensor over the scale (the fp16 master
+        that an fp32 parameter holds as its value)."""
+        stored: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for name in ("exp_avg", "exp_avg_sq", "master"):
+            if f"{name}_scale" not in state:
+                continue
+            if name == "master" and self._master_in_param(state):
+                stored.append((param.detach().reshape(-1), state["master_scale"]))
+            else:
+                stored.append((state[name].reshape(-1), None))
+        if is_scaled(param) and "master" not in state:  # the parameter is the fp16 master
+            stored.append((param.detach().reshape(-1), None))
+        return stored
 
     def _keeps_master(self, param: torch.Tensor) -> bool:
         """Whether the master has state of its own (a scale, or data) beside the parameter."""
@@ -221,14 +242,6 @@ class ScaledAdamW(TrackingOptimizer):
             param.detach().copy_(self._load(param, data, scale))
         else:
             state["master"] = data
-
-    def _scaled_data(self, state: dict[str, Any], name: str, param: torch.Tensor) -> torch.Tensor:
-        """The stored data of the scaled entry ``name`` (the parameter's, for its master)."""
-        if name == "master" and self._master_in_param(state):
-            return (param.detach() / self._per_element(param, state["master_scale"])).to(
-                STATE_DTYPE
-            )
-        return state[name]
 
     def _master_value(self, state: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
         """The fp32 weight the update applies to: a master copy, the scaled parameter's
