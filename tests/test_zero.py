@@ -205,10 +205,14 @@ def test_scalify_under_zero_matches_single_process_with_a_scale_per_piece(runs, 
         assert pieces.numel() > 4 and len(set(pieces.tolist())) > 2  # each at its own RMS
 
 
-def test_scalify_under_zero2_resumes_on_its_layout_only(runs, corpus_dir, cache_dir, tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_scalify_under_zero_resumes_on_its_layout_only(
+    runs, corpus_dir, cache_dir, tmp_path, stage
+):
     """Stopped at step 4 (the full run's own step-4 checkpoint), resumed by 2 ranks: the
-    same weights and losses as the run that never stopped. On one process: refused."""
-    full_dir, _ = runs("zero2", "scalify_fp32_params")
+    same weights and losses as the run that never stopped (the per-piece scales and piece
+    lengths come back with DeepSpeed's optimizer state). On one process: refused."""
+    full_dir, _ = runs(f"zero{stage}", "scalify_fp32_params")
     # exported from its shards on one CPU process: the run's own hf/ export
     step_8 = full_dir / "checkpoints" / "step-8"
     assert export_main([str(step_8), "--out", str(tmp_path / "x")]) == 0
@@ -226,7 +230,7 @@ def test_scalify_under_zero2_resumes_on_its_layout_only(runs, corpus_dir, cache_
     with pytest.raises(ConfigError, match="resumes only with the engine and number of proc"):
         check_resume(run_dir / "checkpoints" / "step-4", one_process, world_size=1)
 
-    resumed = run_deepspeed(*args, "distributed=zero2")
+    resumed = run_deepspeed(*args, f"distributed=zero{stage}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     weights = load_file(run_dir / "hf" / "model.safetensors")
