@@ -263,28 +263,6 @@ def test_a_flat_tensor_of_pieces_steps_bit_for_bit_as_its_tensors(master, chunk)
     assert len(set(state["exp_avg_sq_scale"][:-1].tolist())) == len(params)
 
 
-def test_pieces_of_one_tensor_take_the_whole_tensors_scale():
-    """Two halves of one tensor, each in a flat tensor of its own (two ZeRO ranks): with
-    ``FlatPieces.whole`` summing over both halves, each half is stored under the whole
-    tensor's scale; alone, each under its own."""
-    from collage_train.optim.base import FlatPieces
-    from collage_train.scalify.scale import rms_scale, segment_rms_scales
-
-    value = torch.cat([torch.randn(64) * 1e-3, torch.randn(64) * 10.0])
-    halves = value[:64], value[64:]
-    sums = [h.double().square().sum() for h in halves]
-
-    def whole(squares, counts):  # what ZeroEngine's all-reduce returns on either rank
-        return torch.stack([sums[0] + sums[1]]), torch.tensor([128.0], dtype=torch.float64)
-
-    lengths = torch.tensor([64])
-    for half in halves:
-        assert torch.equal(segment_rms_scales(half, lengths), rms_scale(half).reshape(1))
-        shared = segment_rms_scales(half, lengths, FlatPieces(lengths, whole).whole)
-        assert torch.equal(shared, rms_scale(value).reshape(1))
-    assert rms_scale(halves[0]) < rms_scale(value) < rms_scale(halves[1])
-
-
 def _chunk_case(scaled_params: bool, master: str, chunk: int | None):
     from collage_train.scalify.params import accumulate_grad, scale_parameters
 

@@ -56,7 +56,6 @@ from collage_train.scalify.scale import (
     load_scaled,
     per_element,
     store_scaled,
-    store_scaled_segments,
 )
 
 __all__ = ["ScaledAdamW", "load_scaled", "store_scaled"]
@@ -102,7 +101,16 @@ class ScaledAdamW(TrackingOptimizer):
         pieces = self.flat_pieces.get(param)
         if pieces is None:
             return store_scaled(value, self.scaled, dtype)
-        return store_scaled_segments(value, pieces.lengths, self.scaled, dtype, pieces.whole)
+        ones = torch.ones(len(pieces.lengths), device=value.device)
+        if dtype == torch.float32:
+            return value.clone(), ones
+        flat = value.reshape(-1)
+        layout = PieceChunks(flat.numel(), pieces, flat.device)
+        sums = layout.zero_sums()
+        layout.add_squares(sums, flat, 0, flat.numel())
+        scale = layout.scales(sums, self.scaled)
+        data, _ = _scaled_chunk(flat, layout.scale_of(scale, 0, flat.numel()))
+        return data.view_as(value), scale
 
     def _per_element(self, param: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """The scale of a state entry of ``param`` to multiply its data by."""

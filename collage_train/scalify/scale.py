@@ -22,12 +22,7 @@ scale of the value such a tensor stands for.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from collage_train.optim.base import PieceTotals
 
 STORAGE_DTYPE = torch.float16
 FP16_MAX = _FP16_MAX = float(torch.finfo(STORAGE_DTYPE).max)
@@ -111,25 +106,6 @@ def store_scaled(
     return data, scale
 
 
-def segment_rms_scales(
-    t: torch.Tensor, lengths: torch.Tensor, whole: PieceTotals | None = None
-) -> torch.Tensor:
-    """``rms_scale`` of each consecutive segment of the 1-D ``t`` (``lengths`` elements
-    each, summing to ``t.numel()``): a 1-D float32 tensor, one scale per segment.
-
-    For a flat buffer holding pieces of several tensors (a ZeRO partition). With ``whole``
-    (``optim.base.FlatPieces``) a segment's scale is that of the whole tensor it is a piece
-    of, from the float64 sums of squares and counts of every piece: the scale an unsharded
-    run gives the tensor, but for the order of the float64 sum. Otherwise each segment
-    stands alone. Empty and all-zero ones get scale 1.
-    """
-    squares = torch.segment_reduce(t.detach().to(torch.float64).square(), "sum", lengths=lengths)
-    counts = lengths.to(device=t.device, dtype=torch.float64)
-    if whole is not None:
-        squares, counts = whole(squares, counts)
-    return rms_scales_from_sums(squares, counts)
-
-
 def rms_scales_from_sums(squares: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``rms_scale`` of tensors known by their float64 sums of squares and element counts
     (a tensor summed chunk by chunk, or piece by piece over ranks); zero or empty: 1."""
@@ -139,29 +115,11 @@ def rms_scales_from_sums(squares: torch.Tensor, counts: torch.Tensor) -> torch.T
 
 
 def per_element(scale: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-    """A scale to multiply data by: a 0-d ``scale`` as is, a per-segment one (from
-    ``segment_rms_scales``) repeated over its segments' elements."""
+    """A scale to multiply data by: a 0-d ``scale`` as is, one per segment of ``lengths``
+    elements (a ZeRO partition's pieces, ``scalify.pieces``) repeated over its elements."""
     if lengths is None or scale.dim() == 0:
         return scale
     return torch.repeat_interleave(scale, lengths.to(scale.device), output_size=int(lengths.sum()))
-
-
-def store_scaled_segments(
-    value: torch.Tensor,
-    lengths: torch.Tensor,
-    scaled: bool = True,
-    dtype: torch.dtype = STORAGE_DTYPE,
-    whole: PieceTotals | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``store_scaled`` of a 1-D value with one scale per segment (``segment_rms_scales``);
-    ``load_scaled(data, per_element(scales, lengths))`` reads it back. Every rank sharing
-    ``whole`` must call it together (it may run a collective)."""
-    if dtype == torch.float32 or not scaled:
-        data, _ = store_scaled(value, scaled, dtype)
-        return data, torch.ones(len(lengths), device=value.device)
-    scales = segment_rms_scales(value, lengths, whole)
-    data = (value / per_element(scales, lengths)).clamp(-_FP16_MAX, _FP16_MAX).to(dtype)
-    return data, scales
 
 
 def _pow2_floor_sqrt(n: int) -> float:
