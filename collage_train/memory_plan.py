@@ -55,10 +55,7 @@ import torch
 
 from collage_train.batch import accumulation_steps, micro_batch_choices
 from collage_train.engine.deepspeed_config import GradientDtypes
-from collage_train.engine.launch import local_world_size
 from collage_train.engine.zero_memory import zero_state_bytes
-from collage_train.errors import OutOfMemory
-from collage_train.metrics.memory import available_memory
 from collage_train.optim.base import chunk_numel_for
 from collage_train.precision.base import PrecisionStrategy
 
@@ -163,12 +160,19 @@ class ModelShape:
         """Shape of the model a run would build, counted on the meta device."""
         from transformers import AutoModelForCausalLM
 
-        from collage_train.init_from import SUPPORTED
         from collage_train.models import build_hf_config
 
         hf_config = build_hf_config(model_cfg, vocab_size=vocab_size, seq_len=seq_len, eot_id=0)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
+        return cls.from_model(model, seq_len=seq_len)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, *, seq_len: int) -> ModelShape:
+        """Shape of ``model`` (a transformers GPT-2, OPT or Llama; the meta device will do)."""
+        from collage_train.init_from import SUPPORTED
+
+        hf_config = model.config
         numels = [p.numel() for p in model.parameters()]  # tied weights once
         family = SUPPORTED[hf_config.model_type]  # model.init_from: the directory's
         blocks = {
@@ -448,41 +452,3 @@ def largest_micro_batch(
         if plan.peak <= budget:
             best = micro
     return best
-
-
-def check_state_fits(
-    num_params: int,
-    strategy: PrecisionStrategy,
-    engine: Any,
-    device: torch.device,
-    *,
-    model_name: str,
-    distributed: str,
-) -> None:
-    """Refuse a model whose state cannot fit, before the kernel's OOM killer would.
-
-    Needs at least the strategy's model-state bytes (this rank's share under ZeRO) on
-    the device, and on the host the fp32 build plus its cast copy, once for every
-    rank on this node (activations come on top of both). Raises OutOfMemory.
-    """
-    param_bytes = strategy.param_dtype.itemsize
-    ranks_here = local_world_size() if engine.world_size > 1 else 1
-    needs = {"host": num_params * (4 + param_bytes) * ranks_here}
-    device_needs = num_params * engine.peak_state_bytes_per_param(strategy)
-    if device.type == "cuda":
-        needs[str(device)] = device_needs
-    else:
-        needs["host"] = max(needs["host"], device_needs * ranks_here)
-    for where, needed in needs.items():
-        available = available_memory(device if where != "host" else torch.device("cpu"))
-        if available is not None and needed > available:
-            raise OutOfMemory(
-                f"out of memory: {model_name} has {num_params / 1e9:.2f}B "
-                f"parameters and precision={strategy.name} with "
-                f"distributed={distributed} needs at least "
-                f"{needed / 2**30:.1f} GiB on {where} for weights, gradients and optimizer "
-                f"state, but {available / 2**30:.1f} GiB is free (a smaller "
-                "train.micro_batch_size cannot fix this); pick a smaller model or spread "
-                "the model state over more GPUs with DeepSpeed ZeRO "
-                "(distributed=zero2 or zero3)"
-            )

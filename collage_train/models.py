@@ -1,7 +1,9 @@
 """GPT, OPT and Llama decoders from transformers configs, randomly initialised.
 
 Nothing here downloads from a hub, and nothing here knows about precision or
-parallelism: the builder returns an fp32 model that the precision strategy casts.
+parallelism: ``build_meta_model`` returns the model on the meta device, and
+``collage_train.model_init`` draws its weights in the dtype and on the device the run
+chooses (``build_model``: fp32 on the CPU).
 Llama (``family: llama``) is the modern layout: RMSNorm, SwiGLU MLP, rotary positions,
 grouped-query attention (``num_kv_heads``) and, by default, an untied LM head.
 ``model.init_from`` loads a local Hugging Face directory instead (``collage_train.init_from``).
@@ -22,6 +24,8 @@ from transformers import (
 )
 
 from collage_train.errors import ConfigError
+from collage_train.model_init import materialise
+from collage_train.param_shapes import full_numel
 
 FAMILIES = ("gpt", "opt", "llama")
 # Fields only the Llama family reads; set for another family they are refused.
@@ -196,22 +200,33 @@ def check_model_extra(cfg: Any) -> None:
             )
 
 
+def build_meta_model(
+    cfg: Any, *, vocab_size: int, seq_len: int, eot_id: int
+) -> torch.nn.Module:
+    """The causal LM the ``model`` sub-config describes, on the meta device (no memory, no
+    values): ``model_init.materialise`` draws its weights where and in what dtype a run
+    stores them."""
+    hf_config = build_hf_config(cfg, vocab_size=vocab_size, seq_len=seq_len, eot_id=eot_id)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            hf_config, attn_implementation=cfg.attn_implementation
+        )
+    model.config.use_cache = False
+    return model
+
+
 def build_model(
     cfg: Any, *, vocab_size: int, seq_len: int, eot_id: int, seed: int
 ) -> torch.nn.Module:
-    """Build a randomly initialised causal LM (fp32) from the ``model`` sub-config, or load
-    the one in ``cfg.init_from`` (a local Hugging Face directory; fp32)."""
+    """Build a randomly initialised causal LM (fp32, on the CPU) from the ``model``
+    sub-config (weights drawn as ``model_init.materialise`` draws them), or load the one
+    in ``cfg.init_from`` (a local Hugging Face directory; fp32)."""
     if getattr(cfg, "init_from", None):
         from collage_train.init_from import load_pretrained
 
         return load_pretrained(cfg, vocab_size=vocab_size, seq_len=seq_len)
-    hf_config = build_hf_config(cfg, vocab_size=vocab_size, seq_len=seq_len, eot_id=eot_id)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(
-        hf_config, attn_implementation=cfg.attn_implementation
-    ).float()
-    model.config.use_cache = False
-    return model
+    model = build_meta_model(cfg, vocab_size=vocab_size, seq_len=seq_len, eot_id=eot_id)
+    return materialise(model, seed=seed, dtype=torch.float32, device=torch.device("cpu"))
 
 
 def planned_parameter_count(cfg: Any, *, vocab_size: int, seq_len: int, eot_id: int) -> int:
@@ -223,8 +238,9 @@ def planned_parameter_count(cfg: Any, *, vocab_size: int, seq_len: int, eot_id: 
 
 
 def count_parameters(model: torch.nn.Module) -> int:
-    """Number of distinct parameter elements (tied weights counted once)."""
-    return sum(p.numel() for p in model.parameters())
+    """Number of distinct parameter elements (tied weights counted once), whole also where
+    an engine holds only a shard of each (``full_numel``)."""
+    return sum(full_numel(p) for p in model.parameters())
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
@@ -244,7 +260,7 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     tokens, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is None or tokens.weight is not head.weight:
         lookups.add(id(tokens.weight))
-    lookup_numel = sum(p.numel() for p in model.parameters() if id(p) in lookups)
+    lookup_numel = sum(full_numel(p) for p in model.parameters() if id(p) in lookups)
     layers = getattr(cfg, "n_layer", None) or cfg.num_hidden_layers
     heads = getattr(cfg, "n_head", None) or cfg.num_attention_heads
     hidden = getattr(cfg, "n_embd", None) or cfg.hidden_size

@@ -31,16 +31,23 @@ from collage_train.data.progress import write_json_atomic
 from collage_train.engine import build_engine
 from collage_train.errors import ConfigError
 from collage_train.export import export_from_engine
-from collage_train.memory_plan import check_state_fits
+from collage_train.fit_check import (
+    check_state_fits,
+    check_step_fits,
+    planned_setting,
+    smallest_free_memory,
+)
+from collage_train.memory_plan import GIB, ModelShape
 from collage_train.metrics import Sink, detect_peak_tflops, reset_peak_memory
 from collage_train.metrics.edq import layer_groups
 from collage_train.metrics.step_window import settle
+from collage_train.model_init import largest_unit_numel, materialise
 from collage_train.models import (
+    build_meta_model,
     build_model,
     count_parameters,
     enable_activation_checkpointing,
     flops_per_token,
-    planned_parameter_count,
 )
 from collage_train.optim import decay_param_groups, warmup_cosine_lr
 from collage_train.optim.collage.kernels import choose_kernel
@@ -89,9 +96,6 @@ class Trainer:
         self.layer_groups = layer_groups(self.model)  # rows of StepOutcome.edq
         spec = self.strategy.optimizer
         self.with_dtheta = spec.has_dtheta  # EDQ's dtheta terms
-        self.optimizer_kernel = choose_kernel(
-            cfg.optim.kernel, self.device, self.num_params, spec.collage_mode
-        )
         self.optimizer = self.strategy.build_optimizer(
             decay_param_groups(self.model, cfg.optim.weight_decay),
             cfg.optim,
@@ -120,25 +124,63 @@ class Trainer:
         self.skipped_steps = 0
 
     def _build_model(self) -> torch.nn.Module:
-        """The model in the strategy's dtype on this rank's device, once its model state is
-        known to fit (``memory_plan.check_state_fits``), with the train options applied."""
-        cfg, tokenizer = self.cfg, self.data.tokenizer
+        """The model in the strategy's dtype on this rank's device (under ZeRO-3 only this
+        rank's partitions), once its state and its step are known to fit
+        (``collage_train.fit_check``), with the train options applied.
+
+        A random initialisation is drawn unit by unit (``model_init.materialise``): no
+        fp32 copy of the model exists, and the weights are the same whatever the engine
+        or the number of ranks. ``model.init_from`` loads the directory's fp32 weights.
+        """
+        cfg, tokenizer, device = self.cfg, self.data.tokenizer, self.device
         shape = {"vocab_size": tokenizer.vocab_size, "seq_len": cfg.data.seq_len}
         shape["eot_id"] = tokenizer.eot_id
+        meta = build_meta_model(cfg.model, **shape)  # no memory: sizes and names only
+        num_params = count_parameters(meta)
+        self.optimizer_kernel = choose_kernel(
+            cfg.optim.kernel, device, num_params, self.strategy.optimizer.collage_mode
+        )
+        param_bytes = self.strategy.param_dtype.itemsize
+        transient = (num_params if cfg.model.init_from else largest_unit_numel(meta)) * (
+            4 + param_bytes
+        )  # fp32 values beside their cast copy, on the host
         check_state_fits(
-            planned_parameter_count(cfg.model, **shape),
+            num_params,
             self.strategy,
             self.engine,
-            self.device,
+            device,
+            host_transient_bytes=transient,
             model_name=cfg.model.name,
             distributed=cfg.distributed.name,
         )
-        model = build_model(cfg.model, **shape, seed=cfg.train.seed)
-        model = model.to(device=self.device, dtype=self.strategy.param_dtype)
+        free = smallest_free_memory(device, self.engine)
+        if free is not None:
+            check_step_fits(
+                ModelShape.from_model(meta, seq_len=cfg.data.seq_len),
+                planned_setting(cfg, self.strategy, self.engine.world_size, self.optimizer_kernel),
+                free_bytes=free,
+                reserve_bytes=cfg.plan.reserve_gb * GIB,
+                micro_batch=cfg.train.micro_batch_size,
+                global_batch=cfg.train.global_batch_size,
+                checkpointing=cfg.train.activation_checkpointing,
+                model_name=cfg.model.name,
+            )
+        if cfg.model.init_from:
+            model = build_model(cfg.model, **shape, seed=cfg.train.seed)
+            model = model.to(device=device, dtype=self.strategy.param_dtype)
+        else:
+            model = materialise(
+                meta,
+                seed=cfg.train.seed,
+                dtype=self.strategy.param_dtype,
+                device=device,
+                place=self.engine.place_parameters,
+            )
+        torch.manual_seed(cfg.train.seed)  # the random state training starts from
         model = self.strategy.prepare_model(model)  # e.g. Scalify's module swap
         self.cpu_bf16_gemm = choose_cpu_bf16_gemm(
             cfg.train.cpu_bf16_gemm,
-            self.device,
+            device,
             self.strategy.computes_in_bf16,
             probe=self._probe_gemms_on_every_rank,
         )

@@ -97,7 +97,7 @@ def test_edq_every_controls_descent_metrics(make_cfg, tmp_path):
 
 
 def test_model_state_that_cannot_fit_is_refused_before_building(make_cfg, tmp_path, monkeypatch):
-    monkeypatch.setattr("collage_train.memory_plan.available_memory", lambda device: 10 * 2**30)
+    monkeypatch.setattr("collage_train.fit_check.available_memory", lambda device: 10 * 2**30)
     with pytest.raises(OutOfMemory, match=r"gpt_1\.3b has 1\.\d+B parameters.*10\.0 GiB is free"):
         big = (
             "model=gpt_1.3b",

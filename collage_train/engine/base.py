@@ -61,6 +61,11 @@ class Engine(Protocol):
     @property
     def is_main(self) -> bool: ...
 
+    def place_parameters(self, params: list[torch.nn.Parameter]) -> None:
+        """Keep a freshly materialised unit of the model as this engine stores it, before the
+        next unit is drawn (``model_init.materialise``): whole (one process, ZeRO-1/2,
+        replicas) or partitioned across the ranks (ZeRO-3). Every rank calls it alike."""
+
     def prepare(
         self,
         model: torch.nn.Module,

@@ -74,6 +74,9 @@ class SingleProcessEngine:
     def is_main(self) -> bool:
         return True
 
+    def place_parameters(self, params: list[torch.nn.Parameter]) -> None:
+        """One whole model per process: the unit stays as it was materialised."""
+
     def prepare(
         self,
         model: torch.nn.Module,

@@ -237,6 +237,22 @@ class ZeroEngine:
 
     # -------------------------------------------------------------- training
 
+    def place_parameters(self, params: list[torch.nn.Parameter]) -> None:
+        """ZeRO-3: partition a freshly materialised unit's parameters across the ranks now
+        (``deepspeed.zero.Init`` given the unit, as for a model built inside its context:
+        rank 0's values are broadcast, each rank keeps its partition and frees the rest), so
+        that no rank ever holds the whole model. Stages 1 and 2 keep the weights whole."""
+        if self.stage < 3 or not params:
+            return
+        offload = bool(self.dist_cfg.offload_param)
+        self.deepspeed.zero.Init(
+            module=torch.nn.ParameterList(params),
+            mem_efficient_linear=False,  # leave torch.nn.functional.linear as it is
+            remote_device="cpu" if offload else None,
+            pin_memory=offload and self.device.type == "cuda",
+            dtype=params[0].dtype,
+        )
+
     def prepare(
         self,
         model: torch.nn.Module,

@@ -1,0 +1,189 @@
+"""Start-up memory checks: refuse a run that cannot fit before anything is allocated.
+
+Two checks run before the model's weights are drawn (``collage_train.model_init``):
+
+- ``check_state_fits``: the model state (weights, gradients, optimizer state; this
+  rank's share under ZeRO) must fit the device, and the start-up's host transient (one
+  unit of the model in fp32 beside its cast copy, or the whole fp32 model for
+  ``model.init_from``) must fit the host, once for every rank on this node. Raises
+  ``OutOfMemory`` (exit 1): no micro-batch can fix it.
+- ``check_step_fits`` (CUDA runs): the memory planner's peak of a whole training step
+  (state, activations, logits and loss, optimizer temporaries, DeepSpeed buffers; see
+  ``collage_train.memory_plan``) at the chosen micro-batch, checkpointing and engine must
+  fit the free device memory, less ``plan.reserve_gb``. If not, one line says what does
+  fit: the largest micro-batch, activation checkpointing, a ZeRO stage, or how many GPUs
+  ZeRO-3 needs. Raises ``StepWillNotFit`` (exit 2: a setting to change). The ranks decide
+  together on the smallest free memory among them, so that no rank is left waiting in a
+  collective for one that stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from collage_train.batch import accumulation_steps
+from collage_train.comm.settings import uses_replicas
+from collage_train.engine.deepspeed_config import gradient_dtypes
+from collage_train.engine.launch import local_world_size
+from collage_train.errors import BAD_INPUT, OutOfMemory
+from collage_train.memory_plan import (
+    GIB,
+    ModelShape,
+    Setting,
+    estimate,
+    largest_micro_batch,
+)
+from collage_train.metrics.memory import available_memory
+from collage_train.precision.base import PrecisionStrategy
+
+ZERO_GPU_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256, 512)  # what "how many GPUs" tries
+
+
+class StepWillNotFit(OutOfMemory):
+    """The planned step peak exceeds the device's free memory: a setting must change."""
+
+    exit_status = BAD_INPUT
+
+
+def check_state_fits(
+    num_params: int,
+    strategy: PrecisionStrategy,
+    engine: Any,
+    device: torch.device,
+    *,
+    host_transient_bytes: float,
+    model_name: str,
+    distributed: str,
+) -> None:
+    """Refuse a model whose state cannot fit, before the kernel's OOM killer would.
+
+    Needs at least the strategy's model-state bytes (this rank's share under ZeRO) on the
+    device, and ``host_transient_bytes`` (what building the model holds on the host at
+    once) on the host for every rank on this node; on a CPU run the device is the host.
+    Raises OutOfMemory.
+    """
+    ranks_here = local_world_size() if engine.world_size > 1 else 1
+    device_needs = num_params * engine.peak_state_bytes_per_param(strategy)
+    needs = {"host": host_transient_bytes * ranks_here}
+    if device.type == "cuda":
+        needs[str(device)] = device_needs
+    else:
+        needs["host"] = max(needs["host"], device_needs * ranks_here)
+    for where, needed in needs.items():
+        available = available_memory(device if where != "host" else torch.device("cpu"))
+        if available is not None and needed > available:
+            raise OutOfMemory(
+                f"out of memory: {model_name} has {num_params / 1e9:.2f}B "
+                f"parameters and precision={strategy.name} with "
+                f"distributed={distributed} needs at least "
+                f"{needed / GIB:.1f} GiB on {where} for weights, gradients and optimizer "
+                f"state, but {available / GIB:.1f} GiB is free (a smaller "
+                "train.micro_batch_size cannot fix this); pick a smaller model or spread "
+                "the model state over more GPUs with DeepSpeed ZeRO "
+                "(distributed=zero2 or zero3)"
+            )
+
+
+def planned_setting(
+    cfg: Any, strategy: PrecisionStrategy, world_size: int, optimizer_kernel: str
+) -> Setting:
+    """The memory planner's ``Setting`` for the run ``cfg`` describes on ``world_size``
+    ranks: its ZeRO stage (0 for one whole model per process, replicas included), offloads,
+    gradient dtypes and whether the optimizer step runs fused."""
+    dist = cfg.distributed
+    stage = 0 if dist.name == "unsharded" or uses_replicas(cfg.comm) else int(dist.zero_stage)
+    if stage == 0:
+        return Setting(strategy, 0, fused_optimizer=optimizer_kernel != "eager")
+    return Setting(
+        strategy,
+        stage,
+        gpus=world_size,
+        fused_optimizer=optimizer_kernel != "eager",
+        offload_optimizer=bool(dist.offload_optimizer),
+        offload_param=bool(dist.offload_param),
+        gradient_dtypes=gradient_dtypes(dist, strategy, stage),
+    )
+
+
+def smallest_free_memory(device: torch.device, engine: Any) -> float | None:
+    """The least free memory of any rank's device (None on a CPU run: the host is checked
+    by ``check_state_fits``). Every rank calls it together."""
+    if device.type != "cuda":
+        return None
+    free = torch.zeros(engine.world_size, dtype=torch.float64, device=device)
+    free[engine.rank] = float(available_memory(device) or 0)
+    return float(engine.all_reduce_sum(free).min())
+
+
+def check_step_fits(
+    shape: ModelShape,
+    setting: Setting,
+    *,
+    free_bytes: float,
+    reserve_bytes: float,
+    micro_batch: int,
+    global_batch: int,
+    checkpointing: bool,
+    model_name: str,
+) -> None:
+    """Refuse a step whose planned peak exceeds ``free_bytes - reserve_bytes``, in one line
+    saying what fits instead. Raises StepWillNotFit."""
+    budget = free_bytes - reserve_bytes
+    accum = accumulation_steps(global_batch, micro_batch, setting.gpus)
+    plan = estimate(
+        shape, setting, micro_batch=micro_batch, accum_steps=accum, checkpointing=checkpointing
+    )
+    if plan.peak <= budget:
+        return
+    ckpt = "on" if checkpointing else "off"
+    engine = "distributed=unsharded" if setting.stage == 0 else f"distributed=zero{setting.stage}"
+    raise StepWillNotFit(
+        f"out of memory ahead: {model_name} with precision={setting.strategy.name} and "
+        f"{engine} on {setting.gpus} GPU(s) at train.micro_batch_size={micro_batch} "
+        f"(activation checkpointing {ckpt}) needs about {plan.peak / GIB:.1f} GiB per GPU at "
+        f"its step peak (python -m collage_train.plan shows the parts), but "
+        f"{free_bytes / GIB:.1f} GiB is free less plan.reserve_gb={reserve_bytes / GIB:g}; "
+        + what_fits(
+            shape, setting, budget=budget, global_batch=global_batch, checkpointing=checkpointing
+        )
+    )
+
+
+def what_fits(
+    shape: ModelShape, setting: Setting, *, budget: float, global_batch: int, checkpointing: bool
+) -> str:
+    """The nearest setting whose step fits ``budget``: a smaller micro-batch, then
+    checkpointing, then a higher ZeRO stage on the same GPUs, then more GPUs with ZeRO-3."""
+
+    def largest(candidate: Setting, ckpt: bool) -> int:
+        if candidate.stage and candidate.strategy.not_under_zero:
+            return 0
+        return largest_micro_batch(
+            shape, candidate, budget=budget, global_batch=global_batch, checkpointing=ckpt
+        )
+
+    micro = largest(setting, checkpointing)
+    if micro:
+        return f"train.micro_batch_size={micro} fits (gradient accumulation keeps the batch)"
+    if not checkpointing and (micro := largest(setting, True)):
+        return f"train.activation_checkpointing=true with train.micro_batch_size={micro} fits"
+    if setting.gpus > 1:
+        for stage in range(max(setting.stage, 0) + 1, 4):
+            for ckpt in dict.fromkeys((checkpointing, True)):
+                zero = replace(setting, stage=stage, gradient_dtypes=None)
+                if micro := largest(zero, ckpt):
+                    extra = " train.activation_checkpointing=true" if ckpt else ""
+                    return f"distributed=zero{stage}{extra} with micro-batch {micro} fits"
+    for gpus in ZERO_GPU_COUNTS:
+        if gpus <= setting.gpus or global_batch % gpus:
+            continue
+        zero3 = replace(setting, stage=3, gpus=gpus, gradient_dtypes=None)
+        if micro := largest(zero3, True):
+            return (
+                f"it needs at least {gpus} such GPUs with distributed=zero3 "
+                f"train.activation_checkpointing=true (micro-batch {micro})"
+            )
+    return "no micro-batch, checkpointing or ZeRO stage on these GPUs fits; pick a smaller model"
