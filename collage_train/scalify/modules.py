@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from transformers.pytorch_utils import Conv1D
 
+from collage_train.param_shapes import full_shape
 from collage_train.scalify.float8 import FLOAT8_BACKWARD, FLOAT8_FORWARD, scaled_mm, to_float8
 from collage_train.scalify.scale import matmul_scale, rms_scale, value_rms_scale
 
@@ -189,7 +190,8 @@ class ScaledLinear(torch.nn.Module):
         return x_scale, weight_scale
 
     def extra_repr(self) -> str:
-        k, n = self.weight.shape if self.weight_is_in_out else self.weight.shape[::-1]
+        shape = full_shape(self.weight)  # whole, also while ZeRO-3 holds a partition of it
+        k, n = shape if self.weight_is_in_out else shape[::-1]
         return f"in_features={k}, out_features={n}, bias={self.bias is not None}, fmt={self.fmt}"
 
 

@@ -1,0 +1,161 @@
+"""Launch-to-first-step time and peak host memory of building a run, per rank.
+
+Each rank (one process, or the ranks of a ``torchrun`` launch) composes the real
+configuration and builds the real ``Trainer``: data, the model in its storage dtype,
+the optimizer and the engine (DeepSpeed's ``initialize`` under ZeRO), everything that
+happens before the first step. It then reports the seconds since its process started
+and its peak resident set size (``VmHWM``), and exits without training.
+
+    python scripts/bench_startup.py --model gpt_1.3b --precision collage_plus \\
+        --setting unsharded:1 zero3:2 --json startup.json
+
+The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip). Run it
+from another checkout (``--repo``) to measure that code with the same script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from runs import REPO, append_results
+
+GIB = 2**30
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc/self/stat and /proc/stat)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    started_after_boot = int(fields[19]) / ticks  # field 22 of stat(5), after "pid (comm)"
+    boot = next(
+        int(line.split()[1])
+        for line in Path("/proc/stat").read_text().splitlines()
+        if line.startswith("btime")
+    )
+    return time.time() - (boot + started_after_boot)
+
+
+def peak_rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def worker(out: Path, overrides: list[str]) -> None:
+    """Inside each rank: build the trainer, report, exit."""
+    import torch
+
+    from collage_train.compose import compose_job
+    from collage_train.trainer import Trainer
+
+    cfg = compose_job(overrides)
+    trainer = Trainer(cfg, out.parent / "run")
+    row = {
+        "rank": trainer.engine.rank,
+        "world_size": trainer.engine.world_size,
+        "startup_s": process_age_s(),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "num_params": trainer.num_params,
+        "param_bytes": trainer.strategy.param_dtype.itemsize,
+        "torch": torch.__version__,
+    }
+    Path(f"{out}.rank{row['rank']}").write_text(json.dumps(row))
+    trainer.engine.close()
+
+
+def launch(repo: Path, distributed: str, ranks: int, overrides: list[str]) -> list[dict]:
+    scratch = Path(tempfile.mkdtemp(prefix="bench_startup_"))
+    out = scratch / "row.json"
+    script = Path(__file__).resolve()
+    args = ["--worker-out", str(out), "--", *overrides, f"distributed={distributed}"]
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
+    if ranks == 1:
+        command = [sys.executable, str(script), *args]
+    else:
+        torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+        command = [torchrun, "--nproc_per_node", str(ranks), str(script), *args]
+    proc = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
+    rows = [json.loads(p.read_text()) for p in sorted(scratch.glob("row.json.rank*"))]
+    shutil.rmtree(scratch, ignore_errors=True)
+    if proc.returncode != 0 or len(rows) != ranks:
+        sys.exit(f"{distributed} on {ranks} rank(s) failed:\n{proc.stderr[-3000:]}")
+    for row in rows:
+        row["distributed"] = distributed
+    return rows
+
+
+def table(rows: list[dict], label: str) -> str:
+    lines = [
+        "| code | engine | ranks | launch to first step (s) | peak host RSS per rank (GiB) "
+        "| weights per rank (GiB) | RSS - weights (GiB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        shard = row["world_size"] if row["distributed"] == "zero3" else 1
+        weights = row["num_params"] * row["param_bytes"] / shard
+        lines.append(
+            f"| {label} | {row['distributed']} | {row['world_size']} (rank {row['rank']}) | "
+            f"{row['startup_s']:.1f} | {row['peak_rss_bytes'] / GIB:.2f} | {weights / GIB:.2f} | "
+            f"{(row['peak_rss_bytes'] - weights) / GIB:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt_1.3b", help="model preset (configs/model/)")
+    parser.add_argument("--precision", default="collage_plus")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument(
+        "--setting", nargs="+", default=["unsharded:1", "zero3:2"], help="ENGINE:RANKS ..."
+    )
+    parser.add_argument("--repo", type=Path, default=REPO, help="the checkout to measure")
+    parser.add_argument("--label", default="this checkout", help="the code's name in the table")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    args, overrides = parser.parse_known_args()
+    overrides = [o for o in overrides if o != "--"]
+
+    if args.worker_out is not None:  # inside a launched rank
+        worker(args.worker_out, overrides)
+        return
+
+    base = [
+        f"model={args.model}", f"precision={args.precision}", f"data.seq_len={args.seq_len}",
+        "train.micro_batch_size=1", "logging.wandb.mode=disabled", *overrides,
+    ]  # fmt: skip
+    rows = []
+    for setting in args.setting:
+        distributed, ranks = setting.split(":")
+        rows += launch(
+            args.repo.resolve(),
+            distributed,
+            int(ranks),
+            [*base, f"train.global_batch_size={int(ranks) * 2}"],
+        )
+    text = table(rows, args.label)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    if not args.no_append:
+        append_results(
+            f"Start-up: launch to first step and peak host RSS, {args.model} {args.precision}",
+            f"Sequence {args.seq_len}; each rank builds the real Trainer (data, model, "
+            "optimizer, engine) and stops before the first step.",
+            text,
+        )
+
+
+if __name__ == "__main__":
+    main()
