@@ -10,12 +10,12 @@ embedded corpus, prepared once per session into the shared test cache, with ever
 batches drawn (no rank is launched, no model built).
 
 World sizes: ``--num_gpus N``; ``--nproc_per_node N`` x ``--nnodes M``; ``sbatch --nodes N``
-x 8 GPUs (the script's default per node); a ``--hostfile`` launch is docs/distributed.md's
-example hostfile, 2 nodes x 8 slots; a ``deepspeed`` launch naming neither runs on every
-GPU of one node, 8. Skipped: other tools (``collage_train.plan``, ``.export``...), Hydra's
-own flags (``--help``, ``--cfg``), other data; ``...`` ends a command (more overrides).
-``model.init_from`` is dropped: the documented one is a run of the default corpus, whose
-tokenizer is the default one.
+x the script's ``#SBATCH --gpus-per-node`` (8; ``--nodes`` defaults to its ``#SBATCH`` line);
+a ``--hostfile`` launch is docs/distributed.md's example hostfile, 2 nodes x 8 slots; a
+``deepspeed`` launch naming neither runs on every GPU of one node, 8. Skipped: other
+tools (``collage_train.plan``, ``.export``...), Hydra's own flags (``--help``, ``--cfg``),
+other data; ``...`` ends a command (more overrides). ``model.init_from`` is dropped: the
+documented one is a run of the default corpus, whose tokenizer is the default one.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ DOCUMENTS = sorted(
     [REPO / "README.md", REPO / "docker" / "README.md", *(REPO / "docs").glob("*.md")]
 )
 SBATCH = REPO / "scripts" / "slurm_train.sbatch"
-GPUS_PER_NODE = 8  # slurm_train.sbatch's SLURM_GPUS_ON_NODE default, the docs' nodes
+GPUS_PER_NODE = int(re.findall(r"#SBATCH --gpus-per-node=(\d+)", SBATCH.read_text())[0])
+SBATCH_NODES = int(re.findall(r"#SBATCH --nodes=(\d+)", SBATCH.read_text())[0])
 HOSTFILE_NODES = 2  # docs/distributed.md's example hostfile: node-a and node-b, 8 slots each
 LAUNCHER = re.compile(r"(?:^|\s)(\S*python3?|deepspeed|torchrun|sbatch)\s")
 
@@ -111,7 +112,7 @@ def parse(where: str, text: str) -> Command | None:
         script = next((i for i, t in enumerate(tokens) if t.endswith("slurm_train.sbatch")), None)
         if script is None:
             return None
-        nodes = int(flag(tokens[:script], "--nodes") or 2)  # the script's #SBATCH --nodes
+        nodes = int(flag(tokens[:script], "--nodes") or SBATCH_NODES)
         return command(where, nodes * GPUS_PER_NODE, tokens[script + 1 :])
     module = next(
         (i for i, t in enumerate(tokens) if t in ("-m", "--module") and i + 1 < len(tokens)),

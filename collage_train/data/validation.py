@@ -10,13 +10,16 @@ windows that the ranks take in turn. The policy (``plan_validation``), in this o
    as many whole training micro-batches as it holds (fewer validation batches); else, when
    it holds fewer windows than one micro-batch, all of them.
 2. The validation micro-batch is the largest that is at most ``train.micro_batch_size``
-   (so it fits where training fits), divides the windows into whole micro-batches and
-   leaves at least one per rank; with fewer windows than ranks, one window per micro-batch.
-   It is the training micro-batch whenever that already works.
+   (so it fits where training fits), divides the windows into whole micro-batches (of one
+   size, so the mean of their losses is the mean over the windows) and leaves at least one
+   per rank; with fewer windows than ranks, one window per micro-batch. It is the training
+   micro-batch whenever that already works.
 3. Rank ``r`` of ``W`` takes micro-batches ``r, r + W, r + 2W, ...``. Every rank runs the
    same number of forwards (ZeRO-3 gathers parameters in a collective during each one), so
    a rank whose turn finds no micro-batch left runs the first one again and does not count
-   it: with 18 held-out windows, 32 ranks evaluate the same 16 windows as one process.
+   it: ``+experiment=gpt_6.7b`` (micro-batch 2) on the embedded corpus, whose held-out
+   split holds 18 windows of 2048 tokens, evaluates the same 16 windows on 1 rank (8
+   micro-batches of 2), 16 ranks (one window each) and 32 ranks (16 of them padding).
 4. The held-out share (``data.val_fraction``, ``data.val_documents``) is never changed,
    not even for the embedded corpus: the training split would then depend on the world
    size, and an elastic resume on another number of ranks would find another training
