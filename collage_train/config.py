@@ -172,7 +172,7 @@ class TrainConfig:
     seed: int = 1234
     device: Device = Device.auto  # auto (CUDA when present, else CPU) | cpu | cuda
     eval_every: int = 50  # validation every N steps (and always at the end)
-    eval_batches: int = 8  # micro-batches of held-out data per validation, all ranks together
+    eval_batches: int = 8  # x micro_batch_size held-out windows per validation, at any world size
     checkpoint_every: int = 100  # checkpoints/step-N every N steps (and at the end)
     keep_checkpoints: int = 2  # keep the newest K checkpoints
     resume: bool = False  # continue from the newest checkpoint in hydra.run.dir

@@ -89,7 +89,11 @@ class Trainer:
             rank=self.engine.rank,
             world_size=self.engine.world_size,
         )
-        self.data.val_loader(train.micro_batch_size)  # fail now if validation cannot fill a batch
+        # The held-out windows every validation evaluates, the same at any world size; one
+        # line says how the pass fits the split and the ranks (collage_train.data.validation).
+        self.validation_plan = self.data.validation_plan(train.micro_batch_size, train.eval_batches)
+        if self.engine.is_main and (note := self.validation_plan.note()) is not None:
+            print(note, flush=True)
         self.model = self._build_model()
         self.num_params = count_parameters(self.model)
         self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
@@ -318,20 +322,21 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Mean loss over the first ``train.eval_batches`` held-out micro-batches.
+        """Mean loss over the held-out windows of ``self.validation_plan``: the first
+        ``train.eval_batches`` x ``train.micro_batch_size`` (fewer on a short split), the
+        same whatever the world size (``collage_train.data.validation``).
 
-        The count is over all ranks together, so that (with a count divisible by the
-        number of ranks) the same windows are evaluated whatever the world size.
+        Every rank runs the same number of forwards; a padding one (a rank whose turn found
+        no micro-batch left) is not counted.
         """
         self.forward_module.eval()
         totals = torch.zeros(2, device=self.device)  # loss sum, batch count
-        for batch in self.data.validation_batches(
-            self.cfg.train.micro_batch_size,
-            max(1, self.cfg.train.eval_batches // self.engine.world_size),
-        ):
+        for batch, counted in self.data.validation_batches(self.validation_plan):
             with self.cpu_bf16_gemm.context(compiled=self.cfg.train.compile):
-                totals[0] += self._loss(batch.to(self.device))
-            totals[1] += 1
+                loss = self._loss(batch.to(self.device))
+            if counted:
+                totals[0] += loss
+                totals[1] += 1
         self.forward_module.train()
         loss_sum, batches = self.engine.all_reduce_sum(totals).tolist()
         val_loss = loss_sum / batches

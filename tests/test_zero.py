@@ -52,6 +52,9 @@ def runs(corpus_dir, cache_dir, tmp_path_factory):
             args = [
                 *tiny_overrides(corpus_dir, cache_dir, run_dir),
                 "logging.log_every=1",
+                # 3 validation micro-batches on 2 ranks: rank 1's second forward is padding,
+                # which ZeRO-3 needs run and the mean must not count (data/validation.py)
+                "train.eval_batches=3",
                 f"precision={precision}",
                 f"distributed={distributed}",
                 *extra,
@@ -121,6 +124,9 @@ def test_collage_plus_under_zero_matches_single_process_with_half_the_state(runs
     assert_matches_single_process(
         zero_dir, single_dir, ("edq", "edq_normalized", "lost_update_frac", "dtheta_norm")
     )
+    # the validation above ran a padding forward on rank 1, said once (by rank 0)
+    notes = [line for line in result.stdout.splitlines() if line.startswith("validation: ")]
+    assert len(notes) == 1 and "; 1 padding forward(s)" in notes[0], notes
 
     summary = json.loads((zero_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["distributed"] == f"zero{stage}"

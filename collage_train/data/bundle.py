@@ -4,7 +4,9 @@ The first process of each node (``LOCAL_RANK`` 0, or rank 0 when unset) prepares
 corpus if it is not prepared yet; the others wait for its manifest on the file system,
 printing progress (no collective, so no ``distributed.timeout_minutes`` bound).
 With ``data.streaming`` nothing is prepared: each rank reads, tokenizes and packs its share
-of the stream on the fly (``collage_train.data.stream_data``).
+of the stream on the fly (``collage_train.data.stream_data``). Which held-out windows a
+validation pass evaluates, the same at any world size, is ``collage_train.data.validation``'s
+policy.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ from collage_train.data.store import ConcatTokens, ShardedTokens, open_splits
 from collage_train.data.stream_data import open_stream
 from collage_train.data.streaming import StreamingLoader
 from collage_train.data.tokenizer import Tokenizer
+from collage_train.data.validation import (
+    ValidationPlan,
+    no_window_error,
+    plan_validation,
+    window_batch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,32 +50,27 @@ class DataBundle:
     rank: int = 0
     world_size: int = 1
 
-    def val_loader(self, batch_size: int) -> TokenLoader:
-        """Return an unshuffled loader over the validation tokens (seed 0, this rank's share)."""
-        return TokenLoader(
-            self.val_tokens,
+    def validation_plan(self, micro_batch_size: int, eval_batches: int) -> ValidationPlan:
+        """The validation pass of ``train.micro_batch_size`` and ``train.eval_batches`` on
+        this split and world size (the policy of ``collage_train.data.validation``);
+        DataError, naming what would work, when the split holds no window at all."""
+        available = max(len(self.val_tokens) - 1, 0) // self.seq_len
+        if available == 0:
+            raise no_window_error(self.meta, len(self.val_tokens), self.seq_len)
+        return plan_validation(
+            available,
             seq_len=self.seq_len,
-            batch_size=batch_size,
-            seed=0,
-            shuffle=False,
-            rank=self.rank,
             world_size=self.world_size,
-            split="validation",
+            micro_batch_size=micro_batch_size,
+            eval_batches=eval_batches,
         )
 
-    def validation_batches(
-        self, batch_size: int, max_batches: int | None = None
-    ) -> Iterator[torch.Tensor]:
-        """Yield one pass over the validation split, at most ``max_batches`` batches.
-
-        Every rank yields the same number of batches, each rank its own share of the windows.
-        """
-        loader = self.val_loader(batch_size)
-        count = loader.batches_per_epoch
-        if max_batches is not None:
-            count = min(count, max_batches)
-        for _ in range(count):
-            yield loader.next_batch()
+    def validation_batches(self, plan: ValidationPlan) -> Iterator[tuple[torch.Tensor, bool]]:
+        """This rank's ``[plan.batch_size, seq_len + 1]`` batches of one pass with whether
+        each counts (every rank yields as many; see ``ValidationPlan.batches_of``)."""
+        for index, counted in plan.batches_of(self.rank):
+            first = index * plan.batch_size
+            yield window_batch(self.val_tokens, self.seq_len, first, plan.batch_size), counted
 
 
 def build_data(

@@ -7,7 +7,9 @@ Nothing is prepared into shards. What runs before step 0 is bounded:
   by the stream's reference and the tokenizer settings (the ranks of a node take turns on a
   file lock, so one trains and the others load its model);
 - validation: the first ``data.val_documents`` documents of the stream, tokenized into
-  memory; training never sees them (it starts at the next document);
+  memory (at least one window of ``seq_len + 1`` tokens; ``collage_train.data.validation``
+  shares their windows among the ranks); training never sees them (it starts at the next
+  document);
 - the first batch of this rank's share (``StreamingLoader``), read and tokenized on the fly
   like every later one.
 """
@@ -55,14 +57,13 @@ def open_stream(
     fingerprint = source.fingerprint()
     tokenizer = stream_tokenizer(settings, source, fingerprint)
     val_tokens, held_out = validation_head(source, tokenizer, settings.val_documents)
-    needed = micro_batch_size * world_size * seq_len + 1
+    needed = seq_len + 1  # one window: collage_train.data.validation shares what there is
     if val_tokens.size < needed:
         raise DataError(
             f"the first {held_out} documents of the stream, held out for validation "
             f"(data.val_documents={settings.val_documents}), hold {val_tokens.size} tokens, too "
-            f"few for one validation batch of {micro_batch_size * world_size} sequences of "
-            f"seq_len {seq_len} (needs {needed}); raise data.val_documents or lower seq_len or "
-            "the micro-batch size"
+            f"few for one validation window of seq_len {seq_len} (needs {needed}); raise "
+            "data.val_documents or lower seq_len"
         )
     loader = StreamingLoader(
         source.documents,

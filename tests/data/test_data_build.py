@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,39 +37,60 @@ def test_bundle_contents(bundle: DataBundle) -> None:
     assert int(batch.max()) < bundle.tokenizer.vocab_size
 
 
-def test_val_loader_is_unshuffled_and_deterministic(bundle: DataBundle) -> None:
-    loader = bundle.val_loader(batch_size=2)
-    assert not loader.shuffle and loader.seed == 0
-    first = loader.next_batch()
-    expected = np.asarray(bundle.val_tokens[:17], dtype=np.int64)
-    assert first[0].tolist() == expected.tolist()
-    assert torch.equal(bundle.val_loader(batch_size=2).next_batch(), first)
+def test_validation_windows_are_the_split_in_order(bundle: DataBundle) -> None:
+    plan = bundle.validation_plan(micro_batch_size=2, eval_batches=3)
+    assert (plan.windows, plan.batch_size, plan.world_size) == (6, 2, 1)
+    batches = list(bundle.validation_batches(plan))
+    assert [counted for _, counted in batches] == [True] * 3
+    tokens = np.asarray(bundle.val_tokens[: 6 * 16 + 1], dtype=np.int64)
+    expected = np.stack([tokens[i * 16 : i * 16 + 17] for i in range(6)])
+    np.testing.assert_array_equal(torch.cat([b for b, _ in batches]).numpy(), expected)
+    again = [b for b, _ in bundle.validation_batches(plan)]
+    assert all(torch.equal(a, b) for a, b in zip(again, (b for b, _ in batches), strict=True))
 
 
-def test_validation_batches(bundle: DataBundle) -> None:
-    full = list(bundle.validation_batches(batch_size=2))
-    per_epoch = bundle.val_loader(batch_size=2).batches_per_epoch
-    assert len(full) == per_epoch > 3
-    limited = list(bundle.validation_batches(batch_size=2, max_batches=3))
-    assert all(torch.equal(a, b) for a, b in zip(limited, full[:3], strict=True))
-
-
-def test_ranks_get_disjoint_validation_windows(make_cfg: MakeCfg) -> None:
+def test_ranks_share_the_windows_of_one_process(make_cfg: MakeCfg) -> None:
+    """Two ranks evaluate, in micro-batches of 2 taken in turn, the 8 windows one process
+    evaluates in micro-batches of 4 (eval_batches=2 of micro-batch 4 on both)."""
     cfg = make_cfg(val_fraction=0.1)
+    single = build_data(cfg, seq_len=16, micro_batch_size=4, seed=7)
+    alone = [b for b, _ in single.validation_batches(single.validation_plan(4, 2))]
     ranks = [
         build_data(cfg, seq_len=16, micro_batch_size=4, seed=7, rank=r, world_size=2)
         for r in (0, 1)
     ]
-    batches = [list(b.validation_batches(batch_size=2)) for b in ranks]
-    assert len(batches[0]) == len(batches[1]) > 0
-    single = list(build_data(cfg, seq_len=16, micro_batch_size=4, seed=7).validation_batches(4))
-    for zero, one, together in zip(batches[0], batches[1], single, strict=False):
-        assert torch.equal(torch.cat([zero, one]), together)
+    plans = [rank.validation_plan(4, 2) for rank in ranks]
+    assert plans[0] == plans[1] and (plans[0].batch_size, plans[0].rounds) == (4, 1)
+    shares = [[b for b, _ in rank.validation_batches(plans[0])] for rank in ranks]
+    assert torch.equal(torch.cat([shares[0][0], shares[1][0]]), torch.cat(alone))
+    four = [
+        build_data(cfg, seq_len=16, micro_batch_size=4, seed=7, rank=r, world_size=4)
+        for r in range(4)
+    ]
+    plan = four[0].validation_plan(4, 2)
+    assert (plan.windows, plan.batch_size, plan.padding) == (8, 2, 0)
+    quarter = [next(rank.validation_batches(plan))[0] for rank in four]
+    assert torch.equal(torch.cat(quarter), torch.cat(alone))
 
 
-def test_validation_split_too_small_for_the_batch(bundle: DataBundle) -> None:
-    with pytest.raises(DataError, match=r"^the validation split has"):
-        bundle.val_loader(batch_size=10_000)
+def test_a_validation_split_without_a_window_names_the_val_fraction_that_works(
+    bundle: DataBundle, make_cfg: MakeCfg
+) -> None:
+    seq_len = len(bundle.val_tokens)  # one token short of a window
+    short = dataclasses.replace(bundle, seq_len=seq_len)
+    with pytest.raises(
+        DataError, match=r"^the validation split \(data\.val_fraction=0\.1 of"
+    ) as err:
+        short.validation_plan(micro_batch_size=1, eval_batches=1)
+    suggested = re.search(r"set data\.val_fraction=([0-9.]+) ", str(err.value))
+    assert suggested is not None, str(err.value)
+    enough = build_data(
+        make_cfg(val_fraction=float(suggested.group(1))),
+        seq_len=seq_len,
+        micro_batch_size=1,
+        seed=7,
+    )
+    assert enough.validation_plan(micro_batch_size=1, eval_batches=1).windows == 1
 
 
 def test_logs_progress(make_cfg: MakeCfg, caplog: pytest.LogCaptureFixture) -> None:

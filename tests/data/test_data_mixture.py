@@ -140,5 +140,6 @@ def test_a_mixture_prepared_and_served(
     assert all(b.shape == (4, 17) for b in batches)
     seen = bundle.train_loader.tokens_per_source()
     assert seen["code"] > seen["other"] > 0 and sum(seen.values()) == 20 * 4 * 16
-    validation = list(bundle.validation_batches(batch_size=2, max_batches=3))
-    assert len(validation) == 3
+    validation = list(bundle.validation_batches(bundle.validation_plan(2, 3)))
+    assert len(validation) == 3 and all(counted for _, counted in validation)
+    assert [tuple(batch.shape) for batch, _ in validation] == [(2, 17)] * 3

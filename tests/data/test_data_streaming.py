@@ -119,8 +119,9 @@ def test_training_starts_without_preparing_the_stream(
     np.testing.assert_array_equal(
         bundle.val_tokens, encoded(bundle.tokenizer, documents[:8]).astype(bundle.val_tokens.dtype)
     )
-    val = next(bundle.validation_batches(BATCH, max_batches=1))
-    assert val.shape == (BATCH, SEQ_LEN + 1)
+    val, counted = next(bundle.validation_batches(bundle.validation_plan(BATCH, 1)))
+    np.testing.assert_array_equal(val.numpy(), windows(bundle.val_tokens, BATCH))
+    assert counted
     # training starts at the 9th document
     expected = windows(encoded(bundle.tokenizer, documents[8:]), BATCH)
     np.testing.assert_array_equal(batch.numpy(), expected)
@@ -272,8 +273,10 @@ def test_bad_inputs_are_one_line_errors(
         build(data_files=[str(empty)])
     short = tmp_path / "short.jsonl"
     write_stream(short, 30)
-    with pytest.raises(DataError, match=r"val_documents=1\), hold \d+ tokens, too few"):
-        build(data_files=[str(short)], val_documents=1)
+    tiny_head = tmp_path / "tiny_head.jsonl"  # its first document is shorter than a window
+    tiny_head.write_text('{"text": "x = 1"}\n' + short.read_text())
+    with pytest.raises(DataError, match=r"val_documents=1\), hold \d+ tokens, too few for one"):
+        build(data_files=[str(tiny_head)], val_documents=1)
     with pytest.raises(DataError, match="gets no training documents"):
         build(data_files=[str(short)], val_documents=30)
     with pytest.raises(DataError, match="mixture cannot"):
