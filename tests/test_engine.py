@@ -462,7 +462,8 @@ def test_zero_steps_the_weight_partition_without_a_copy(
 
     monkeypatch.setattr(zero_engine, "share_weight_partitions", spied)
     # ZeRO-3 keeps parameters below the threshold whole on every rank besides their shard
-    # (all of this tiny model's): none here, so that the bytes are the analytic ones.
+    # (10 x hidden elements: this tiny model's biases and norm weights): none here, so that
+    # the bytes are the analytic ones.
     persistence = "+distributed.deepspeed.zero_optimization.stage3_param_persistence_threshold=0"
     extra = [persistence] if stage == 3 else []
     trainer = _zero_trainer(
