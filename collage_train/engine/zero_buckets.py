@@ -25,9 +25,11 @@ DeepSpeed 0.19.8 leaves throughput to its config: ``overlap_comm`` is off at sta
 - Stage 3, the same integration's rules: ``stage3_prefetch_bucket_size`` = 0.9 hidden^2,
   ``stage3_param_persistence_threshold`` = 10 hidden (biases and norm weights stay whole on
   every rank, the matrices are partitioned). ``stage3_max_live_parameters`` and
-  ``stage3_max_reuse_distance`` = two transformer blocks' parameters: a rank then holds at
-  most the block it computes and the next one gathered (DeepSpeed's defaults of 1e9 would
-  keep most of a 1.3B model gathered around the turn from forward to backward).
+  ``stage3_max_reuse_distance`` = two transformer blocks' parameters: prefetching stops
+  once that much is gathered, and a module's weights stay gathered after its use only
+  when it is used again within that many parameters of the trace; the planner counts two
+  blocks gathered. With DeepSpeed's 1e9 for both, a block whose backward comes within 1e9
+  parameters of its forward stays gathered in between: gpt_1.3b's last ten blocks.
 
 ``distributed.deepspeed.zero_optimization`` overrides any of these (a user value wins),
 and ``zero_buffers`` reads the merged section, so ``memory_plan`` counts the buffers the
