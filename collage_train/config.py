@@ -238,7 +238,8 @@ class DistributedConfig:
     # accumulation; auto follows the strategy (engine/deepspeed_config.GradientDtypes)
     reduce_dtype: GradDtype = GradDtype.auto  # auto | fp32 | bf16
     grad_accum_dtype: GradDtype = GradDtype.auto  # auto | fp32 | bf16
-    # any other DeepSpeed config key, e.g. {zero_optimization: {overlap_comm: true}}
+    # any other DeepSpeed config key, or a bucket to override (engine/zero_buckets.py
+    # sizes them from the model), e.g. {zero_optimization: {reduce_bucket_size: 5e8}}
     deepspeed: dict[str, Any] = field(default_factory=dict)
 
 

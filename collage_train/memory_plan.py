@@ -40,10 +40,10 @@ Optimizer temporaries are per implementation (also re-measured by the tests): th
 multi-tensor AdamW builds fp32 temporaries over all of the parameters it updates, the
 eager Collage step fp32 temporaries of its largest tensor, and the fused Collage kernels
 (Triton on GPU) none. Under ZeRO the optimizer sees one flat partition per rank, so its
-"largest tensor" is the partition; DeepSpeed's reduce bucket (5e8 elements by default)
-is added for stages 2 and 3, and stage 3 gathers two blocks' weights (current and
-prefetched). Allocator fragmentation and the CUDA context are left to
-``plan.reserve_gb``.
+"largest tensor" is the partition; DeepSpeed's communication buffers are the engine's
+own (``engine.zero_buckets``: the reduce buckets sized from the model, double-buffered
+with ``overlap_comm``, and at stage 3 the gathered weights, at most two blocks').
+Allocator fragmentation and the CUDA context are left to ``plan.reserve_gb``.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ import torch
 
 from collage_train.batch import accumulation_steps, micro_batch_choices
 from collage_train.engine.deepspeed_config import GradientDtypes
+from collage_train.engine.zero_buckets import ModelSize, zero_buffers, zero_tuning
 from collage_train.engine.zero_memory import zero_state_bytes
 from collage_train.optim.base import chunk_numel_for
 from collage_train.precision.base import PrecisionStrategy
@@ -130,8 +131,6 @@ CHUNKED_KINDS = (
 # also rounds the chunk before and after to bf16 and forms the partials from them (16
 # bytes per chunk element measured by scripts/bench_edq_memory.py, 2.3 counted above).
 TRACKED_FLAT_BYTES = {"collage": 4.0, "adamw": 13.7}
-
-DEEPSPEED_REDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's reduce_bucket_size default
 
 GIB = 2**30
 
@@ -236,6 +235,8 @@ class Setting:
     offload_param: bool = False  # ZeRO-3: weights on the host
     # ZeRO: the gradient reduce and accumulation dtypes (None: the weights' dtype)
     gradient_dtypes: GradientDtypes | None = None
+    # ZeRO: distributed.deepspeed.zero_optimization keys, which win over the derived buckets
+    zero_overrides: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -335,16 +336,24 @@ def model_state(shape: ModelShape, setting: Setting) -> MemoryEstimate:
         master, optimizer = 0.0, {name: 0.0 for name in optimizer}
     if setting.offload_param:
         weights = 0.0
-    buffers = 0.0
-    if setting.stage >= 2:
-        bucket = min(DEEPSPEED_REDUCE_BUCKET, n)
-        buffers += bucket * param
-        reduce = setting.gradient_dtypes.reduce if setting.gradient_dtypes else None
-        if reduce is not None and reduce != strategy.param_dtype:
-            buffers += bucket * reduce.itemsize  # the bucket cast for the collective
-    if setting.stage == 3:
-        buffers += 2 * shape.block_params * param
+    buffers = zero_buffer_bytes(shape, setting) if setting.stage else 0.0
     return MemoryEstimate(weights, grads, master, optimizer, buffers)
+
+
+def zero_buffer_bytes(shape: ModelShape, setting: Setting) -> float:
+    """DeepSpeed's buckets and gathered weights per GPU under ZeRO, from the section the
+    engine renders (``engine.zero_buckets``: the same rules, the same overrides)."""
+    size = ModelSize(shape.hidden, shape.num_params, shape.block_params)
+    zero = {"stage": setting.stage, **zero_tuning(setting.stage, size), **setting.zero_overrides}
+    dtypes = setting.gradient_dtypes
+    param = setting.strategy.param_dtype
+    return zero_buffers(
+        zero,
+        num_params=shape.num_params,
+        param_dtype=param,
+        reduce_dtype=dtypes.reduce if dtypes else param,
+        accumulate_dtype=dtypes.accumulate if dtypes else param,
+    ).total
 
 
 def estimate(

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from collage_train.batch import accumulation_steps
 from collage_train.engine.deepspeed_config import GradientDtypes, gradient_dtypes
 from collage_train.errors import CollageError, ConfigError
@@ -147,6 +149,7 @@ def make_plan(cfg: Any) -> Plan:
                 offload_optimizer=is_chosen and bool(cfg.distributed.offload_optimizer),
                 offload_param=is_chosen and bool(cfg.distributed.offload_param),
                 gradient_dtypes=_gradient_dtypes(cfg.distributed, strategy, row_stage, is_chosen),
+                zero_overrides=_zero_overrides(cfg.distributed) if is_chosen else {},
             )
             rows.append(_row(setting, shape, train, budget=budget, chosen=is_chosen, name=name))
     return Plan(
@@ -162,6 +165,15 @@ def make_plan(cfg: Any) -> Plan:
         fused_optimizer=fused,
         rows=rows,
     )
+
+
+def _zero_overrides(dist_cfg: Any) -> dict[str, Any]:
+    """The run's ``distributed.deepspeed.zero_optimization`` keys (its buckets win over the
+    derived ones in the engine, so in the plan of the chosen row too)."""
+    extra = dist_cfg.get("deepspeed") or {}
+    if not isinstance(extra, dict):
+        extra = OmegaConf.to_container(extra, resolve=True)
+    return dict(extra.get("zero_optimization") or {})
 
 
 def _gradient_dtypes(

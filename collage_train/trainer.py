@@ -28,6 +28,7 @@ from collage_train.comm.settings import align_to_outer_steps
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm, probe_gflops
 from collage_train.data import build_data
 from collage_train.data.progress import write_json_atomic
+from collage_train.data.transfer import to_device
 from collage_train.engine import build_engine
 from collage_train.errors import ConfigError
 from collage_train.export import export_from_engine
@@ -115,6 +116,7 @@ class Trainer:
             micro_batch_size=train.micro_batch_size,
             accum_steps=self.accum_steps,
             grad_clip=cfg.optim.grad_clip,
+            compile_backend=self.cpu_bf16_gemm.compile_backend() if train.compile else None,
         )
         if cfg.model.init_from and cfg.distributed.name != "unsharded":  # DeepSpeed's masters
             init_from.seed_zero_masters(
@@ -190,9 +192,7 @@ class Trainer:
         )
         if cfg.train.activation_checkpointing:
             enable_activation_checkpointing(model)
-        if cfg.train.compile:  # in place: parameters, state-dict keys and hooks unchanged
-            model.compile(backend=self.cpu_bf16_gemm.compile_backend())
-        return model
+        return model  # train.compile: the engine compiles it (engine.prepare)
 
     def _probe_gemms_on_every_rank(self) -> tuple[float, float]:
         """The bf16 GEMM probe averaged over ranks, so that every rank chooses alike."""
@@ -279,7 +279,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for _ in range(self.accum_steps):
             fetch_start = time.perf_counter()
-            batch = self.data.train_loader.next_batch().to(self.device, non_blocking=True)
+            batch = to_device(self.data.train_loader.next_batch(), self.device)
             data_time += time.perf_counter() - fetch_start
             with self.cpu_bf16_gemm.context(compiled=self.cfg.train.compile):
                 loss = self._loss(batch)
@@ -333,7 +333,7 @@ class Trainer:
         totals = torch.zeros(2, device=self.device)  # loss sum, batch count
         for batch, counted in self.data.validation_batches(self.validation_plan):
             with self.cpu_bf16_gemm.context(compiled=self.cfg.train.compile):
-                loss = self._loss(batch.to(self.device))
+                loss = self._loss(to_device(batch, self.device))
             if counted:
                 totals[0] += loss
                 totals[1] += 1

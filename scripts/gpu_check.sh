@@ -1,23 +1,35 @@
 #!/usr/bin/env bash
-# Every check that needs a GPU, in one command (under 10 minutes on one H100), with one
-# JSON file of results:
+# Every check that needs a GPU, with one JSON file of results:
 #
-#   scripts/gpu_check.sh [OUT_DIR]        # default: gpu_check/
+#   scripts/gpu_check.sh [OUT_DIR [STEP ...]]     # default: gpu_check/, every step
 #
 # 1. the CUDA tests (the Triton kernel's bitwise parity with the eager step, float8
 #    _scaled_mm against its emulation, ...), 2. the optimizer benchmark with its
 #    memory-bandwidth floor ratios, 3. a 1-GPU ZeRO-2 run launched with `deepspeed`,
 #    4. a Scalify fp8 run, 5. a short gpt_125m training benchmark of mixed_fp32 against
-#    collage_plus. Each step's exit status, time and log are kept and the script goes on
-#    after a failure; OUT_DIR/gpu_check.json gathers them with the benchmarks' rows and the
-#    runs' summaries; the exit status is non-zero when any step failed.
+#    collage_plus (steps 1-5: under 10 minutes on one H100), 6-8. throughput where users
+#    feel it (scripts/bench_throughput.py): gpt_1.3b at sequence 2048, mixed_fp32 / bf16 /
+#    collage_plus at micro-batch 8 and at each one's largest micro-batch from the planner,
+#    with activation checkpointing, tokens/s, MFU and the planner's predicted peak against
+#    torch.cuda.max_memory_allocated: eager (throughput_eager), compiled at micro-batch 8
+#    (throughput_compiled_equal) and compiled at the largest (throughput_compiled_largest).
+#    Each of 6-8 stops after STEP_LIMIT seconds (default 570, under a 10-minute command)
+#    and keeps the rows finished by then.
+# Each step's exit status, time and log are kept and the script goes on after a failure;
+# OUT_DIR/gpu_check.json gathers them with the benchmarks' rows and the runs' summaries;
+# the exit status is non-zero when any step failed. Naming steps runs only those and
+# adds them to what OUT_DIR holds already, so the whole check fits in several shorter
+# commands: e.g. `scripts/gpu_check.sh out cuda_tests optimizer_bench zero2_1gpu
+# scalify_fp8 train_bench`, then `scripts/gpu_check.sh out throughput_eager`, ...
 # Needs the project installed (`pip install -e ".[dev]"`); on a machine without network,
 # WHEELS=DIR installs it from a folder of wheels first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-gpu_check}"
+selected=("${@:2}")
 mkdir -p "$out"
 python=${PYTHON:-python}
+limit=${STEP_LIMIT:-570}
 
 if [[ -n "${WHEELS:-}" ]]; then
     "$python" -m pip install --quiet --no-index --find-links "$WHEELS" -e ".[dev]" || exit 1
@@ -27,10 +39,16 @@ if ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
     exit 2
 fi
 
-: > "$out/steps.jsonl"
+if [[ ${#selected[@]} -eq 0 ]]; then
+    : > "$out/steps.jsonl"  # every step: start afresh
+fi
+touch "$out/steps.jsonl"
 step() {  # step NAME COMMAND...: run it, log it, record its status and time
     local name=$1 start status ms
     shift
+    if [[ ${#selected[@]} -gt 0 && " ${selected[*]} " != *" $name "* ]]; then
+        return 0  # not among the named steps
+    fi
     echo "== $name: $*"
     start=$(date +%s%N)
     "$@" > "$out/$name.log" 2>&1
@@ -54,6 +72,13 @@ step scalify_fp8 "$python" -m collage_train model=gpt_125m precision=scalify \
 step train_bench "$python" scripts/bench_train.py --model gpt_125m \
     --strategies mixed_fp32 collage_plus --steps 20 --no-search --no-append \
     --json "$out/train.json"
+throughput=(timeout "$limit" "$python" scripts/bench_throughput.py --model gpt_1.3b
+    --seq-len 2048 --strategies mixed_fp32 bf16 collage_plus --no-append)
+step throughput_eager "${throughput[@]}" --compile off --json "$out/throughput_eager.json"
+step throughput_compiled_equal "${throughput[@]}" --compile on --roles equal \
+    --json "$out/throughput_compiled_equal.json"
+step throughput_compiled_largest "${throughput[@]}" --compile on --roles largest \
+    --json "$out/throughput_compiled_largest.json"
 
 "$python" - "$out" <<'EOF'
 import json, sys
@@ -66,7 +91,12 @@ def load(name):
     path = out / name
     return json.loads(path.read_text()) if path.is_file() else None
 
-steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+latest = {}  # a step run again (a later command naming it) counts by its last run
+for line in (out / "steps.jsonl").read_text().splitlines():
+    record = json.loads(line)
+    latest.pop(record["step"], None)
+    latest[record["step"]] = record
+steps = list(latest.values())
 result = {
     "device": torch.cuda.get_device_name(),
     "torch": torch.__version__,
@@ -74,6 +104,14 @@ result = {
     "steps": steps,
     "optimizer_bench": load("optimizer.json"),
     "train_bench": load("train.json"),
+    "throughput": [
+        load(name)
+        for name in (
+            "throughput_eager.json",
+            "throughput_compiled_equal.json",
+            "throughput_compiled_largest.json",
+        )
+    ],
     "zero2_1gpu_summary": load("zero2/summary.json"),
     "scalify_fp8_summary": load("scalify/summary.json"),
 }

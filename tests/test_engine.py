@@ -19,6 +19,7 @@ from collage_train.engine import build_engine, launch
 from collage_train.engine import zero as zero_engine
 from collage_train.engine.deepspeed_config import render_deepspeed_config
 from collage_train.engine.zero import _merge_runs
+from collage_train.engine.zero_buckets import ModelSize, zero_buffers
 from collage_train.engine.zero_memory import zero_state_bytes
 from collage_train.errors import ConfigError
 from collage_train.metrics import edq_metrics, edq_partials
@@ -26,10 +27,14 @@ from collage_train.optim import AdamW, CollageAdamW
 from collage_train.precision import get_strategy
 from collage_train.trainer import Trainer
 
+# gpt_1.3b (vocabulary 8192): hidden 2048, one block 50.4M parameters
+SIZE_1_3B = ModelSize(hidden=2048, num_params=1_229_574_144, block_params=50_358_272)
+
 
 def render(*overrides: str, precision: str = "collage_plus", **kwargs):
     cfg = compose_cfg("distributed=zero2", *overrides)
     settings = {"micro_batch_size": 4, "accum_steps": 3, "world_size": 8, "grad_clip": 1.0}
+    settings["model_size"] = SIZE_1_3B
     return render_deepspeed_config(cfg.distributed, get_strategy(precision), **settings | kwargs)
 
 
@@ -39,8 +44,63 @@ def test_batch_sizes_and_clipping_come_from_the_trainer_settings():
     assert config["gradient_accumulation_steps"] == 3
     assert config["train_batch_size"] == 4 * 3 * 8
     assert config["gradient_clipping"] == 1.0
-    assert config["zero_optimization"] == {"stage": 2}
+    assert config["zero_optimization"]["stage"] == 2
     assert config["zero_allow_untested_optimizer"] is True
+
+
+def test_buckets_and_overlap_come_from_the_model_size():
+    """hidden^2 reduce buckets (Hugging Face's ``auto`` rule), overlapped with backward at
+    every stage; stage 3's prefetch 0.9 hidden^2, persistence 10 hidden, two blocks live."""
+    hidden_sq = 2048 * 2048
+    for stage in (1, 2):
+        zero = render(f"distributed=zero{stage}")["zero_optimization"]
+        assert zero == {
+            "stage": stage,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": hidden_sq,
+            "allgather_bucket_size": hidden_sq,
+        }
+    zero = render("distributed=zero3")["zero_optimization"]
+    assert zero == {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": hidden_sq,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_sq),
+        "stage3_param_persistence_threshold": 10 * 2048,
+        "stage3_max_live_parameters": 2 * 50_358_272,
+        "stage3_max_reuse_distance": 2 * 50_358_272,
+    }
+    # a bucket never exceeds the model (DeepSpeed allocates all of it up front), and the
+    # all-gather bucket stays even (DeepSpeed asserts it)
+    tiny = render(model_size=ModelSize(hidden=64, num_params=1001, block_params=300))
+    assert tiny["zero_optimization"]["reduce_bucket_size"] == 1001
+    assert tiny["zero_optimization"]["allgather_bucket_size"] == 1002
+
+
+def test_a_user_bucket_or_overlap_wins_over_the_derived_one():
+    config = render(
+        "+distributed.deepspeed.zero_optimization.overlap_comm=false",
+        "+distributed.deepspeed.zero_optimization.reduce_bucket_size=500000000",
+    )
+    zero = config["zero_optimization"]
+    assert zero["overlap_comm"] is False and zero["reduce_bucket_size"] == 500_000_000
+    assert zero["allgather_bucket_size"] == 2048 * 2048  # the others stay derived
+
+
+def test_the_model_size_is_the_planners_shape(make_cfg):
+    """The engine sizes buckets from the built model, the planner from the config: the same
+    width, parameter count and block."""
+    from collage_train.memory_plan import ModelShape
+    from collage_train.models import build_model
+
+    for family in ("gpt", "llama"):
+        cfg = make_cfg(f"model={family}_tiny")
+        shape = ModelShape.from_config(cfg.model, vocab_size=512, seq_len=32)
+        model = build_model(cfg.model, vocab_size=512, seq_len=32, eot_id=0, seed=0)
+        size = ModelSize.of(model)
+        assert size == ModelSize(shape.hidden, shape.num_params, shape.block_params), family
 
 
 @pytest.mark.parametrize(
@@ -402,7 +462,8 @@ def test_zero_steps_the_weight_partition_without_a_copy(
 
     monkeypatch.setattr(zero_engine, "share_weight_partitions", spied)
     # ZeRO-3 keeps parameters below the threshold whole on every rank besides their shard
-    # (all of this tiny model's): none here, so that the bytes are the analytic ones.
+    # (10 x hidden elements: this tiny model's biases and norm weights): none here, so that
+    # the bytes are the analytic ones.
     persistence = "+distributed.deepspeed.zero_optimization.stage3_param_persistence_threshold=0"
     extra = [persistence] if stage == 3 else []
     trainer = _zero_trainer(
@@ -440,6 +501,108 @@ def test_zero_steps_the_weight_partition_without_a_copy(
         trainer.engine.close()
     if precision == "collage_plus":
         assert analytic == 2 + 8  # weights + (m, v, dtheta, dv): no master beside them
+
+
+@pytest.mark.parametrize(
+    ("precision", "stage"),
+    [("collage_plus", 1), ("mixed_fp32", 1), ("collage_plus", 2), ("mixed_fp32", 2),
+     ("collage_plus", 3), ("mixed_fp32", 3)],
+)  # fmt: skip
+def test_the_planned_buckets_are_the_ones_deepspeed_allocates(
+    make_cfg, tmp_path, monkeypatch, precision, stage
+):
+    """``zero_buffers`` (what the planner counts) reads the rendered section the way
+    DeepSpeed allocates it: at stages 1-2 two reduce buckets (overlap_comm's double buffer)
+    during backward, at stage 3 one bucket in the reduce dtype from the start."""
+    trainer = _zero_trainer(
+        make_cfg, tmp_path / "run", monkeypatch,
+        f"precision={precision}", f"distributed=zero{stage}",
+    )  # fmt: skip
+    try:
+        zero, engine = trainer.engine.ds.optimizer, trainer.engine
+
+        def allocated() -> list[torch.Tensor]:
+            held = [bucket.buffer for bucket in zero.ipg_buckets.values()]
+            return [t for b in held for t in (b if isinstance(b, list) else [b])]
+
+        seen: list[list[torch.Tensor]] = []
+        if stage < 3:  # allocated as backward's first gradient arrives, freed at its end
+            setup = zero.setup_buckets
+
+            def spied() -> None:
+                setup()
+                seen.append(allocated())
+
+            zero.setup_buckets = spied
+            trainer.train_step()
+        else:
+            seen.append(allocated())
+        section = engine.deepspeed_config["zero_optimization"]
+        planned = zero_buffers(
+            section,
+            num_params=trainer.num_params,
+            param_dtype=trainer.strategy.param_dtype,
+            reduce_dtype=engine.gradient_dtypes.reduce,
+            accumulate_dtype=engine.gradient_dtypes.accumulate,
+        )
+        assert seen and all(
+            sum(t.numel() * t.element_size() for t in tensors) == planned.buckets
+            for tensors in seen
+        )
+        assert len(seen[-1]) == (2 if stage < 3 else 1)  # overlap_comm double-buffers 1-2
+        assert all(t.numel() == section["reduce_bucket_size"] == 32 * 32 for t in seen[-1])
+    finally:
+        trainer.engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [3])  # where compiling before initialize fails; 1-2 alike
+def test_train_compile_under_zero_compiles_through_deepspeed(
+    make_cfg, tmp_path, monkeypatch, stage
+):
+    """train.compile under ZeRO compiles the module DeepSpeed wraps after
+    deepspeed.initialize (its engine.compile), never before, with the CPU bf16 backend
+    (fp32 GEMMs decomposed for Inductor): Dynamo compiles, the emulation runs, and the
+    losses follow the eager ZeRO run's (Inductor fuses and reorders: 2e-3)."""
+    from torch._dynamo.utils import counters
+
+    from collage_train import cpu_bf16
+
+    common = ("precision=bf16", "train.cpu_bf16_gemm=fp32", f"distributed=zero{stage}")
+    eager = _zero_trainer(make_cfg, tmp_path / "eager", monkeypatch, *common)
+    try:
+        eager_losses = [eager.train_step()["loss"] for _ in range(3)]
+    finally:
+        eager.engine.close()
+    seen = []
+    emulated = cpu_bf16.emulated_call
+
+    def counted(func, args, kwargs):
+        seen.append(func)
+        return emulated(func, args, kwargs)
+
+    monkeypatch.setattr(cpu_bf16, "emulated_call", counted)
+    compiled_before_initialize = []
+    initialize = zero_engine.ZeroEngine.prepare
+
+    def spied(self, model, *args, **kwargs):
+        compiled_before_initialize.append(model._compiled_call_impl is not None)
+        return initialize(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(zero_engine.ZeroEngine, "prepare", spied)
+    torch._dynamo.reset()
+    counters.clear()
+    trainer = _zero_trainer(make_cfg, tmp_path / "compiled", monkeypatch, *common,
+                            "train.compile=true")  # fmt: skip
+    try:
+        assert compiled_before_initialize == [False]
+        assert trainer.engine.ds.is_compiled and trainer.model._compiled_call_impl is not None
+        losses = [trainer.train_step()["loss"] for _ in range(3)]
+    finally:
+        trainer.engine.close()
+    assert counters["stats"]["unique_graphs"] >= 1  # Dynamo compiled the model
+    assert torch.ops.aten.mm.default in seen  # Inductor traced the fp32-GEMM decompositions
+    assert losses == pytest.approx(eager_losses, rel=2e-3)
 
 
 def test_one_zero2_rank_trains_bit_for_bit_like_one_process(make_cfg, tmp_path, monkeypatch):

@@ -40,9 +40,13 @@ def test_the_summary_step_gathers_every_step(tmp_path):
     (out / "zero2").mkdir(parents=True)
     (out / "steps.jsonl").write_text(
         '{"step": "cuda_tests", "exit_status": 0, "seconds": 1.5, "log": "cuda_tests.log"}\n'
+        '{"step": "throughput_eager", "exit_status": 124, "seconds": 570, "log": "t.log"}\n'
         '{"step": "zero2_1gpu", "exit_status": 1, "seconds": 9.0, "log": "zero2_1gpu.log"}\n'
+        # a later command that named the step again: its last run counts
+        '{"step": "throughput_eager", "exit_status": 0, "seconds": 300, "log": "t.log"}\n'
     )
     (out / "zero2" / "summary.json").write_text('{"tokens_per_s": 123.0}')
+    (out / "throughput_eager.json").write_text('{"rows": [{"strategy": "bf16"}]}')
     script = tmp_path / "tail.py"
     script.write_text(tail.replace("torch.cuda.get_device_name()", "'fake GPU'"))
     done = subprocess.run(
@@ -51,6 +55,17 @@ def test_the_summary_step_gathers_every_step(tmp_path):
     assert done.returncode == 1  # a step failed
     assert "failed steps: zero2_1gpu" in done.stdout
     result = json.loads((out / "gpu_check.json").read_text())
-    assert [s["step"] for s in result["steps"]] == ["cuda_tests", "zero2_1gpu"]
+    assert [s["step"] for s in result["steps"]] == ["cuda_tests", "zero2_1gpu", "throughput_eager"]
+    assert result["steps"][-1]["exit_status"] == 0
     assert result["zero2_1gpu_summary"] == {"tokens_per_s": 123.0}
+    assert result["throughput"] == [{"rows": [{"strategy": "bf16"}]}, None, None]
     assert result["train_bench"] is None and result["device"] == "fake GPU"
+
+
+def test_every_throughput_step_is_gathered():
+    """The steps that run scripts/bench_throughput.py write the files the summary reads."""
+    text = SCRIPT.read_text()
+    tail = text[text.index("<<'EOF'\n") :]
+    for name in ("throughput_eager", "throughput_compiled_equal", "throughput_compiled_largest"):
+        assert f"step {name} " in text and f'"$out/{name}.json"' in text
+        assert f'"{name}.json"' in tail

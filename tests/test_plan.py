@@ -13,7 +13,6 @@ import torch
 from collage_train.batch import accumulation_steps, micro_batch_choices
 from collage_train.engine.deepspeed_config import GradientDtypes
 from collage_train.memory_plan import (
-    DEEPSPEED_REDUCE_BUCKET,
     STEP_TRANSIENT,
     ModelShape,
     Setting,
@@ -193,7 +192,12 @@ def test_zero_stages_shard_what_deepspeed_shards():
     assert zero1.weights == zero2.weights == 2 * n and zero3.weights == 2 * n / 8
     assert zero1.gradients == 2 * n and zero2.gradients == zero3.gradients == 2 * n / 8
     assert sum(zero2.optimizer.values()) == 8 * n / 8
-    assert zero1.buffers == 0 < zero2.buffers < zero3.buffers
+    # DeepSpeed's buckets (engine.zero_buckets, measured in test_engine.py): at stages 1-2
+    # two hidden^2 reduce buckets (overlap_comm double-buffers them) in bf16; at stage 3
+    # one, and two blocks' weights gathered
+    bucket = shape.hidden**2
+    assert zero1.buffers == zero2.buffers == 2 * bucket * 2
+    assert zero3.buffers == bucket * 2 + 2 * shape.block_params * 2
     mixed = model_state(
         shape, Setting(get_strategy("mixed_fp32"), 2, gpus=8, offload_optimizer=True)
     )
@@ -216,7 +220,7 @@ def test_gradient_dtypes_change_what_a_zero_rank_holds():
     plain = plan(plus, bf16, bf16)
     widened = plan(plus, fp32, fp32)
     assert plain.gradients == 2 * n / 8 and widened.gradients == 4 * n / 8
-    assert widened.buffers - plain.buffers == 4 * min(DEEPSPEED_REDUCE_BUCKET, n)
+    assert widened.buffers - plain.buffers == 4 * shape.hidden**2  # one hidden^2 bucket
     # the fp32 partition cast to Collage's bf16 master: 2 more bytes per updated element
     # (and a step chunk, 2% of the state, a little larger: the state grew)
     cast = widened.step_peak - plain.step_peak - (widened.gradients - plain.gradients)
@@ -244,6 +248,26 @@ def test_the_plan_uses_the_configured_gradient_dtypes(make_cfg):
     assert {(r.strategy, r.stage): r for r in forced.rows}[
         ("collage_plus", 2)
     ].plain.gradients == 2 * n
+
+
+def test_the_plan_counts_the_buckets_the_run_overrides(make_cfg):
+    """A bucket set through distributed.deepspeed wins in the engine, so in the chosen row
+    of the plan too; the other rows keep the derived buckets."""
+    from collage_train.plan import make_plan
+
+    def rows(*overrides):
+        cfg = make_cfg("precision=collage_plus", "distributed=zero2", "plan.gpus=2", *overrides)
+        plan = make_plan(cfg)
+        return {(row.strategy, row.stage): row.plain.buffers for row in plan.rows}
+
+    derived = rows()
+    single = rows(
+        "+distributed.deepspeed.zero_optimization.overlap_comm=false",
+        "+distributed.deepspeed.zero_optimization.reduce_bucket_size=3000",
+    )
+    assert single[("collage_plus", 2)] == 3000 * 2  # one bf16 bucket, not double-buffered
+    assert derived[("collage_plus", 2)] == 2 * 32 * 32 * 2
+    assert single[("mixed_fp32", 2)] == derived[("mixed_fp32", 2)]
 
 
 def test_checkpointing_trades_activations_for_recompute():

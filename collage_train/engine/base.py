@@ -29,6 +29,8 @@ from collage_train.precision.base import PrecisionStrategy
 
 # A contiguous run [start, stop) of a flat optimizer tensor that belongs to one layer group.
 Segment = tuple[str, int, int]
+# What ``torch.compile`` takes as its backend: a name ("inductor") or a backend callable.
+CompileBackend = str | Callable[..., Any]
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,10 @@ class Engine(Protocol):
         micro_batch_size: int,
         accum_steps: int,
         grad_clip: float,
+        compile_backend: CompileBackend | None = None,
     ) -> torch.nn.Module:
-        """Take ownership of model and optimizer; return the module to run forward with."""
+        """Take ownership of model and optimizer; return the module to run forward with,
+        compiled with ``compile_backend`` (``train.compile``) the way the engine supports."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's mean loss (scaled for gradient accumulation here)."""

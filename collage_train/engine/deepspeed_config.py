@@ -1,9 +1,11 @@
 """Render a DeepSpeed config from the trainer's own settings.
 
 The user never writes batch sizes, clipping or precision flags twice: they come from
-``train.*``, ``optim.grad_clip`` and the precision strategy. ``distributed.deepspeed``
-may add any other DeepSpeed key; setting one of the derived keys there to a different
-value is an error that names the setting to change instead.
+``train.*``, ``optim.grad_clip`` and the precision strategy; the ZeRO section's
+communication buckets and overlap come from the model's size (``engine.zero_buckets``).
+``distributed.deepspeed`` may add any other DeepSpeed key or override a bucket; setting
+one of the keys derived from a trainer setting there to a different value is an error
+that names the setting to change instead.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from collage_train.engine.zero_buckets import ModelSize, zero_tuning
 from collage_train.errors import ConfigError
 from collage_train.precision.base import PrecisionStrategy
 
 ZERO_STAGES = (1, 2, 3)
 
-# Keys the trainer derives, and the setting a user changes instead.
+# Keys the trainer derives from its settings, and the setting a user changes instead (the
+# buckets of ``zero_buckets.zero_tuning`` are derived too, but a user value wins).
 _DERIVED = {
     "train_micro_batch_size_per_gpu": "train.micro_batch_size",
     "gradient_accumulation_steps": "train.global_batch_size",
@@ -142,8 +146,10 @@ def render_deepspeed_config(
     accum_steps: int,
     world_size: int,
     grad_clip: float,
+    model_size: ModelSize,
 ) -> dict[str, Any]:
-    """The DeepSpeed config dict for one run (``dist_cfg`` is the ``distributed`` sub-config)."""
+    """The DeepSpeed config dict for one run (``dist_cfg`` is the ``distributed`` sub-config)
+    of a model of ``model_size`` (its buckets: ``zero_buckets.zero_tuning``)."""
     stage = dist_cfg.zero_stage
     if stage not in ZERO_STAGES:
         raise ConfigError(f"distributed.zero_stage must be 1, 2 or 3, got {stage!r}")
@@ -160,7 +166,7 @@ def render_deepspeed_config(
             "offloads bf16 master weights only with its own CPU Adam, not with this project's "
             "optimizer; use precision=mixed_fp32 (or fp32) or keep the optimizer on the GPU"
         )
-    zero: dict[str, Any] = {"stage": stage}
+    zero: dict[str, Any] = {"stage": stage, **zero_tuning(stage, model_size)}
     if dist_cfg.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if dist_cfg.offload_param:

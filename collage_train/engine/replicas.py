@@ -42,7 +42,7 @@ from collage_train.comm.outer import (
     payload_nbytes,
 )
 from collage_train.comm.settings import outer_settings
-from collage_train.engine.base import StepOutcome
+from collage_train.engine.base import CompileBackend, StepOutcome
 from collage_train.engine.launch import check_process_group, init_process_group, local_rank
 from collage_train.engine.single import SingleProcessEngine
 from collage_train.errors import ConfigError, ReplicasDiverged
@@ -89,6 +89,7 @@ class ReplicaEngine(SingleProcessEngine):
         micro_batch_size: int,
         accum_steps: int,
         grad_clip: float,
+        compile_backend: CompileBackend | None = None,
     ) -> torch.nn.Module:
         module = super().prepare(
             model,
@@ -97,6 +98,7 @@ class ReplicaEngine(SingleProcessEngine):
             micro_batch_size=micro_batch_size,
             accum_steps=accum_steps,
             grad_clip=grad_clip,
+            compile_backend=compile_backend,
         )
         self.outer = OuterState.start(self.settings, optimizer.full_precision_weights())
         numels = [t.numel() for t in self.outer.shared]

@@ -14,6 +14,7 @@ import torch
 from collage_train import checkpoint
 from collage_train.checkpoint.full_state import INDEX_COMPONENTS, FullState
 from collage_train.engine.base import (
+    CompileBackend,
     Segment,
     StepOutcome,
     declare_layout,
@@ -86,8 +87,11 @@ class SingleProcessEngine:
         micro_batch_size: int,
         accum_steps: int,
         grad_clip: float,
+        compile_backend: CompileBackend | None = None,
     ) -> torch.nn.Module:
         del micro_batch_size  # one process does not need it
+        if compile_backend is not None:  # in place: parameters, state-dict keys, hooks kept
+            model.compile(backend=compile_backend)
         self.model, self.optimizer = model, optimizer
         self.accum_steps, self.grad_clip = accum_steps, grad_clip
         segments = self.edq_segments(layer_group_of(model))

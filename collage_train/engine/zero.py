@@ -26,6 +26,7 @@ import torch.distributed as dist
 from collage_train.checkpoint.full_state import INDEX_COMPONENTS, FullState
 from collage_train.checkpoint.pieces import Piece
 from collage_train.engine.base import (
+    CompileBackend,
     Segment,
     StepOutcome,
     declare_layout,
@@ -38,6 +39,7 @@ from collage_train.engine.deepspeed_config import (
     render_deepspeed_config,
 )
 from collage_train.engine.launch import check_process_group, init_process_group, local_rank
+from collage_train.engine.zero_buckets import ModelSize
 from collage_train.engine.zero_memory import ZeroStateBytes, zero_state_bytes
 from collage_train.errors import CheckpointError, ConfigError
 from collage_train.metrics.edq import layer_group_of
@@ -262,6 +264,7 @@ class ZeroEngine:
         micro_batch_size: int,
         accum_steps: int,
         grad_clip: float,
+        compile_backend: CompileBackend | None = None,
     ) -> torch.nn.Module:
         config = render_deepspeed_config(
             self.dist_cfg,
@@ -270,12 +273,18 @@ class ZeroEngine:
             accum_steps=accum_steps,
             world_size=self.world_size,
             grad_clip=grad_clip,
+            model_size=ModelSize.of(model),
         )
         self.deepspeed_config = config
         self.gradient_dtypes = gradient_dtypes(self.dist_cfg, strategy, self.stage)
         self.ds, _, _, _ = self.deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, dist_init_required=False
         )
+        if compile_backend is not None:
+            # DeepSpeed's route: compile the module it wraps once its hooks are in place
+            # (ZeRO-3 gathers and releases parameters in them), in place like model.compile;
+            # a module compiled before deepspeed.initialize is a known ZeRO-3 failure.
+            self.ds.compile(backend=compile_backend)
         self.model, self.optimizer = model, optimizer
         # The optimizer steps the weight partition itself where DeepSpeed would keep a
         # same-dtype copy of it (zero_memory.zero_state_bytes counts what stays).

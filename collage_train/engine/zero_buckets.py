@@ -1,0 +1,156 @@
+"""DeepSpeed ZeRO's communication buckets, sized from the model, and the bytes they hold.
+
+DeepSpeed 0.19.8 leaves throughput to its config: ``overlap_comm`` is off at stages 1-2
+(on at stage 3), and its buckets are fixed element counts whatever the model
+(``reduce_bucket_size`` and ``allgather_bucket_size`` 5e8, ``stage3_prefetch_bucket_size``
+5e7, ``stage3_param_persistence_threshold`` 1e5, ``stage3_max_live_parameters`` and
+``stage3_max_reuse_distance`` 1e9; DeepSpeed's config-json documentation and
+``deepspeed.runtime.zero.config``). ``zero_tuning`` derives them from the model instead:
+
+- ``overlap_comm`` at every stage: gradients are reduced bucket by bucket on a side
+  stream while backward goes on. At stages 1-2 DeepSpeed then double-buffers the reduce
+  bucket (two buckets instead of one).
+- ``contiguous_gradients`` (DeepSpeed's default, made explicit): gradients are copied
+  into the bucket as they arrive, so the reduction reads one flat buffer.
+- ``reduce_bucket_size`` = hidden^2, the rule of Hugging Face transformers' DeepSpeed
+  integration for its ``"auto"`` value (docs: transformers "DeepSpeed" guide, ZeRO-3
+  ``auto`` values, and ``HfTrainerDeepSpeedConfig.trainer_config_finalize``), at most the
+  parameter count: DeepSpeed allocates the whole bucket up front (``torch.empty`` of
+  ``reduce_bucket_size`` elements), so a bucket larger than the model only wastes memory.
+  With hidden 2048 that is 4.2M elements (8 MB in bf16) against 5e8 (1 GB, 2 GB double
+  buffered) by default.
+- ``allgather_bucket_size``: the same (even: DeepSpeed asserts a multiple of 2). DeepSpeed
+  0.19.8 uses it only where torch lacks ``all_gather_into_tensor``; the gather lands in the
+  weights themselves, so it holds no memory of its own.
+- Stage 3, the same integration's rules: ``stage3_prefetch_bucket_size`` = 0.9 hidden^2,
+  ``stage3_param_persistence_threshold`` = 10 hidden (biases and norm weights stay whole on
+  every rank, the matrices are partitioned). ``stage3_max_live_parameters`` and
+  ``stage3_max_reuse_distance`` = two transformer blocks' parameters: prefetching stops
+  once that much is gathered, and a module's weights stay gathered after its use only
+  when it is used again within that many parameters of the trace; the planner counts two
+  blocks gathered. With DeepSpeed's 1e9 for both, a block whose backward comes within 1e9
+  parameters of its forward stays gathered in between: gpt_1.3b's last ten blocks.
+
+``distributed.deepspeed.zero_optimization`` overrides any of these (a user value wins),
+and ``zero_buffers`` reads the merged section, so ``memory_plan`` counts the buffers the
+engine allocates: the trainer and the planner call the same two functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from collage_train.metrics.edq import layer_group
+
+# DeepSpeed 0.19.8 asserts allgather_bucket_size % 2 == 0 (4-byte aligned fp16 shards).
+_ALLGATHER_ALIGNMENT = 2
+PREFETCH_FRACTION = 0.9  # stage3_prefetch_bucket_size = 0.9 hidden^2
+PERSISTENCE_PER_HIDDEN = 10  # stage3_param_persistence_threshold = 10 hidden
+LIVE_BLOCKS = 2  # stage3_max_live_parameters = max_reuse_distance = 2 blocks
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What the bucket rules need of a model: its width, its parameter count and the
+    parameters of its largest transformer block."""
+
+    hidden: int
+    num_params: int
+    block_params: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelSize:
+        """The size of a transformers model (``config.hidden_size``; blocks are the
+        ``h.N`` / ``layers.N`` modules, as ``metrics.edq.layer_group`` names them)."""
+        blocks: dict[str, int] = {}
+        total = 0
+        for name, param in model.named_parameters():
+            total += param.numel()
+            group = layer_group(name)
+            if group.startswith("block_"):
+                blocks[group] = blocks.get(group, 0) + param.numel()
+        return cls(
+            hidden=int(model.config.hidden_size),
+            num_params=total,
+            block_params=max(blocks.values(), default=total),
+        )
+
+
+def zero_tuning(stage: int, size: ModelSize) -> dict[str, Any]:
+    """The ``zero_optimization`` keys for throughput at ZeRO ``stage`` (module docstring)."""
+    bucket = max(1, min(size.hidden * size.hidden, size.num_params))
+    tuning: dict[str, Any] = {
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": bucket,
+    }
+    if stage < 3:
+        tuning["allgather_bucket_size"] = -(-bucket // _ALLGATHER_ALIGNMENT) * _ALLGATHER_ALIGNMENT
+        return tuning
+    live = LIVE_BLOCKS * size.block_params
+    tuning.update(
+        {
+            "stage3_prefetch_bucket_size": int(PREFETCH_FRACTION * size.hidden * size.hidden),
+            "stage3_param_persistence_threshold": PERSISTENCE_PER_HIDDEN * size.hidden,
+            "stage3_max_live_parameters": live,
+            "stage3_max_reuse_distance": live,
+        }
+    )
+    return tuning
+
+
+# DeepSpeed's defaults where a section leaves a key out (deepspeed.runtime.zero.config).
+_DEFAULTS = {
+    "contiguous_gradients": True,
+    "reduce_bucket_size": 500_000_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+}
+
+
+@dataclass(frozen=True)
+class ZeroBuffers:
+    """Bytes of DeepSpeed's communication buffers on one rank, by kind."""
+
+    buckets: float  # the reduce bucket(s) gradients are copied into
+    cast: float  # the bucket cast to the reduce dtype for the collective
+    gathered: float  # stage 3: whole weights gathered for the blocks computed
+
+    @property
+    def total(self) -> float:
+        return self.buckets + self.cast + self.gathered
+
+
+def zero_buffers(
+    zero: dict[str, Any],
+    *,
+    num_params: int,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    accumulate_dtype: torch.dtype,
+) -> ZeroBuffers:
+    """DeepSpeed 0.19.8's communication buffers on one rank for the rendered
+    ``zero_optimization`` section ``zero`` (its ``stage`` and the keys above).
+
+    Stages 1-2: with ``contiguous_gradients`` one reduce bucket (two with ``overlap_comm``)
+    in the weights' dtype, or at stage 1 in the accumulation dtype (DeepSpeed's
+    ``grad_accum`` path where the two differ); without it, the flattened bucket of the
+    reduction. A reduce in another dtype than the bucket's casts one bucket for the
+    collective. Stage 3: one bucket in the reduce dtype (``communication_data_type``),
+    and the gathered weights, at most ``stage3_max_live_parameters`` (and the model).
+    """
+    stage = int(zero["stage"])
+    settings = {**_DEFAULTS, **zero}
+    bucket = int(settings["reduce_bucket_size"])
+    contiguous = bool(settings["contiguous_gradients"])
+    overlap = bool(settings.get("overlap_comm", stage == 3))  # DeepSpeed's own default
+    if stage == 3:
+        live = min(int(settings["stage3_max_live_parameters"]), num_params)
+        buckets = bucket * reduce_dtype.itemsize if contiguous else 0.0
+        return ZeroBuffers(buckets, 0.0, live * param_dtype.itemsize)
+    buffer_dtype = accumulate_dtype if stage == 1 else param_dtype
+    copies = 2 if overlap and contiguous else 1
+    cast = bucket * reduce_dtype.itemsize if reduce_dtype != buffer_dtype else 0.0
+    return ZeroBuffers(copies * bucket * buffer_dtype.itemsize, cast, 0.0)
