@@ -31,6 +31,7 @@ from collage_train.data.progress import write_json_atomic
 from collage_train.engine import build_engine
 from collage_train.errors import ConfigError
 from collage_train.export import export_from_engine
+from collage_train.loss import install_chunked_loss, resolve_chunk_tokens
 from collage_train.memory_plan import check_state_fits
 from collage_train.metrics import Sink, detect_peak_tflops, reset_peak_memory
 from collage_train.metrics.edq import layer_groups
@@ -84,6 +85,7 @@ class Trainer:
         )
         self.data.val_loader(train.micro_batch_size)  # fail now if validation cannot fill a batch
         self.model = self._build_model()
+        self.loss_chunk_tokens = self._install_loss()
         self.num_params = count_parameters(self.model)
         self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
         self.layer_groups = layer_groups(self.model)  # rows of StepOutcome.edq
@@ -147,6 +149,20 @@ class Trainer:
         if cfg.train.compile:  # in place: parameters, state-dict keys and hooks unchanged
             model.compile(backend=self.cpu_bf16_gemm.compile_backend())
         return model
+
+    def _install_loss(self) -> int | None:
+        """Tokens per block of the chunked loss (``collage_train.loss``), installed on the
+        model before the engine wraps it; None: the plain full-logits loss (``off``,
+        Scalify's own LM head, or one block covering the micro-batch)."""
+        chunk = resolve_chunk_tokens(
+            self.cfg.train.loss_chunk_tokens,
+            vocab_size=self.model.get_output_embeddings().out_features,
+            chunkable=self.strategy.chunked_loss,
+        )
+        if chunk is None or chunk >= self.cfg.train.micro_batch_size * self.cfg.data.seq_len:
+            return None
+        install_chunked_loss(self.model, chunk)
+        return chunk
 
     def _probe_gemms_on_every_rank(self) -> tuple[float, float]:
         """The bf16 GEMM probe averaged over ranks, so that every rank chooses alike."""
@@ -212,6 +228,13 @@ class Trainer:
             else contextlib.nullcontext()
         )
         with autocast:
+            if self.loss_chunk_tokens is not None:  # never the whole micro-batch's logits
+                return self.forward_module(
+                    input_ids=inputs,
+                    targets=targets,
+                    grad_scale=1 / self.accum_steps,  # what the engines' backward hands it
+                    use_cache=False,
+                ).loss
             logits = self.forward_module(input_ids=inputs, use_cache=False).logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
