@@ -109,7 +109,7 @@ def resolve_chunk_tokens(setting: Any, *, vocab_size: int, chunkable: bool) -> i
         tokens = int(text)
     except ValueError:
         tokens = 0
-    if tokens < 1 or str(tokens) != text:
+    if tokens < 1:
         raise ConfigError(
             f"train.loss_chunk_tokens must be auto, off or a positive number of tokens, "
             f"got {setting!r}"
