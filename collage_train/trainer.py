@@ -156,7 +156,7 @@ class Trainer:
         Scalify's own LM head, or one block covering the micro-batch)."""
         chunk = resolve_chunk_tokens(
             self.cfg.train.loss_chunk_tokens,
-            vocab_size=self.model.get_output_embeddings().out_features,
+            vocab_size=self.model.config.vocab_size,
             chunkable=self.strategy.chunked_loss,
         )
         if chunk is None or chunk >= self.cfg.train.micro_batch_size * self.cfg.data.seq_len:

@@ -8,7 +8,8 @@
 #    _scaled_mm against its emulation, ...), 2. the optimizer benchmark with its
 #    memory-bandwidth floor ratios, 3. a 1-GPU ZeRO-2 run launched with `deepspeed`,
 #    4. a Scalify fp8 run, 5. a short gpt_125m training benchmark of mixed_fp32 against
-#    collage_plus. Each step's exit status, time and log are kept and the script goes on
+#    collage_plus, 6. the LM loss with full logits against blocks (128256-token vocabulary:
+#    the allocator's peak and the step time). Each step's exit status, time and log are kept and the script goes on
 #    after a failure; OUT_DIR/gpu_check.json gathers them with the benchmarks' rows and the
 #    runs' summaries; the exit status is non-zero when any step failed.
 # Needs the project installed (`pip install -e ".[dev]"`); on a machine without network,
@@ -54,6 +55,7 @@ step scalify_fp8 "$python" -m collage_train model=gpt_125m precision=scalify \
 step train_bench "$python" scripts/bench_train.py --model gpt_125m \
     --strategies mixed_fp32 collage_plus --steps 20 --no-search --no-append \
     --json "$out/train.json"
+step loss_bench "$python" scripts/bench_loss.py --no-plan --no-append --json "$out/loss.json"
 
 "$python" - "$out" <<'EOF'
 import json, sys
@@ -74,6 +76,7 @@ result = {
     "steps": steps,
     "optimizer_bench": load("optimizer.json"),
     "train_bench": load("train.json"),
+    "loss_bench": load("loss.json"),
     "zero2_1gpu_summary": load("zero2/summary.json"),
     "scalify_fp8_summary": load("scalify/summary.json"),
 }

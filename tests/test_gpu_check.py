@@ -54,3 +54,4 @@ def test_the_summary_step_gathers_every_step(tmp_path):
     assert [s["step"] for s in result["steps"]] == ["cuda_tests", "zero2_1gpu"]
     assert result["zero2_1gpu_summary"] == {"tokens_per_s": 123.0}
     assert result["train_bench"] is None and result["device"] == "fake GPU"
+    assert result["loss_bench"] is None

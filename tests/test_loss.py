@@ -283,3 +283,44 @@ def test_chunked_loss_on_cuda_is_the_plain_loss(mode):
     assert loss.item() == pytest.approx(plain_loss.item(), rel=1e-6, abs=0)
     for name, grad in grads.items():
         assert_rarely_one_rounding_apart(grad, plain[name], name)
+
+
+# ------------------------------------------------------------------ in the trainer
+
+
+def test_the_trainer_trains_alike_with_the_chunked_loss(make_cfg, tmp_path):
+    """collage_plus with 3 accumulated micro-batches of 4 x 32 tokens in blocks of 48:
+    losses, gradient norms and validation as with full logits; the run records the block."""
+    from collage_train.trainer import Trainer
+
+    summaries, trainers = {}, {}
+    for setting in ("off", "48"):
+        cfg = make_cfg(
+            "precision=collage_plus",
+            "train.micro_batch_size=4",
+            "train.global_batch_size=12",
+            "train.max_steps=2",
+            f"train.loss_chunk_tokens={setting}",
+        )
+        trainers[setting] = trainer = Trainer(cfg, tmp_path / setting)
+        summaries[setting] = trainer.fit()
+    plain, chunked = trainers["off"], trainers["48"]
+    assert plain.loss_chunk_tokens is None and chunked.loss_chunk_tokens == 48
+    assert isinstance(chunked.model.get_output_embeddings(), ChunkedLossHead)
+    assert list(chunked.model.state_dict()) == list(plain.model.state_dict())
+    assert summaries["48"]["loss_chunk_tokens"] == 48
+    assert summaries["off"]["loss_chunk_tokens"] is None
+    for key in ("final_train_loss", "final_val_loss"):
+        assert summaries["48"][key] == pytest.approx(summaries["off"][key], rel=1e-5), key
+
+
+@pytest.mark.parametrize("precision", ["mixed_fp32", "scalify"])
+def test_auto_keeps_the_model_as_built_where_it_would_not_chunk(make_cfg, tmp_path, precision):
+    """The tiny run's 128 tokens fit one block (mixed_fp32), and Scalify's head is its own:
+    the transformers model runs unchanged and the trainer takes the full-logits loss."""
+    from collage_train.trainer import Trainer
+
+    trainer = Trainer(make_cfg(f"precision={precision}"), tmp_path)
+    assert trainer.loss_chunk_tokens is None
+    assert not isinstance(trainer.model.get_output_embeddings(), ChunkedLossHead)
+    assert "forward" not in vars(trainer.model)
