@@ -18,46 +18,68 @@ Arithmetic, per block, exactly as the plain loss's (``F.cross_entropy(logits.flo
 under autocast or bf16 parameters): logits from the compute-dtype GEMM rounded once;
 the fp32 ``log_softmax``; the loss as ``nll_loss``'s mean over the per-token values
 (the same reduction over the whole micro-batch, so the loss is bitwise the plain one
-when the logits are); the logits' gradient ``softmax - onehot`` times ``1/tokens`` in
-fp32, formed as the log-softmax backward forms it, rounded once to the compute dtype;
-the hidden states' gradient as one compute-dtype GEMM over the vocabulary (fp32
-accumulation, rounded once). Only two things differ from the plain loss:
+when the logits are); the logits' gradient ``(softmax - onehot) * g / tokens`` in fp32,
+formed as ``nll_loss``'s and ``log_softmax``'s backward form it, rounded once to the
+compute dtype; the hidden states' gradient as one compute-dtype GEMM over the
+vocabulary (fp32 accumulation, rounded once). ``g`` is the gradient the loss will
+receive, 1 / accumulation steps (the engines divide the loss by them): the trainer
+announces it (``grad_scale``) so that it enters before the roundings, as in the plain
+loss, and backward multiplies by received / announced, exactly 1 when they agree (a
+different gradient is still applied, after the roundings: one more rounding). What
+may differ from the plain loss:
 
 - the head weight's gradient is a sum over tokens that the plain loss does in one GEMM
   (fp32 accumulation, one rounding); here each block adds its GEMM to an fp32
   accumulator (on CUDA ``torch.addmm(..., out_dtype=torch.float32)`` on the bf16
   operands; on CPU the up-cast operands in an fp32 GEMM, what ``collage_train.cpu_bf16``
   does) and the sum is rounded once at the end: the same value up to fp32 summation
-  order, so an element may differ from the plain loss's by 1 unit in the last place of
-  the compute dtype where the fp32 sum lies next to a rounding boundary;
-- the loss's gradient ``g`` (1 / accumulation steps: the engines divide the loss) is
-  applied in backward, after the roundings, where the plain loss applies it before
-  rounding the logits' gradient. For ``g`` a power of two (one micro-batch per step, or
-  a power-of-two count) scaling commutes with rounding and nothing changes; otherwise an
-  element may differ by 1 unit in the last place.
+  order, so an element may differ by 1 unit in the last place of the compute dtype where
+  the fp32 sum lies next to a rounding boundary;
+- the other GEMMs run on a block's rows instead of the micro-batch's, and a BLAS may
+  sum a row's products in another order for another row count: again an fp32-order
+  difference, again visible only where it crosses a rounding boundary;
+- in fp32 (no autocast, fp32 parameters) nothing is rounded to a narrower dtype, so the
+  fp32-order differences show in every element, at fp32 rounding level.
 
-tests/test_loss.py checks both against the plain loss for GPT-2, OPT and Llama (tied
-and untied heads), in bf16, under autocast and in fp32, with the CPU's fp32-GEMM
-emulation, against float64 references.
+tests/test_loss.py checks this against the plain loss for GPT-2, OPT and Llama (tied
+and untied heads), with bf16 parameters and under autocast (with the CPU's emulation of
+the GPU's bf16 GEMMs: the loss equal, at most 1% of any gradient's elements differing,
+by at most one bf16 rounding step; bitwise on most tensors), for the head weight's
+gradient against the float64 sum of the same rounded logit gradients (at most one bf16
+step from it, equal on 99% of its elements), and in fp32 against a float64 run (as
+close to it as the plain loss is).
 
 When one block covers the micro-batch (``tokens <= chunk_tokens``) the plain loss runs
 unchanged, bit for bit.
 
-Memory: one block's logits in the compute dtype and in fp32 plus the fp32 log-softmax
-(about 8 bytes x block tokens x vocabulary at the peak) and the fp32 weight-gradient
-accumulator (4 bytes x vocabulary x hidden), whatever the micro-batch; the plain loss
-holds 12 bytes x micro-batch tokens x vocabulary at the start of backward. The memory
+Memory: one block's logits in fp32 and their fp32 log-softmax (8 bytes x block tokens
+x vocabulary at the peak), the fp32 weight-gradient accumulator (4 bytes x vocabulary x
+hidden; with bf16 parameters also, for a moment, the bf16 gradient rounded from it) and,
+under autocast, the weight's bf16 copy, whatever the micro-batch; the plain loss holds
+12 bytes x micro-batch tokens x vocabulary at the start of backward, plus the gradient.
+For llama_8b (128256 x 4096 head) at sequence 2048 the blocks save 1 GiB at one
+sequence per micro-batch (the accumulator weighs what the plain loss's backward
+temporaries do) and 3 GiB more with every further sequence. The memory
 planner (``collage_train.memory_plan``) models both.
 
-Why not Liger Kernel's ``LigerFusedLinearCrossEntropyLoss`` on CUDA: it is Triton, CUDA
-only, so CPU runs (the test target) would take another path and the CUDA one would go
-untested here; it is an optional dependency to pin; its chunk gradients are formed in
-the input dtype by its own kernel, not by the same ``log_softmax`` arithmetic as the
-plain loss, and its weight-gradient accumulation dtype follows the weight's. This module
-uses only ordinary torch ops (so ``cpu_bf16``'s dispatch mode still turns the bf16 GEMMs
-into rounded fp32 ones, and DeepSpeed and autocast see ordinary tensors); its GEMMs are
-the ones Liger's Python wrapper also issues through torch, and its elementwise passes
-over a block's logits are memory-bound either way.
+Why not Liger Kernel's ``LigerFusedLinearCrossEntropyLoss`` (the same design, whose
+chunking by tokens and gradients-in-forward this module follows) on CUDA: its loss and
+logit gradients come from its own Triton cross-entropy kernel, written over the
+bf16 logits block, not from the ``log_softmax`` arithmetic of the plain loss; by
+default it accumulates the weight gradient in the weight's dtype (bf16: one rounding
+per block; fp32 on request, with the same fp32-output ``addmm`` as here); it applies
+the loss's gradient after the roundings; and it makes the host wait twice a step (a
+``.item()`` count of the targets, a ``torch.equal`` test of the loss's gradient
+against 1). It is Triton, CUDA only: the CPU runs that are this project's test target
+would take another path, and the CUDA one, an optional dependency to pin, would go
+untested here. This module is ordinary torch ops on every device, so
+``collage_train.cpu_bf16``'s dispatch mode still turns its bf16 GEMMs into rounded
+fp32 ones, autocast and DeepSpeed see ordinary tensors, and ``train.compile`` traces
+it. Its GEMMs are the ones Liger also issues through torch; the elementwise passes
+over a block's logits (up-cast, ``log_softmax``, ``exp``, the rounding) are memory-bound
+either way, a few passes more than Liger's one fused kernel (on CPU the step time is
+unchanged, docs/RESULTS.md; on CUDA not measured here: ``scripts/gpu_check.sh`` runs
+``scripts/bench_loss.py``).
 
 The model keeps its modules, names and state-dict keys: ``install_chunked_loss`` swaps
 the output embedding for ``ChunkedLossHead``, an ``nn.Linear`` holding the same
@@ -80,7 +102,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from collage_train.errors import ConfigError
 
-SETTING_WORDS = ("auto", "off")
 # auto: blocks whose fp32 logits take at most this many bytes (512 tokens at a 128256
 # vocabulary, 8192 at 8192), a multiple of CHUNK_MULTIPLE tokens
 AUTO_CHUNK_LOGITS_BYTES = 256 * 2**20
