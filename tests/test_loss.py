@@ -218,7 +218,7 @@ def test_install_keeps_parameters_names_ties_and_the_transformers_forward(family
 def test_install_refuses_a_head_it_cannot_compute():
     model = tiny("gpt", None, "fp32")
     model.lm_head = torch.nn.Linear(32, VOCAB, bias=True)
-    with pytest.raises(TypeError, match="bias-free nn.Linear"):
+    with pytest.raises(TypeError, match=r"bias-free nn\.Linear"):
         install_chunked_loss(model, CHUNK)
 
 
@@ -243,7 +243,7 @@ def test_a_block_size_for_scalify_is_refused_at_start_up(make_cfg):
     from collage_train.validate import validate
 
     validate(make_cfg("precision=scalify"))  # auto: Scalify keeps its full-logits loss
-    with pytest.raises(ConfigError, match="train.loss_chunk_tokens=64: .*Scalify"):
+    with pytest.raises(ConfigError, match=r"train\.loss_chunk_tokens=64: .*Scalify"):
         validate(make_cfg("precision=scalify", "train.loss_chunk_tokens=64"))
     with pytest.raises(ConfigError, match="got 'lots'"):
         validate(make_cfg("train.loss_chunk_tokens=lots"))
