@@ -185,6 +185,12 @@ class TrainConfig:
     # operands, rounded once: the GPU's arithmetic, 10-60x faster on CPUs without
     # AVX512-BF16/AMX) | auto (a start-up probe picks the faster; collage_train/cpu_bf16.py)
     cpu_bf16_gemm: CpuBf16Gemm = CpuBf16Gemm.auto  # auto | native | fp32
+    # The LM loss a block of tokens at a time, the output projection and fp32 cross-entropy
+    # fused, so the step never holds the whole micro-batch's logits (collage_train/loss.py):
+    # auto (blocks of at most 256 MiB of fp32 logits, e.g. 512 tokens at a 128256
+    # vocabulary; the plain loss where one block covers the micro-batch or the precision
+    # replaces the LM head, i.e. Scalify) | off (the plain full-logits loss) | N tokens
+    loss_chunk_tokens: str = "auto"
 
 
 @dataclass

@@ -6,7 +6,13 @@ of these moments:
 
 - the start of the backward pass: every saved activation, the gradient of the output
   embedding and the loss's backward temporaries (fp32 gradients of the log-softmax over
-  the vocabulary); under gradient accumulation also the gradients accumulated so far;
+  the vocabulary); under gradient accumulation also the gradients accumulated so far.
+  With the chunked loss (``collage_train.loss``, ``train.loss_chunk_tokens``) the loss
+  keeps no per-token log-softmax and has no backward temporaries over the micro-batch:
+  its moment is the larger of its forward (every saved activation, the fp32 accumulator
+  of the output embedding's gradient, the weight's compute-dtype copy under autocast and
+  one block's logits: ``CHUNK_BYTES_PER_LOGIT``) and its backward (the accumulator and
+  the gradient rounded from it);
 - with activation checkpointing, the backward of a recomputed block. By then the head's
   saved activations and the loss's temporaries are freed, and so is the checkpointed
   input of every block already done: what is live is the checkpointed inputs of the
@@ -28,7 +34,8 @@ gate's output, its SiLU, the up projection and their product) + 2 kv (the groupe
 and values, kv = key/value heads x head width) in the compute dtype, plus each RMSNorm's
 input up-cast to fp32 (2 h in fp32 whatever the compute dtype) and its fp32 reciprocal
 RMS. The head keeps the final norm's input and output (Llama: also its fp32 up-cast)
-and the fp32 log-softmax over the vocabulary. Checkpointing keeps each block's
+and the fp32 log-softmax over the vocabulary (the chunked loss: the hidden states'
+gradient in place of the norm's output, no log-softmax). Checkpointing keeps each block's
 input and recomputes one block at a time; while a block's backward runs, its input is
 live beside its recomputed saved tensors, which hold it already where a LayerNorm saves
 it (GPT-2, OPT) but not in Llama's bf16 block (its RMSNorms save the fp32 up-cast
@@ -98,6 +105,10 @@ BACKWARD_IN_FLIGHT = SavedPerToken(hidden=1, ffn=2)
 # The head's final norm: extra fp32 elements per hidden unit and fp32 statistics (Llama's
 # RMSNorm keeps its up-cast input and reciprocal RMS; LayerNorm's are in its 2 h + 24).
 HEAD_FP32_HIDDEN = {"llama": 1}
+# The chunked loss (collage_train.loss), per logit of one block at its peak: the block's
+# logits in fp32 and their fp32 log-softmax (the compute-dtype logits, freed as they are
+# up-cast, and the rounded gradient come to less); measured by tests/test_plan.py.
+CHUNK_BYTES_PER_LOGIT = 8
 
 # Optimizer temporaries: (bytes per updated parameter, bytes per element of the largest
 # updated tensor, or of a chunk where the step works in chunks: CHUNKED_KINDS), EDQ
@@ -288,14 +299,45 @@ def block_backward_bytes_per_token(shape: ModelShape, elem: int) -> float:
 
 
 def saved_activation_bytes(
-    shape: ModelShape, micro_batch: int, elem: int, checkpointing: bool
+    shape: ModelShape,
+    micro_batch: int,
+    elem: int,
+    checkpointing: bool,
+    chunked_loss: bool = False,
 ) -> float:
-    """Bytes saved for backward by one micro-batch's forward pass."""
+    """Bytes saved for backward by one micro-batch's forward pass (``chunked_loss``: the
+    loss of ``collage_train.loss``, which keeps no log-softmax over the vocabulary)."""
     tokens = micro_batch * shape.seq_len
     block = shape.hidden * elem if checkpointing else block_bytes_per_token(shape, elem)
-    head = 2 * shape.hidden * elem + 4 * shape.vocab + 24  # final norm, log-softmax, ids
+    head = 2 * shape.hidden * elem + 24  # final norm (or the chunked loss's gradient), ids
+    if not chunked_loss:
+        head += 4 * shape.vocab  # the fp32 log-softmax
     head += 4 * (HEAD_FP32_HIDDEN.get(shape.family, 0) * shape.hidden)
     return tokens * (shape.layers * block + head)
+
+
+def chunked_loss_bytes(
+    shape: ModelShape, chunk_tokens: int, elem: int, param: int, fp32_gemms: bool = False
+) -> float:
+    """Bytes the chunked loss (``collage_train.loss``) holds beside the saved activations
+    at its peak: the larger of its forward and its backward moment.
+
+    Forward: the output embedding's gradient accumulated in fp32 (4 bytes per weight),
+    the weight's copy in the compute dtype where the parameters are wider (autocast) and
+    one block's working set (``CHUNK_BYTES_PER_LOGIT``); with ``fp32_gemms`` (``cpu_bf16``)
+    also the emulated GEMMs' fp32 copy of the weight and their fp32 result. Backward: the
+    accumulator and the gradient rounded from it (fp32 parameters: the accumulator itself
+    becomes the gradient).
+    """
+    weights = shape.vocab * shape.hidden
+    accumulator = 4 * weights
+    weight_copy = elem * weights if param > elem else 0
+    block = CHUNK_BYTES_PER_LOGIT * chunk_tokens * shape.vocab
+    if fp32_gemms:
+        block += 4 * weights + 2 * chunk_tokens * shape.vocab
+    forward = accumulator + weight_copy + block
+    backward = accumulator + (param * weights if param < 4 else 0)
+    return max(forward, backward)
 
 
 def step_transient_kind(setting: Setting) -> str:
@@ -364,12 +406,16 @@ def estimate(
     accum_steps: int,
     checkpointing: bool,
     fp32_gemms: bool = False,
+    loss_chunk_tokens: int | None = None,
 ) -> MemoryEstimate:
     """The step's peak bytes per GPU for ``setting`` at ``micro_batch`` sequences.
 
     ``fp32_gemms``: a CPU run whose bf16 products are fp32 GEMMs (``cpu_bf16``): each
     product also holds fp32 copies of its operands and result, the widest the output
     layer's up-cast logits gradient and, in a block, an FFN-wide activation.
+    ``loss_chunk_tokens``: the chunked loss's block (``collage_train.loss``; the trainer's
+    resolved ``train.loss_chunk_tokens``), None for the plain full-logits loss; a block
+    that covers the micro-batch runs the plain loss.
     """
     plan = model_state(shape, setting)
     strategy = setting.strategy
@@ -377,22 +423,29 @@ def estimate(
     param = strategy.param_dtype.itemsize
     tokens = micro_batch * shape.seq_len
     plan.micro_batch = micro_batch
-    plan.activations = saved_activation_bytes(shape, micro_batch, elem, checkpointing)
+    chunked = loss_chunk_tokens is not None and loss_chunk_tokens < tokens
+    plan.activations = saved_activation_bytes(
+        shape, micro_batch, elem, checkpointing, chunked_loss=chunked
+    )
 
-    loss_backward = 8 * tokens * shape.vocab  # fp32 grads of the log-softmax and the logits
     widest_product = 4 * tokens * shape.ffn if fp32_gemms else 0.0
-    if fp32_gemms:
-        loss_backward += 4 * tokens * shape.vocab
-    head_gradient = shape.vocab * shape.hidden * param
+    if chunked:
+        loss_peak = chunked_loss_bytes(shape, loss_chunk_tokens, elem, param, fp32_gemms)
+    else:
+        loss_backward = 8 * tokens * shape.vocab  # fp32 grads of the log-softmax, the logits
+        if fp32_gemms:
+            loss_backward += 4 * tokens * shape.vocab
+        head_gradient = shape.vocab * shape.hidden * param
+        loss_peak = head_gradient + loss_backward
     earlier_gradients = plan.gradients if accum_steps > 1 else 0.0
     if checkpointing:
         live_at_backward = max(
-            plan.activations + head_gradient + loss_backward,
+            plan.activations + loss_peak,
             recompute_peak(shape, plan.gradients, tokens, elem, accumulated=bool(earlier_gradients))
             + widest_product,
         )
     else:
-        live_at_backward = plan.activations + max(head_gradient + loss_backward, widest_product)
+        live_at_backward = plan.activations + max(loss_peak, widest_product)
     plan.backward_peak = plan.persistent + plan.buffers + earlier_gradients + live_at_backward
 
     updated = shape.num_params / (setting.gpus if setting.stage else 1)
@@ -443,7 +496,13 @@ def recompute_peak(
 
 
 def largest_micro_batch(
-    shape: ModelShape, setting: Setting, *, budget: float, global_batch: int, checkpointing: bool
+    shape: ModelShape,
+    setting: Setting,
+    *,
+    budget: float,
+    global_batch: int,
+    checkpointing: bool,
+    loss_chunk_tokens: int | None = None,
 ) -> int:
     """The largest micro-batch the trainer accepts (``batch.micro_batch_choices``: it splits
     the global batch exactly) whose step peak fits ``budget`` bytes; 0 when none fits.
@@ -456,7 +515,12 @@ def largest_micro_batch(
     for micro in micro_batch_choices(global_batch, setting.gpus):
         accum = accumulation_steps(global_batch, micro, setting.gpus)
         plan = estimate(
-            shape, setting, micro_batch=micro, accum_steps=accum, checkpointing=checkpointing
+            shape,
+            setting,
+            micro_batch=micro,
+            accum_steps=accum,
+            checkpointing=checkpointing,
+            loss_chunk_tokens=loss_chunk_tokens,
         )
         if plan.peak <= budget:
             best = micro

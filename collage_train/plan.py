@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from collage_train.batch import accumulation_steps
 from collage_train.engine.deepspeed_config import GradientDtypes, gradient_dtypes
 from collage_train.errors import CollageError, ConfigError
+from collage_train.loss import resolve_chunk_tokens
 from collage_train.memory_plan import (
     GIB,
     MemoryEstimate,
@@ -48,6 +49,7 @@ class PlanRow:
     max_micro_batch_checkpointed: int
     fits: bool  # at the configured micro-batch and checkpointing setting
     chosen: bool
+    loss_chunk_tokens: int | None = None  # the chunked loss's block; None: full logits
 
     @property
     def fits_at_all(self) -> bool:
@@ -70,6 +72,7 @@ class PlanRow:
             "max_micro_batch_checkpointed": self.max_micro_batch_checkpointed,
             "fits": self.fits,
             "fits_at_all": self.fits_at_all,
+            "loss_chunk_tokens": self.loss_chunk_tokens,
         }
 
 
@@ -151,7 +154,10 @@ def make_plan(cfg: Any) -> Plan:
                 gradient_dtypes=_gradient_dtypes(cfg.distributed, strategy, row_stage, is_chosen),
                 zero_overrides=_zero_overrides(cfg.distributed) if is_chosen else {},
             )
-            rows.append(_row(setting, shape, train, budget=budget, chosen=is_chosen, name=name))
+            chunk = _loss_chunk(train, strategy, shape.vocab, is_chosen)
+            rows.append(
+                _row(setting, shape, train, budget=budget, chosen=is_chosen, name=name, chunk=chunk)
+            )
     return Plan(
         model_name=cfg.model.name,
         shape=shape,
@@ -192,18 +198,51 @@ def _gradient_dtypes(
         return gradient_dtypes(SimpleNamespace(**auto), strategy, stage)
 
 
+def _loss_chunk(train: Any, strategy: Any, vocab: int, chosen: bool) -> int | None:
+    """The chunked loss's block for ``strategy`` (``train.loss_chunk_tokens`` resolved as
+    the trainer resolves it); where another row's strategy refuses a set block (Scalify),
+    its plain loss: only the chosen row must accept the setting."""
+    try:
+        return resolve_chunk_tokens(
+            train.loss_chunk_tokens, vocab_size=vocab, chunkable=strategy.chunked_loss
+        )
+    except ConfigError:
+        if chosen:
+            raise
+        return None
+
+
 def _row(
-    setting: Setting, shape: ModelShape, train: Any, *, budget: float, chosen: bool, name: str
+    setting: Setting,
+    shape: ModelShape,
+    train: Any,
+    *,
+    budget: float,
+    chosen: bool,
+    name: str,
+    chunk: int | None,
 ) -> PlanRow:
     micro, global_batch = train.micro_batch_size, train.global_batch_size
     accum = accumulation_steps(global_batch, micro, setting.gpus)
     plain, checkpointed = (
-        estimate(shape, setting, micro_batch=micro, accum_steps=accum, checkpointing=ckpt)
+        estimate(
+            shape,
+            setting,
+            micro_batch=micro,
+            accum_steps=accum,
+            checkpointing=ckpt,
+            loss_chunk_tokens=chunk,
+        )
         for ckpt in (False, True)
     )
     largest = (
         largest_micro_batch(
-            shape, setting, budget=budget, global_batch=global_batch, checkpointing=ckpt
+            shape,
+            setting,
+            budget=budget,
+            global_batch=global_batch,
+            checkpointing=ckpt,
+            loss_chunk_tokens=chunk,
         )
         for ckpt in (False, True)
     )
@@ -217,11 +256,22 @@ def _row(
         max_micro_batch_checkpointed=next(largest),
         fits=configured.peak <= budget,
         chosen=chosen,
+        loss_chunk_tokens=chunk,
     )
 
 
 def _gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f}"
+
+
+def _describe_loss(chunk: int | None, shape: ModelShape) -> str:
+    if chunk is None:
+        return "full logits (train.loss_chunk_tokens)"
+    if chunk >= shape.seq_len:
+        covered = f"; full logits up to {chunk // shape.seq_len} sequences a micro-batch"
+    else:
+        covered = ""
+    return f"blocks of {chunk} tokens (train.loss_chunk_tokens{covered})"
 
 
 def _stage_name(stage: int) -> str:
@@ -260,6 +310,7 @@ def render(plan: Plan) -> str:
             f"{row.max_micro_batch} (checkpointed: {row.max_micro_batch_checkpointed})",
         ),
         (f"fits at micro-batch {plan.micro_batch}", "yes" if row.fits else "no"),
+        ("loss", _describe_loss(row.loss_chunk_tokens, shape)),
     ]
     lines += [f"  {key:<26}{value}" for key, value in detail]
     if not row.fits_at_all:

@@ -149,6 +149,7 @@ def run_summary(
         "world_size": engine.world_size,
         "optimizer_kernel": trainer.optimizer_kernel,
         **trainer.cpu_bf16_gemm.summary(),
+        "loss_chunk_tokens": trainer.loss_chunk_tokens,  # None: the full-logits loss
         "skipped_steps": trainer.skipped_steps,
         "wall_time_s": wall_time,
         "device": str(trainer.device),

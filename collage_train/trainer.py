@@ -38,6 +38,7 @@ from collage_train.fit_check import (
     planned_setting,
     smallest_free_memory,
 )
+from collage_train.loss import install_chunked_loss, resolve_chunk_tokens
 from collage_train.memory_plan import GIB, ModelShape
 from collage_train.metrics import Sink, detect_peak_tflops, reset_peak_memory
 from collage_train.metrics.edq import layer_groups
@@ -96,6 +97,7 @@ class Trainer:
         if self.engine.is_main and (note := self.validation_plan.note()) is not None:
             print(note, flush=True)
         self.model = self._build_model()
+        self.loss_chunk_tokens = self._install_loss()
         self.num_params = count_parameters(self.model)
         self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
         self.layer_groups = layer_groups(self.model)  # rows of StepOutcome.edq
@@ -194,6 +196,20 @@ class Trainer:
             enable_activation_checkpointing(model)
         return model  # train.compile: the engine compiles it (engine.prepare)
 
+    def _install_loss(self) -> int | None:
+        """Tokens per block of the chunked loss (``collage_train.loss``), installed on the
+        model before the engine wraps it; None: the plain full-logits loss (``off``,
+        Scalify's own LM head, or one block covering the micro-batch)."""
+        chunk = resolve_chunk_tokens(
+            self.cfg.train.loss_chunk_tokens,
+            vocab_size=self.model.config.vocab_size,
+            chunkable=self.strategy.chunked_loss,
+        )
+        if chunk is None or chunk >= self.cfg.train.micro_batch_size * self.cfg.data.seq_len:
+            return None
+        install_chunked_loss(self.model, chunk)
+        return chunk
+
     def _probe_gemms_on_every_rank(self) -> tuple[float, float]:
         """The bf16 GEMM probe averaged over ranks, so that every rank chooses alike."""
         native, emulated = probe_gflops()
@@ -258,6 +274,13 @@ class Trainer:
             else contextlib.nullcontext()
         )
         with autocast:
+            if self.loss_chunk_tokens is not None:  # never the whole micro-batch's logits
+                return self.forward_module(
+                    input_ids=inputs,
+                    targets=targets,
+                    grad_scale=1 / self.accum_steps,  # what the engines' backward hands it
+                    use_cache=False,
+                ).loss
             logits = self.forward_module(input_ids=inputs, use_cache=False).logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 

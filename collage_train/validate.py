@@ -3,7 +3,8 @@
 Hydra's schema (``collage_train/config.py``) already refuses misspelt keys and wrongly
 typed values; this module refuses what it lets through: keys added with ``+`` under the
 project's own groups, values of the right type that cannot work (a negative learning
-rate, a cadence of 0 steps, betas outside [0, 1)), ``model.extra`` keys that the
+rate, a cadence of 0 steps, betas outside [0, 1), a loss block size that is neither
+``auto``, ``off`` nor a count, or a count for Scalify), ``model.extra`` keys that the
 transformers config does not know or that the model builder already sets, and W&B
 ``online`` without credentials (which would otherwise hang in ``wandb.init``).
 ``validate`` runs once per launch, in the Hydra callback that also locks the run
@@ -26,8 +27,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from collage_train.config import JobConfig
 from collage_train.errors import ConfigError
+from collage_train.loss import resolve_chunk_tokens
 from collage_train.metrics.sinks import wandb_mode
 from collage_train.models import check_model_extra
+from collage_train.precision import get_strategy
 
 
 def validate(cfg: DictConfig) -> None:
@@ -35,6 +38,7 @@ def validate(cfg: DictConfig) -> None:
     check_known_keys(cfg)
     check_optim(cfg.optim)
     check_train(cfg.train)
+    check_loss_chunk(cfg)
     check_positive("logging.log_every", cfg.logging.log_every, "step")
     if cfg.metrics.edq_every is not None and cfg.metrics.edq_every < 0:
         raise ConfigError(f"metrics.edq_every must be 0 (off) or more, got {cfg.metrics.edq_every}")
@@ -154,6 +158,13 @@ def check_train(train: DictConfig) -> None:
     check_positive("train.eval_batches", train.eval_batches, "micro-batch")
     for key in ("micro_batch_size", "global_batch_size"):
         check_positive(f"train.{key}", train[key], "sequence")
+
+
+def check_loss_chunk(cfg: DictConfig) -> None:
+    """``train.loss_chunk_tokens``: auto, off or a positive count, and not a count for a
+    precision that replaces the LM head (Scalify)."""
+    chunkable = get_strategy(cfg.precision.name).chunked_loss
+    resolve_chunk_tokens(cfg.train.loss_chunk_tokens, vocab_size=1, chunkable=chunkable)
 
 
 def check_wandb(wandb_cfg: DictConfig) -> None:

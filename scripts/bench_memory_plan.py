@@ -93,6 +93,7 @@ def bench_row(args: argparse.Namespace, precision: str, checkpointing: bool) -> 
             accum_steps=accumulation_steps(train.global_batch_size, train.micro_batch_size, 1),
             checkpointing=checkpointing,
             fp32_gemms=trainer.cpu_bf16_gemm.emulates,
+            loss_chunk_tokens=trainer.loss_chunk_tokens,
         )
         kernel = trainer.optimizer_kernel
         del trainer

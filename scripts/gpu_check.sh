@@ -7,13 +7,15 @@
 #    _scaled_mm against its emulation, ...), 2. the optimizer benchmark with its
 #    memory-bandwidth floor ratios, 3. a 1-GPU ZeRO-2 run launched with `deepspeed`,
 #    4. a Scalify fp8 run, 5. a short gpt_125m training benchmark of mixed_fp32 against
-#    collage_plus (steps 1-5: under 10 minutes on one H100), 6-8. throughput where users
+#    collage_plus (steps 1-5: under 10 minutes on one H100), 6. the LM loss with full
+#    logits against blocks (loss_bench: 128256-token vocabulary, the allocator's peak and
+#    the step time), 7-9. throughput where users
 #    feel it (scripts/bench_throughput.py): gpt_1.3b at sequence 2048, mixed_fp32 / bf16 /
 #    collage_plus at micro-batch 8 and at each one's largest micro-batch from the planner,
 #    with activation checkpointing, tokens/s, MFU and the planner's predicted peak against
 #    torch.cuda.max_memory_allocated: eager (throughput_eager), compiled at micro-batch 8
 #    (throughput_compiled_equal) and compiled at the largest (throughput_compiled_largest).
-#    Each of 6-8 stops after STEP_LIMIT seconds (default 570, under a 10-minute command)
+#    Each of 7-9 stops after STEP_LIMIT seconds (default 570, under a 10-minute command)
 #    and keeps the rows finished by then.
 # Each step's exit status, time and log are kept and the script goes on after a failure;
 # OUT_DIR/gpu_check.json gathers them with the benchmarks' rows and the runs' summaries;
@@ -72,6 +74,7 @@ step scalify_fp8 "$python" -m collage_train model=gpt_125m precision=scalify \
 step train_bench "$python" scripts/bench_train.py --model gpt_125m \
     --strategies mixed_fp32 collage_plus --steps 20 --no-search --no-append \
     --json "$out/train.json"
+step loss_bench "$python" scripts/bench_loss.py --no-plan --no-append --json "$out/loss.json"
 throughput=(timeout "$limit" "$python" scripts/bench_throughput.py --model gpt_1.3b
     --seq-len 2048 --strategies mixed_fp32 bf16 collage_plus --no-append)
 step throughput_eager "${throughput[@]}" --compile off --json "$out/throughput_eager.json"
@@ -112,6 +115,7 @@ result = {
             "throughput_compiled_largest.json",
         )
     ],
+    "loss_bench": load("loss.json"),
     "zero2_1gpu_summary": load("zero2/summary.json"),
     "scalify_fp8_summary": load("scalify/summary.json"),
 }

@@ -60,6 +60,7 @@ def test_the_summary_step_gathers_every_step(tmp_path):
     assert result["zero2_1gpu_summary"] == {"tokens_per_s": 123.0}
     assert result["throughput"] == [{"rows": [{"strategy": "bf16"}]}, None, None]
     assert result["train_bench"] is None and result["device"] == "fake GPU"
+    assert result["loss_bench"] is None
 
 
 def test_every_throughput_step_is_gathered():

@@ -18,6 +18,7 @@ from collage_train.memory_plan import (
     Setting,
     block_backward_bytes_per_token,
     block_bytes_per_token,
+    chunked_loss_bytes,
     estimate,
     largest_micro_batch,
     model_state,
@@ -54,6 +55,7 @@ def planned_step_peak(trainer: Trainer, cfg) -> float:
         accum_steps=accumulation_steps(train.global_batch_size, train.micro_batch_size, 1),
         checkpointing=train.activation_checkpointing,
         fp32_gemms=trainer.cpu_bf16_gemm.emulates,
+        loss_chunk_tokens=trainer.loss_chunk_tokens,
     )
     return plan.peak
 
@@ -110,6 +112,91 @@ def test_planned_peak_within_ten_percent_of_measured(
     measured = measured_step_peak(trainer)
     planned = planned_step_peak(trainer, cfg)
     assert abs(planned / measured - 1) < 0.10, (planned, measured)
+
+
+# The chunked loss (collage_train.loss) with a vocabulary large enough for the loss to
+# set the peak: bf16 parameters, autocast over fp32 ones (the weight's bf16 copy), fp32
+# (the accumulator is the gradient), with and without checkpointing.
+CHUNKED_CASES = [
+    ("gpt", "collage_plus", False),
+    ("llama", "collage_plus", False),
+    ("llama", "collage_plus", True),
+    ("llama", "mixed_fp32", False),
+    ("opt", "fp32", False),
+]
+
+
+@pytest.mark.parametrize("gemm", ["auto", "fp32"])
+@pytest.mark.parametrize(
+    "family,precision,ckpt",
+    CHUNKED_CASES,
+    ids=[f"{c[0]}-{c[1]}-{'ckpt' if c[2] else 'plain'}" for c in CHUNKED_CASES],
+)
+def test_planned_peak_with_the_chunked_loss_within_ten_percent_of_measured(
+    make_cfg, tmp_path, family, precision, ckpt, gemm
+):
+    cfg = make_cfg(
+        f"model={ {'gpt': 'gpt_tiny', 'opt': 'opt_125m', 'llama': 'llama_tiny'}[family] }",
+        f"precision={precision}",
+        "model.hidden_size=64",
+        "model.num_layers=2",
+        "model.num_heads=4",
+        "model.vocab_size=4096",  # padded: the loss sets the peak
+        "data.seq_len=64",
+        "train.micro_batch_size=16",
+        "train.global_batch_size=16",
+        f"train.activation_checkpointing={str(ckpt).lower()}",
+        "optim.kernel=eager",
+        f"train.cpu_bf16_gemm={gemm}",
+        "train.loss_chunk_tokens=256",
+    )
+    trainer = Trainer(cfg, tmp_path)
+    assert trainer.loss_chunk_tokens == 256
+    measured = measured_step_peak(trainer)
+    planned = planned_step_peak(trainer, cfg)
+    assert abs(planned / measured - 1) < 0.10, (planned, measured)
+
+
+def test_chunked_loss_bytes_are_what_the_loss_holds():
+    """The chunked loss alone (bf16, one sequence of 1024 tokens in blocks of 128): its
+    live-tensor peak above its inputs is ``chunked_loss_bytes`` plus the hidden states'
+    gradient (counted with the activations in the plan) and a few per-token vectors."""
+    from collage_train.loss import chunked_cross_entropy
+
+    tokens, hidden_size, vocab, chunk = 1024, 64, 3000, 128
+    hidden = torch.randn(tokens, hidden_size).bfloat16().requires_grad_()
+    weight = torch.nn.Parameter(torch.randn(vocab, hidden_size).bfloat16())
+    targets = torch.randint(0, vocab, (tokens,))
+    with LiveTensorBytes() as live:
+        live.track([hidden, weight])
+        before = live.current
+        chunked_cross_entropy(hidden, weight, targets, chunk).backward()
+    shape = SimpleNamespace(vocab=vocab, hidden=hidden_size)
+    planned = chunked_loss_bytes(shape, chunk, elem=2, param=2) + tokens * hidden_size * 2
+    assert live.peak - before == pytest.approx(planned, rel=0.05)
+
+
+def test_the_chunked_loss_holds_one_block_whatever_the_micro_batch():
+    """Above the activations, the plain loss grows with the micro-batch (12 bytes per
+    token and vocabulary entry), the chunked one does not; both plan the same model state."""
+    shape, setting = (
+        _shape(family="llama", vocab=128256, hidden=4096),
+        Setting(get_strategy("collage_plus"), 0),
+    )
+
+    def above_activations(micro: int, chunk: int | None) -> float:
+        plan = estimate(
+            shape, setting, micro_batch=micro, accum_steps=1, checkpointing=True,
+            loss_chunk_tokens=chunk,
+        )  # fmt: skip
+        return plan.backward_peak - plan.persistent - plan.activations
+
+    plain = [above_activations(m, None) for m in (2, 4)]
+    chunked = [above_activations(m, 512) for m in (2, 4)]
+    assert plain[1] - plain[0] == pytest.approx(8 * 2 * 2048 * 128256)
+    assert chunked[0] == chunked[1] < plain[0]
+    # a block covering the micro-batch is the plain loss
+    assert above_activations(2, 4096) == plain[0]
 
 
 @pytest.mark.parametrize("family", ["gpt", "opt", "llama"])
@@ -394,3 +481,18 @@ def test_the_plan_counts_the_step_that_may_run(make_cfg):
     assert [plans[k].fused_optimizer for k in ("auto", "eager", "compiled")] == [False, False, True]
     peak = {kernel: plan.chosen.plain.step_peak for kernel, plan in plans.items()}
     assert peak["auto"] == peak["eager"] > peak["compiled"]
+
+
+def test_the_plan_resolves_the_loss_block_per_strategy(make_cfg):
+    """A set block applies to every strategy with a plain LM head; Scalify's rows keep the
+    full-logits loss, and Scalify chosen with a set block is refused as the trainer does."""
+    from collage_train.errors import ConfigError
+    from collage_train.plan import make_plan, render
+
+    plan = make_plan(make_cfg("train.loss_chunk_tokens=64"))
+    rows = {r.strategy: r for r in plan.rows}
+    assert rows["collage_plus"].loss_chunk_tokens == 64
+    assert rows["scalify"].loss_chunk_tokens is None
+    assert "blocks of 64 tokens" in render(plan)
+    with pytest.raises(ConfigError, match="Scalify"):
+        make_plan(make_cfg("precision=scalify", "train.loss_chunk_tokens=64"))

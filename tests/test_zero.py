@@ -158,6 +158,37 @@ def test_collage_plus_under_zero_matches_single_process_with_half_the_state(runs
         assert tensors and all(t.dtype == torch.bfloat16 for t in tensors if t.dim() > 0)
 
 
+def test_chunked_loss_under_zero3_matches_single_process_and_exports(runs, tmp_path):
+    """The chunked loss (collage_train.loss: blocks of 48 of a micro-batch's 128 tokens) runs
+    inside the top-level model call, where ZeRO-3 gathers the head's partitioned weight:
+    the run equals the single-process one with the same loss, stays within the tolerance
+    of the full-logits ZeRO-3 run, and its export is a standard transformers model whose
+    weights the export command consolidates from its shards alike."""
+    chunk = "train.loss_chunk_tokens=48"
+    single_dir, _ = runs("unsharded", "collage_plus", chunk)
+    zero_dir, _ = runs("zero3", "collage_plus", chunk)
+    edq = ("edq", "edq_normalized", "lost_update_frac", "dtheta_norm")
+    assert_matches_single_process(zero_dir, single_dir, edq)
+    plain_dir, _ = runs("zero3", "collage_plus")
+    assert_matches_single_process(zero_dir, plain_dir, ())
+    assert json.loads((zero_dir / "summary.json").read_text())["loss_chunk_tokens"] == 48
+    assert json.loads((plain_dir / "summary.json").read_text())["loss_chunk_tokens"] is None
+
+    out = tmp_path / "exported"
+    result = run_cli(str(zero_dir), "--out", str(out), module="collage_train.export")
+    assert result.returncode == 0, result.stderr[-2000:]
+    exported, at_end = (
+        load_file(out / "model.safetensors"),
+        load_file(zero_dir / "hf" / "model.safetensors"),
+    )
+    assert (
+        exported.keys() == at_end.keys() == load_file(plain_dir / "hf" / "model.safetensors").keys()
+    )
+    assert all(torch.equal(exported[k], at_end[k]) for k in at_end)
+    config = json.loads((zero_dir / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"]
+
+
 def test_mixed_fp32_under_zero2_keeps_fp32_masters_and_matches(runs):
     single_dir, _ = runs("unsharded", "mixed_fp32")
     zero_dir, _ = runs("zero2", "mixed_fp32")

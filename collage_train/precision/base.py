@@ -68,6 +68,9 @@ class PrecisionStrategy:
             (the refusal's text), or None where it runs.
         reshards: whether its checkpoints resume on another engine or number of ranks
             and convert between layouts (``collage_train.checkpoint``).
+        chunked_loss: whether the LM head stays a plain linear layer whose loss
+            ``collage_train.loss`` may compute a block of tokens at a time
+            (``train.loss_chunk_tokens``); False where ``prepare_model`` replaces it.
     """
 
     name: str
@@ -82,6 +85,7 @@ class PrecisionStrategy:
     reshards: bool = True  # whether a checkpoint resumes on another engine or rank count
     optimizer: OptimizerSpec = OptimizerSpec()
     activation_dtype: torch.dtype | None = None
+    chunked_loss: bool = True
 
     def check_engine(self, distributed: str) -> None:
         """Refuse, in one line saying why and what runs instead, an engine this strategy
