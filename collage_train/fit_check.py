@@ -14,7 +14,8 @@ Two checks run before the model's weights are drawn (``collage_train.model_init`
   fit: the largest micro-batch, activation checkpointing, a ZeRO stage, or how many GPUs
   ZeRO-3 needs. Raises ``StepWillNotFit`` (exit 2: a setting to change). The ranks decide
   together on the smallest free memory among them, so that no rank is left waiting in a
-  collective for one that stopped.
+  collective for one that stopped. The plan counts the chunked loss where the run uses
+  it (``collage_train.loss``) and the DeepSpeed buckets the engine will set.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from collage_train.batch import accumulation_steps
 from collage_train.comm.settings import uses_replicas
@@ -105,7 +107,17 @@ def planned_setting(
         offload_optimizer=bool(dist.offload_optimizer),
         offload_param=bool(dist.offload_param),
         gradient_dtypes=gradient_dtypes(dist, strategy, stage),
+        zero_overrides=zero_overrides(dist),
     )
+
+
+def zero_overrides(dist_cfg: Any) -> dict[str, Any]:
+    """The run's ``distributed.deepspeed.zero_optimization`` keys (its buckets win over the
+    derived ones in the engine, so in the plan too)."""
+    extra = dist_cfg.get("deepspeed") or {}
+    if not isinstance(extra, dict):
+        extra = OmegaConf.to_container(extra, resolve=True)
+    return dict(extra.get("zero_optimization") or {})
 
 
 def smallest_free_memory(device: torch.device, engine: Any) -> float | None:
@@ -128,13 +140,20 @@ def check_step_fits(
     global_batch: int,
     checkpointing: bool,
     model_name: str,
+    loss_chunk_tokens: int | None = None,
 ) -> None:
     """Refuse a step whose planned peak exceeds ``free_bytes - reserve_bytes``, in one line
-    saying what fits instead. Raises StepWillNotFit."""
+    saying what fits instead (``loss_chunk_tokens``: the chunked loss's block, None for the
+    full-logits loss). Raises StepWillNotFit."""
     budget = free_bytes - reserve_bytes
     accum = accumulation_steps(global_batch, micro_batch, setting.gpus)
     plan = estimate(
-        shape, setting, micro_batch=micro_batch, accum_steps=accum, checkpointing=checkpointing
+        shape,
+        setting,
+        micro_batch=micro_batch,
+        accum_steps=accum,
+        checkpointing=checkpointing,
+        loss_chunk_tokens=loss_chunk_tokens,
     )
     if plan.peak <= budget:
         return
@@ -147,13 +166,24 @@ def check_step_fits(
         f"its step peak (python -m collage_train.plan shows the parts), but "
         f"{free_bytes / GIB:.1f} GiB is free less plan.reserve_gb={reserve_bytes / GIB:g}; "
         + what_fits(
-            shape, setting, budget=budget, global_batch=global_batch, checkpointing=checkpointing
+            shape,
+            setting,
+            budget=budget,
+            global_batch=global_batch,
+            checkpointing=checkpointing,
+            loss_chunk_tokens=loss_chunk_tokens,
         )
     )
 
 
 def what_fits(
-    shape: ModelShape, setting: Setting, *, budget: float, global_batch: int, checkpointing: bool
+    shape: ModelShape,
+    setting: Setting,
+    *,
+    budget: float,
+    global_batch: int,
+    checkpointing: bool,
+    loss_chunk_tokens: int | None = None,
 ) -> str:
     """The nearest setting whose step fits ``budget``: a smaller micro-batch, then
     checkpointing, then a higher ZeRO stage on the same GPUs, then more GPUs with ZeRO-3."""
@@ -162,7 +192,12 @@ def what_fits(
         if candidate.stage and candidate.strategy.not_under_zero:
             return 0
         return largest_micro_batch(
-            shape, candidate, budget=budget, global_batch=global_batch, checkpointing=ckpt
+            shape,
+            candidate,
+            budget=budget,
+            global_batch=global_batch,
+            checkpointing=ckpt,
+            loss_chunk_tokens=loss_chunk_tokens,
         )
 
     micro = largest(setting, checkpointing)

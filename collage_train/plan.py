@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from collage_train.batch import accumulation_steps
 from collage_train.engine.deepspeed_config import GradientDtypes, gradient_dtypes
 from collage_train.errors import CollageError, ConfigError
+from collage_train.fit_check import zero_overrides
 from collage_train.loss import resolve_chunk_tokens
 from collage_train.memory_plan import (
     GIB,
@@ -152,7 +151,7 @@ def make_plan(cfg: Any) -> Plan:
                 offload_optimizer=is_chosen and bool(cfg.distributed.offload_optimizer),
                 offload_param=is_chosen and bool(cfg.distributed.offload_param),
                 gradient_dtypes=_gradient_dtypes(cfg.distributed, strategy, row_stage, is_chosen),
-                zero_overrides=_zero_overrides(cfg.distributed) if is_chosen else {},
+                zero_overrides=zero_overrides(cfg.distributed) if is_chosen else {},
             )
             chunk = _loss_chunk(train, strategy, shape.vocab, is_chosen)
             rows.append(
@@ -171,15 +170,6 @@ def make_plan(cfg: Any) -> Plan:
         fused_optimizer=fused,
         rows=rows,
     )
-
-
-def _zero_overrides(dist_cfg: Any) -> dict[str, Any]:
-    """The run's ``distributed.deepspeed.zero_optimization`` keys (its buckets win over the
-    derived ones in the engine, so in the plan of the chosen row too)."""
-    extra = dist_cfg.get("deepspeed") or {}
-    if not isinstance(extra, dict):
-        extra = OmegaConf.to_container(extra, resolve=True)
-    return dict(extra.get("zero_optimization") or {})
 
 
 def _gradient_dtypes(

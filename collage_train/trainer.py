@@ -171,6 +171,7 @@ class Trainer:
                 micro_batch=cfg.train.micro_batch_size,
                 global_batch=cfg.train.global_batch_size,
                 checkpointing=cfg.train.activation_checkpointing,
+                loss_chunk_tokens=self._loss_block(meta.config.vocab_size),
                 model_name=cfg.model.name,
             )
         if cfg.model.init_from:
@@ -200,14 +201,21 @@ class Trainer:
         """Tokens per block of the chunked loss (``collage_train.loss``), installed on the
         model before the engine wraps it; None: the plain full-logits loss (``off``,
         Scalify's own LM head, or one block covering the micro-batch)."""
+        chunk = self._loss_block(self.model.config.vocab_size)
+        if chunk is None:
+            return None
+        install_chunked_loss(self.model, chunk)
+        return chunk
+
+    def _loss_block(self, vocab_size: int) -> int | None:
+        """``train.loss_chunk_tokens`` resolved for this run (None: the full-logits loss)."""
         chunk = resolve_chunk_tokens(
             self.cfg.train.loss_chunk_tokens,
-            vocab_size=self.model.config.vocab_size,
+            vocab_size=vocab_size,
             chunkable=self.strategy.chunked_loss,
         )
         if chunk is None or chunk >= self.cfg.train.micro_batch_size * self.cfg.data.seq_len:
             return None
-        install_chunked_loss(self.model, chunk)
         return chunk
 
     def _probe_gemms_on_every_rank(self) -> tuple[float, float]:

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from collage_train.metrics.edq import layer_group
+from collage_train.param_shapes import full_numel
 
 # DeepSpeed 0.19.8 asserts allgather_bucket_size % 2 == 0 (4-byte aligned fp16 shards).
 _ALLGATHER_ALIGNMENT = 2
@@ -68,10 +69,11 @@ class ModelSize:
         blocks: dict[str, int] = {}
         total = 0
         for name, param in model.named_parameters():
-            total += param.numel()
+            numel = full_numel(param)  # whole, also once ZeRO-3 partitioned it
+            total += numel
             group = layer_group(name)
             if group.startswith("block_"):
-                blocks[group] = blocks.get(group, 0) + param.numel()
+                blocks[group] = blocks.get(group, 0) + numel
         return cls(
             hidden=int(model.config.hidden_size),
             num_params=total,
