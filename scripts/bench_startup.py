@@ -3,8 +3,11 @@
 Each rank (one process, or the ranks of a ``torchrun`` launch) composes the real
 configuration and builds the real ``Trainer``: data, the model in its storage dtype,
 the optimizer and the engine (DeepSpeed's ``initialize`` under ZeRO), everything that
-happens before the first step. It then reports the seconds since its process started
-and its peak resident set size (``VmHWM``), and exits without training.
+happens before the first step. It reports the seconds since its process started and its
+peak resident set size (``VmHWM``) twice: once the model is built (``Trainer._build_model``
+returned) and before the first step; then it exits without training. On a CPU the
+device is the host, so the second also holds what the engine allocates for training
+(DeepSpeed ZeRO-3's flat weight and gradient partitions).
 
     python scripts/bench_startup.py --model gpt_1.3b --precision collage_plus \\
         --setting unsharded:1 zero3:2 --json startup.json
@@ -58,8 +61,18 @@ def worker(out: Path, overrides: list[str]) -> None:
     from collage_train.trainer import Trainer
 
     cfg = compose_job(overrides)
+    built: dict[str, float] = {}
+    build = Trainer._build_model
+
+    def timed_build(self: Trainer) -> torch.nn.Module:
+        model = build(self)
+        built.update(model_s=process_age_s(), model_peak_rss_bytes=peak_rss_bytes())
+        return model
+
+    Trainer._build_model = timed_build  # the model alone, before the engine wraps it
     trainer = Trainer(cfg, out.parent / "run")
     row = {
+        **built,
         "rank": trainer.engine.rank,
         "world_size": trainer.engine.world_size,
         "startup_s": process_age_s(),
@@ -96,17 +109,19 @@ def launch(repo: Path, distributed: str, ranks: int, overrides: list[str]) -> li
 
 def table(rows: list[dict], label: str) -> str:
     lines = [
-        "| code | engine | ranks | launch to first step (s) | peak host RSS per rank (GiB) "
-        "| weights per rank (GiB) | RSS - weights (GiB) |",
-        "|---|---|---|---|---|---|---|",
+        "| code | engine | ranks | model built (s) | peak RSS, model built (GiB) | "
+        "launch to first step (s) | peak RSS, first step (GiB) | weights per rank (GiB) | "
+        "model-built RSS - weights (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         shard = row["world_size"] if row["distributed"] == "zero3" else 1
         weights = row["num_params"] * row["param_bytes"] / shard
         lines.append(
             f"| {label} | {row['distributed']} | {row['world_size']} (rank {row['rank']}) | "
+            f"{row['model_s']:.1f} | {row['model_peak_rss_bytes'] / GIB:.2f} | "
             f"{row['startup_s']:.1f} | {row['peak_rss_bytes'] / GIB:.2f} | {weights / GIB:.2f} | "
-            f"{(row['peak_rss_bytes'] - weights) / GIB:.2f} |"
+            f"{(row['model_peak_rss_bytes'] - weights) / GIB:.2f} |"
         )
     return "\n".join(lines)
 

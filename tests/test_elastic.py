@@ -74,7 +74,8 @@ def _plant_ties(trainer: Trainer) -> torch.Tensor:
     bits[[3, 7]] = (bits[[3, 7]] & ~0x1FFFF) | 0x8000  # even bf16 half: the tie rounds down
     trainer.optimizer._load_full_precision(param, master.view(param.shape))
     ties = trainer.optimizer.state[param]["remainder_ties"]
-    assert ties.tolist() == [3, 7] and torch.equal(remainder.split(master)[2], ties)
+    # the planted ties among them (a drawn weight may hold a natural tie too)
+    assert {3, 7} <= set(ties.tolist()) and torch.equal(remainder.split(master)[2], ties)
     return ties
 
 
