@@ -7,7 +7,10 @@
 #    _scaled_mm against its emulation, ...), 2. the optimizer benchmark with its
 #    memory-bandwidth floor ratios, 3. a 1-GPU ZeRO-2 run launched with `deepspeed`,
 #    4. a Scalify fp8 run, 5. a short gpt_125m training benchmark of mixed_fp32 against
-#    collage_plus (steps 1-5: under 10 minutes on one H100), 6. the LM loss with full
+#    collage_plus (steps 1-5: under 10 minutes on one H100), then start-up (startup: launch
+#    to first step and peak host RSS of gpt_1.3b, scripts/bench_startup.py; fit_refusal:
+#    the whole-step memory check refuses gpt_6.7b collage_plus on one 80 GB GPU in one line,
+#    exit status 2), 6. the LM loss with full
 #    logits against blocks (loss_bench: 128256-token vocabulary, the allocator's peak and
 #    the step time), 7-9. throughput where users
 #    feel it (scripts/bench_throughput.py): gpt_1.3b at sequence 2048, mixed_fp32 / bf16 /
@@ -74,6 +77,14 @@ step scalify_fp8 "$python" -m collage_train model=gpt_125m precision=scalify \
 step train_bench "$python" scripts/bench_train.py --model gpt_125m \
     --strategies mixed_fp32 collage_plus --steps 20 --no-search --no-append \
     --json "$out/train.json"
+step startup "$python" scripts/bench_startup.py --model gpt_1.3b --precision collage_plus \
+    --setting unsharded:1 zero3:1 --no-append --json "$out/startup.json"
+# gpt_6.7b collage_plus on one 80 GB GPU: the whole-step check must refuse it in one line,
+# exit status 2, before a weight is drawn (the step passes when it does)
+step fit_refusal bash -c '"$0" -m collage_train +experiment=gpt_6.7b precision=collage_plus \
+    "hydra.run.dir=$1/fit_refusal" logging.wandb.mode=disabled 2> "$1/fit_refusal.err"; \
+    test $? -eq 2 && test "$(grep -c "^error: out of memory ahead" "$1/fit_refusal.err")" -eq 1' \
+    "$python" "$out"
 step loss_bench "$python" scripts/bench_loss.py --no-plan --no-append --json "$out/loss.json"
 throughput=(timeout "$limit" "$python" scripts/bench_throughput.py --model gpt_1.3b
     --seq-len 2048 --strategies mixed_fp32 bf16 collage_plus --no-append)
@@ -116,6 +127,7 @@ result = {
         )
     ],
     "loss_bench": load("loss.json"),
+    "startup": load("startup.json"),
     "zero2_1gpu_summary": load("zero2/summary.json"),
     "scalify_fp8_summary": load("scalify/summary.json"),
 }

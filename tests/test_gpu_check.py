@@ -60,7 +60,24 @@ def test_the_summary_step_gathers_every_step(tmp_path):
     assert result["zero2_1gpu_summary"] == {"tokens_per_s": 123.0}
     assert result["throughput"] == [{"rows": [{"strategy": "bf16"}]}, None, None]
     assert result["train_bench"] is None and result["device"] == "fake GPU"
-    assert result["loss_bench"] is None
+    assert result["loss_bench"] is None and result["startup"] is None
+
+
+def test_the_fit_refusal_step_passes_only_on_one_error_line_and_status_2(tmp_path):
+    """The step's shell test, run with a stand-in for python that exits as the trainer would."""
+    text = SCRIPT.read_text()
+    start = text.index("step fit_refusal bash -c '") + len("step fit_refusal bash -c '")
+    body = text[start : text.index("' \\\n", start)]
+    for status, lines, passes in ((2, 1, True), (1, 1, False), (2, 0, False), (0, 0, False)):
+        fake = tmp_path / f"fake{status}{lines}"
+        fake.write_text(
+            "#!/bin/sh\n"
+            + 'echo "error: out of memory ahead: ..." >&2\n' * lines
+            + f"exit {status}\n"
+        )
+        fake.chmod(0o755)
+        done = subprocess.run(["bash", "-c", body, str(fake), str(tmp_path)], timeout=60)
+        assert (done.returncode == 0) == passes, (status, lines)
 
 
 def test_every_throughput_step_is_gathered():
