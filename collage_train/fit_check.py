@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from collage_train.batch import accumulation_steps
 from collage_train.comm.settings import uses_replicas
 from collage_train.engine.deepspeed_config import gradient_dtypes
 from collage_train.engine.launch import local_world_size
@@ -35,7 +34,7 @@ from collage_train.memory_plan import (
     GIB,
     ModelShape,
     Setting,
-    estimate,
+    estimate_at,
     largest_micro_batch,
 )
 from collage_train.metrics.memory import available_memory
@@ -146,12 +145,11 @@ def check_step_fits(
     saying what fits instead (``loss_chunk_tokens``: the chunked loss's block, None for the
     full-logits loss). Raises StepWillNotFit."""
     budget = free_bytes - reserve_bytes
-    accum = accumulation_steps(global_batch, micro_batch, setting.gpus)
-    plan = estimate(
+    plan = estimate_at(
         shape,
         setting,
         micro_batch=micro_batch,
-        accum_steps=accum,
+        global_batch=global_batch,
         checkpointing=checkpointing,
         loss_chunk_tokens=loss_chunk_tokens,
     )

@@ -168,13 +168,9 @@ class ModelShape:
     @classmethod
     def from_config(cls, model_cfg: Any, *, vocab_size: int, seq_len: int) -> ModelShape:
         """Shape of the model a run would build, counted on the meta device."""
-        from transformers import AutoModelForCausalLM
+        from collage_train.models import build_meta_model
 
-        from collage_train.models import build_hf_config
-
-        hf_config = build_hf_config(model_cfg, vocab_size=vocab_size, seq_len=seq_len, eot_id=0)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
+        model = build_meta_model(model_cfg, vocab_size=vocab_size, seq_len=seq_len, eot_id=0)
         return cls.from_model(model, seq_len=seq_len)
 
     @classmethod
@@ -495,6 +491,27 @@ def recompute_peak(
     return working + max(other_inputs + head_gradients, later_gradients)
 
 
+def estimate_at(
+    shape: ModelShape,
+    setting: Setting,
+    *,
+    micro_batch: int,
+    global_batch: int,
+    checkpointing: bool,
+    loss_chunk_tokens: int | None = None,
+) -> MemoryEstimate:
+    """``estimate`` at ``micro_batch`` with the gradient accumulation the trainer derives
+    from ``global_batch`` over ``setting.gpus`` ranks (``batch.accumulation_steps``)."""
+    return estimate(
+        shape,
+        setting,
+        micro_batch=micro_batch,
+        accum_steps=accumulation_steps(global_batch, micro_batch, setting.gpus),
+        checkpointing=checkpointing,
+        loss_chunk_tokens=loss_chunk_tokens,
+    )
+
+
 def largest_micro_batch(
     shape: ModelShape,
     setting: Setting,
@@ -513,12 +530,11 @@ def largest_micro_batch(
     """
     best = 0
     for micro in micro_batch_choices(global_batch, setting.gpus):
-        accum = accumulation_steps(global_batch, micro, setting.gpus)
-        plan = estimate(
+        plan = estimate_at(
             shape,
             setting,
             micro_batch=micro,
-            accum_steps=accum,
+            global_batch=global_batch,
             checkpointing=checkpointing,
             loss_chunk_tokens=loss_chunk_tokens,
         )

@@ -231,9 +231,7 @@ def build_model(
 
 def planned_parameter_count(cfg: Any, *, vocab_size: int, seq_len: int, eot_id: int) -> int:
     """Parameters the model would have, counted on the meta device (no memory used)."""
-    hf_config = build_hf_config(cfg, vocab_size=vocab_size, seq_len=seq_len, eot_id=eot_id)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+    model = build_meta_model(cfg, vocab_size=vocab_size, seq_len=seq_len, eot_id=eot_id)
     return count_parameters(model)
 
 

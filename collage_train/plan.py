@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from collage_train.batch import accumulation_steps
 from collage_train.engine.deepspeed_config import GradientDtypes, gradient_dtypes
 from collage_train.errors import CollageError, ConfigError
 from collage_train.fit_check import zero_overrides
@@ -30,7 +29,7 @@ from collage_train.memory_plan import (
     MemoryEstimate,
     ModelShape,
     Setting,
-    estimate,
+    estimate_at,
     largest_micro_batch,
 )
 from collage_train.precision import available, get_strategy, strategy_for
@@ -213,13 +212,12 @@ def _row(
     chunk: int | None,
 ) -> PlanRow:
     micro, global_batch = train.micro_batch_size, train.global_batch_size
-    accum = accumulation_steps(global_batch, micro, setting.gpus)
     plain, checkpointed = (
-        estimate(
+        estimate_at(
             shape,
             setting,
             micro_batch=micro,
-            accum_steps=accum,
+            global_batch=global_batch,
             checkpointing=ckpt,
             loss_chunk_tokens=chunk,
         )

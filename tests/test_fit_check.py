@@ -8,10 +8,9 @@ from dataclasses import replace
 import pytest
 
 from collage_train import cli
-from collage_train.batch import accumulation_steps
 from collage_train.compose import compose_job
 from collage_train.fit_check import StepWillNotFit, check_step_fits, planned_setting
-from collage_train.memory_plan import GIB, ModelShape, estimate
+from collage_train.memory_plan import GIB, ModelShape, estimate_at
 from collage_train.precision import strategy_for
 from collage_train.trainer import Trainer
 
@@ -41,9 +40,12 @@ def check(cfg, shape, setting, free=GPU) -> None:
 
 
 def peak(shape, setting, cfg, micro: int, checkpointing: bool) -> float:
-    accum = accumulation_steps(cfg.train.global_batch_size, micro, setting.gpus)
-    return estimate(
-        shape, setting, micro_batch=micro, accum_steps=accum, checkpointing=checkpointing
+    return estimate_at(
+        shape,
+        setting,
+        micro_batch=micro,
+        global_batch=cfg.train.global_batch_size,
+        checkpointing=checkpointing,
     ).peak
 
 
