@@ -173,7 +173,7 @@ def test_two_zero3_ranks_start_from_the_one_process_weights(corpus_dir, cache_di
         str(corpus_dir), str(cache_dir), str(tmp_path), "3", entry=str(script), cwd=REPO
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    saved = torch.load(tmp_path / "weights.pt")
+    saved = torch.load(tmp_path / "weights.pt", weights_only=True)
     assert saved["partitioned"] > 0  # the ranks hold partitions, not whole weights
 
     sys.path.insert(0, str(Path(__file__).parent))
