@@ -9,7 +9,6 @@ and locked the run directory against a second launch.
 
 from __future__ import annotations
 
-import errno
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,13 @@ from collage_train import checkpoint
 from collage_train.compose import config_dir
 from collage_train.config import register_schemas
 from collage_train.engine.launch import gather_objects, launched_rank, launched_world_size
-from collage_train.errors import RUN_FAILED, CollageError, ConfigError, OutOfMemory
+from collage_train.errors import (
+    RUN_FAILED,
+    CollageError,
+    ConfigError,
+    OutOfMemory,
+    is_disk_full,
+)
 from collage_train.metrics import ConsoleSink, JsonlSink, Sink, WandbSink
 from collage_train.metrics.sinks import wandb_mode
 from collage_train.resume import check_resume, choose_checkpoint, record_changes
@@ -117,12 +122,6 @@ def _is_out_of_memory(err: BaseException) -> bool:
     )
 
 
-def _disk_full(err: BaseException) -> bool:
-    if isinstance(err, OSError):
-        return err.errno in (errno.ENOSPC, errno.EDQUOT)
-    return isinstance(err, RuntimeError) and "file write failed" in str(err)  # torch.save
-
-
 def _disk_full_message(err: BaseException, run_dir: Path) -> str:
     """Remove the unfinished checkpoint and say which complete one a resume would use."""
     checkpoint.remove_temporary_dirs(run_dir)
@@ -152,7 +151,7 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
             print(f"error: {err}", file=sys.stderr, flush=True)
         return err.exit_status
     except (OSError, RuntimeError, MemoryError) as err:
-        if _disk_full(err):
+        if is_disk_full(err):
             print(f"error: {_rank_prefix(rank)}{_disk_full_message(err, run_dir)}", file=sys.stderr)
             return RUN_FAILED
         if not _is_out_of_memory(err):

@@ -175,6 +175,9 @@ class TrainConfig:
     eval_batches: int = 8  # x micro_batch_size held-out windows per validation, at any world size
     checkpoint_every: int = 100  # checkpoints/step-N every N steps (and at the end)
     keep_checkpoints: int = 2  # keep the newest K checkpoints
+    # write checkpoints in the background: the loop waits only for a copy of the state into
+    # host memory (pinned on CUDA, reused; as large as this rank's checkpoint), not the disk
+    async_checkpoint: bool = True
     resume: bool = False  # continue from the newest checkpoint in hydra.run.dir
     export_hf: bool = True  # write hf/ (transformers format + tokenizer) at the end
     # torch.compile the model's forward and so its backward (seconds to minutes first)

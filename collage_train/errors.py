@@ -5,6 +5,7 @@ trying again, as argparse and Hydra's usage errors do); 1 means a run that start
 failed (diverged, out of memory, replicas out of step, disk full).
 """
 
+import errno
 import pickle
 
 from safetensors import SafetensorError
@@ -15,7 +16,12 @@ RUN_FAILED = 1
 # What loading a weights file can raise when the file is missing, damaged, foreign or
 # refused by a restricted unpickler (weights_only=True raises UnpicklingError).
 WEIGHT_LOAD_ERRORS = (
-    OSError, KeyError, RuntimeError, ValueError, pickle.UnpicklingError, SafetensorError
+    OSError,
+    KeyError,
+    RuntimeError,
+    ValueError,
+    pickle.UnpicklingError,
+    SafetensorError,
 )
 
 
@@ -51,6 +57,12 @@ class CheckpointError(CollageError):
     """A checkpoint that cannot or must not be loaded (unsafe, unreadable, not ours)."""
 
 
+class CheckpointWriteFailed(CollageError):
+    """A checkpoint could not be written (a full disk, a lost rank): the run stops."""
+
+    exit_status = RUN_FAILED
+
+
 class RunDirectoryBusy(CollageError):
     """Another live process holds the run directory's lock."""
 
@@ -59,3 +71,10 @@ def first_line(err: BaseException) -> str:
     """The first line of an error's message, its type's name if it has none (compiler and
     loader errors run to pages; an ``error:`` line takes one)."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether ``err`` says the file system is full (or the user's quota is)."""
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(err, RuntimeError) and "file write failed" in str(err)  # torch.save

@@ -1,16 +1,30 @@
 """Saving and restoring a whole training run across its ranks.
 
-``save`` is the collective half of ``checkpoint``'s invariant: every rank writes its
-files into one temporary directory, each checksums its share of them, and only then
-does rank 0 write ``meta.json`` and rename the directory into place; non-finite weights
-are never saved over the last good checkpoint. ``restore`` reads a checkpoint written
-by the same engine on the same number of ranks directly, and any other (another
-engine, another world size, the universal layout) per parameter, naming in one printed
-line what carried over and what did not.
+``CheckpointSaver.save`` is the collective half of ``checkpoint``'s invariant: every rank
+writes its files into one temporary directory and records their sizes and CRC-32s (taken
+as the bytes are written) in its manifest share; once every rank's share is there, rank 0
+writes ``meta.json`` and renames the directory into place. Non-finite weights are never
+saved over the last good checkpoint.
+
+A save in the background (``train.async_checkpoint``) makes the training loop wait only
+for a copy of this rank's state into reused host buffers (``checkpoint.staging``); a
+thread writes the files, the manifest share and, on rank 0, commits, while training goes
+on. The thread takes part in no collective: rank 0 waits for the other ranks' shares on
+the (shared) file system. A process killed mid-write leaves a hidden ``.step-N.tmp``, never
+a ``step-N``: the previous checkpoint stays the newest one a resume takes. A save still
+in flight is waited for before the next one and at the end of the run; a failure in the
+background is kept (``failure``) for the loop to stop on, on every rank at the same step.
+
+``restore`` reads a checkpoint written by the same engine on the same number of ranks
+directly, and any other (another engine, another world size, the universal layout) per
+parameter, naming in one printed line what carried over and what did not.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +32,19 @@ import torch
 
 from collage_train import checkpoint
 from collage_train.checkpoint.full_state import needs_reshard, open_full_state
+from collage_train.checkpoint.staging import HostStaging
 from collage_train.engine import Engine
-from collage_train.errors import CheckpointError, TrainingDiverged, first_line
+from collage_train.errors import (
+    CheckpointError,
+    CheckpointWriteFailed,
+    TrainingDiverged,
+    first_line,
+    is_disk_full,
+)
+
+# How long rank 0's writer waits for the other ranks' manifest shares after its own.
+SHARE_WAIT_SECONDS = 3600.0
+_POLL_SECONDS = 0.05
 
 
 def all_weights_finite(engine: Engine) -> bool:
@@ -32,43 +57,212 @@ def all_weights_finite(engine: Engine) -> bool:
     return failures.item() == 0
 
 
-def save(
-    engine: Engine,
-    run_dir: Path,
-    step: int,
-    *,
-    client_state: dict[str, Any],
-    meta: dict[str, Any],
-    keep: int,
-    extra_files: dict[str, bytes],
-) -> Path:
-    """Checkpoint ``step`` on every rank into ``run_dir/checkpoints/step-N``; return it.
+@dataclass
+class SaveTimes:
+    """Seconds of each save: the loop blocked (waiting for the previous save, checking the
+    weights, copying the state to the host) and the files written (in the background or
+    not), one entry per save."""
 
-    ``meta`` is the run's identity (``resume.identity``), ``extra_files`` small files
-    rank 0 writes beside the state (model config, tokenizer). Raises
-    ``TrainingDiverged`` before writing anything when any weight is not finite.
+    blocked: list[float] = field(default_factory=list)
+    written: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        if not self.blocked:
+            return {}
+        record = {
+            "checkpoint_saves": len(self.blocked),
+            "checkpoint_blocked_s_max": round(max(self.blocked), 3),
+            "checkpoint_blocked_s_mean": round(sum(self.blocked) / len(self.blocked), 3),
+        }
+        if self.written:
+            record["checkpoint_write_s_mean"] = round(sum(self.written) / len(self.written), 3)
+        return record
+
+
+class CheckpointSaver:
+    """Writes a run's checkpoints, in the background when ``background`` (one at a time).
+
+    ``host_staging_bytes`` is what the background copies hold on the host once the first
+    save has run (the size of this rank's checkpointed state); nothing before.
     """
-    if not all_weights_finite(engine):
-        raise TrainingDiverged(
-            f"the weights became NaN or infinite at step {step}; nothing was saved "
-            "over the last good checkpoint. Lower optim.lr or use a more precise strategy"
+
+    def __init__(self, engine: Engine, run_dir: Path, *, background: bool) -> None:
+        self.engine = engine
+        self.run_dir = run_dir
+        self.background = background
+        self.staging = HostStaging(engine.device) if background else None
+        self.times = SaveTimes()
+        self._thread: threading.Thread | None = None
+        self._failure: str | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def host_staging_bytes(self) -> int:
+        return self.staging.nbytes if self.staging is not None else 0
+
+    @property
+    def failure(self) -> str | None:
+        """Why a save failed on this rank (its background write or rank 0's commit), or None."""
+        return self._failure
+
+    def raise_failure(self) -> None:
+        """Raise what made a save fail, if one did: a full disk as itself (the CLI's line
+        for it removes the unfinished checkpoint), anything else as one
+        ``CheckpointWriteFailed`` line."""
+        if self._error is not None and is_disk_full(self._error):
+            raise self._error
+        if self._failure is not None:
+            raise CheckpointWriteFailed(self._failure)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Wait for a save in flight to be written and committed (failures stay in ``failure``)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def save(
+        self,
+        step: int,
+        *,
+        client_state: dict[str, Any],
+        meta: dict[str, Any],
+        keep: int,
+        extra_files: dict[str, bytes],
+        background: bool | None = None,
+    ) -> Path:
+        """Checkpoint ``step`` on every rank into ``run_dir/checkpoints/step-N``; return it.
+
+        In the background (the default when the saver was built so) the checkpoint exists
+        once ``wait`` has returned without a ``failure``; otherwise when this returns.
+        ``meta`` is the run's identity (``resume.identity``), ``extra_files`` small files
+        rank 0 writes beside the state (model config, tokenizer). Raises
+        ``TrainingDiverged`` before writing anything when any weight is not finite, and
+        ``CheckpointWriteFailed`` when a save written in the foreground fails.
+        """
+        background = self.background if background is None else background
+        since = time.perf_counter()
+        self.wait()  # the host buffers are reused, and one save at a time commits
+        if not all_weights_finite(self.engine):
+            raise TrainingDiverged(
+                f"the weights became NaN or infinite at step {step}; nothing was saved "
+                "over the last good checkpoint. Lower optim.lr or use a more precise strategy"
+            )
+        engine, run_dir = self.engine, self.run_dir
+        if engine.is_main:
+            checkpoint.begin_checkpoint(run_dir, step)
+        engine.barrier()
+        tmp = checkpoint.temporary_dir(run_dir, step)
+        staged = background and self.staging is not None
+        files = engine.state_files(tmp, client_state, staged=staged)
+        # Files the engine's library wrote itself (DeepSpeed's recovery scripts, rank 0):
+        # listed before any rank starts writing its own.
+        engine.barrier()
+        direct = checkpoint.written_files(tmp) if engine.is_main else []
+        final = checkpoint.checkpoint_dir(run_dir) / f"step-{step}"
+        job = _SaveJob(
+            tmp=tmp,
+            final=final,
+            step=step,
+            rank=engine.rank,
+            world_size=engine.world_size,
+            files=files,
+            direct=direct,
+            meta=meta,
+            keep=keep,
+            extra_files=extra_files if engine.is_main else {},
+            run_dir=run_dir,
         )
-    if engine.is_main:
-        checkpoint.begin_checkpoint(run_dir, step)
-    engine.barrier()
-    tmp = checkpoint.temporary_dir(run_dir, step)
-    engine.save(tmp, client_state)
-    engine.barrier()
-    # every file is written: each rank checksums its share of them for meta.json
-    checkpoint.manifest_share(tmp, engine.rank, engine.world_size)
-    engine.barrier()
-    final = checkpoint.checkpoint_dir(run_dir) / f"step-{step}"
-    if engine.is_main:
-        final = checkpoint.commit_checkpoint(
-            run_dir, step, tmp, meta, keep=keep, extra_files=extra_files
-        )
-    engine.barrier()
-    return final
+        if staged:
+            assert self.staging is not None
+            job.staged = self.staging.stage(files)
+            job.files = job.staged.files
+            self.times.blocked.append(time.perf_counter() - since)
+            self._thread = threading.Thread(
+                target=self._run, args=(job,), name=f"checkpoint-step-{step}", daemon=True
+            )
+            self._thread.start()
+            return final
+        self._run(job)
+        self.times.blocked.append(time.perf_counter() - since)
+        # every rank returns once rank 0 has committed, or raises when any rank failed
+        failed = torch.tensor([float(self._failure is not None)], device=engine.device)
+        if engine.world_size > 1:
+            engine.all_reduce_sum(failed)
+        if failed.item():
+            self.raise_failure()
+            raise CheckpointWriteFailed(
+                f"the checkpoint of step {step} could not be written on another rank (its "
+                "error line says why); the newest complete checkpoint is intact: continue "
+                "with train.resume=true once the cause is fixed"
+            )
+        return final
+
+    def _run(self, job: _SaveJob) -> None:
+        since = time.perf_counter()
+        try:
+            job.run()
+        except Exception as err:  # kept for the loop: every rank stops on it together
+            self._error = err
+            self._failure = (
+                f"the checkpoint of step {job.step} could not be written on rank "
+                f"{job.rank} ({first_line(err)}); the newest complete checkpoint in "
+                f"{checkpoint.checkpoint_dir(job.run_dir)} is intact: continue with "
+                "train.resume=true once the cause is fixed"
+            )
+        finally:
+            job.files = {}
+            job.staged = None
+        self.times.written.append(time.perf_counter() - since)
+
+
+@dataclass
+class _SaveJob:
+    """The part of one save that needs no collective: write this rank's files and its
+    manifest share; on rank 0, wait for every share and commit."""
+
+    tmp: Path
+    final: Path
+    step: int
+    rank: int
+    world_size: int
+    files: dict[str, Any]
+    direct: list[str]
+    meta: dict[str, Any]
+    keep: int
+    extra_files: dict[str, bytes]
+    run_dir: Path
+    staged: Any = None
+
+    def run(self) -> None:
+        try:
+            if self.staged is not None:
+                self.staged.ready()  # the device-to-host copies have landed
+            entries = {
+                name: checkpoint.write_checksummed(self.tmp / name, obj)
+                for name, obj in self.files.items()
+            }
+            for name in self.direct:
+                entries[name] = checkpoint.checksum_file(self.tmp / name)
+            checkpoint.write_manifest_share(self.tmp, self.rank, entries)
+        except Exception as err:  # rank 0 must not wait for a share that will never come
+            checkpoint.write_share_failure(self.tmp, self.rank, first_line(err))
+            raise
+        if self.rank == 0:
+            checkpoint.wait_for_shares(
+                self.tmp, self.world_size, timeout=SHARE_WAIT_SECONDS, poll=_POLL_SECONDS
+            )
+            checkpoint.commit_checkpoint(
+                self.run_dir,
+                self.step,
+                self.tmp,
+                self.meta,
+                keep=self.keep,
+                extra_files=self.extra_files,
+            )
 
 
 def restore(

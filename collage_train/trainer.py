@@ -54,6 +54,7 @@ from collage_train.models import (
 from collage_train.optim import decay_param_groups, warmup_cosine_lr
 from collage_train.optim.collage.kernels import choose_kernel
 from collage_train.precision import strategy_for
+from collage_train.run_checkpoint import CheckpointSaver
 from collage_train.stop_signal import StopRequest
 
 
@@ -130,6 +131,7 @@ class Trainer:
         self.edq_every = cfg.logging.log_every if edq_every is None else edq_every
         self.step = 0
         self.skipped_steps = 0
+        self.saver = CheckpointSaver(self.engine, run_dir, background=train.async_checkpoint)
 
     def _build_model(self) -> torch.nn.Module:
         """The model in the strategy's dtype on this rank's device (under ZeRO-3 only this
@@ -243,12 +245,13 @@ class Trainer:
         if "cuda" in state["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
 
-    def save_checkpoint(self) -> Path:
-        """Checkpoint the current step on every rank, refusing to store non-finite weights."""
-        return run_checkpoint.save(
-            self.engine,
-            self.run_dir,
+    def save_checkpoint(self, *, background: bool = False) -> Path:
+        """Checkpoint the current step on every rank, refusing to store non-finite weights;
+        ``background``: return once the state is copied to the host, the files written while
+        training goes on (``run_checkpoint.CheckpointSaver``)."""
+        return self.saver.save(
             self.step,
+            background=background,
             client_state=self.state_dict(),
             meta=resume.identity(self.cfg, self.strategy.checkpoint_holds, self.engine.world_size),
             keep=self.cfg.train.keep_checkpoints,
@@ -420,15 +423,17 @@ class Trainer:
                     val = self.evaluate()
                     emit({"step": self.step, **val})
                 if stopped:  # any rank signalled
-                    self.save_checkpoint()
+                    self.save_checkpoint(background=train.async_checkpoint)
+                    self._finish_saving()
                     self._notice(
                         f"{stop.signal_name or 'a stop signal'} received: checkpoint saved at "
                         f"step {self.step}; continue with train.resume=true"
                     )
                     return None
                 if save:
-                    self.save_checkpoint()
+                    self.save_checkpoint(background=train.async_checkpoint)
                 window_start = time.perf_counter()
+        self._finish_saving()
         if self.step < train.max_steps:
             self._notice(
                 f"stopped at step {self.step} of {train.max_steps} (train.stop_at_step); "
@@ -445,6 +450,11 @@ class Trainer:
         for sink in sinks:
             sink.summary(summary)
         return summary
+
+    def _finish_saving(self) -> None:
+        """Wait for a checkpoint written in the background; stop on its failure."""
+        self.saver.wait()
+        self.saver.raise_failure()
 
     def _notice(self, message: str) -> None:
         if self.engine.is_main:

@@ -26,11 +26,13 @@ both through ``python -m collage_train.checkpoint convert``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import re
 import shutil
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from collage_train.errors import CheckpointError
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 META = "meta.json"
 _SHARE = ".manifest-rank"  # prefix of a rank's share of the manifest, inside the temporary dir
+_FAILED = ".failed-rank"  # prefix of a rank's note that its share will not come
 _READ_BLOCK = 1 << 24
 
 
@@ -110,6 +113,47 @@ def write_tensors(directory: Path, tensors: dict[str, Any]) -> None:
         _write_file(directory / f"{name}.pt", lambda handle, obj=obj: torch.save(obj, handle))
 
 
+class _ChecksummingWriter:
+    """A file handle that keeps the CRC-32 and the size of what went through it."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.crc32 = 0
+        self.bytes = 0
+
+    def write(self, data: bytes) -> int:
+        self.crc32 = zlib.crc32(data, self.crc32)
+        self.bytes += len(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def write_checksummed(path: Path, obj: Any) -> dict[str, int]:
+    """``torch.save`` ``obj`` to ``path``, fsynced, and return its manifest entry (size and
+    CRC-32, computed from the bytes as they are written: nothing is read back)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as handle:
+        writer = _ChecksummingWriter(handle)
+        torch.save(obj, writer)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return {"bytes": writer.bytes, "crc32": writer.crc32}
+
+
+def checksum_file(path: Path) -> dict[str, int]:
+    """The manifest entry of a file written by someone else (read back once)."""
+    return {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+
+
+def write_manifest_share(tmp: Path, rank: int, entries: dict[str, dict[str, int]]) -> None:
+    """Write this rank's manifest share (relative name -> size and CRC-32) into ``tmp``,
+    for ``commit_checkpoint`` to gather into ``meta.json``; call it after its files."""
+    data = json.dumps(entries).encode()
+    _write_file(tmp / f"{_SHARE}{rank}.json", lambda handle: handle.write(data))
+
+
 def _crc32(path: Path) -> int:
     crc = 0
     with path.open("rb") as handle:
@@ -123,7 +167,7 @@ def _files(directory: Path) -> list[str]:
     return sorted(
         path.relative_to(directory).as_posix()
         for path in directory.rglob("*")
-        if path.is_file() and path.name != META and not path.name.startswith(_SHARE)
+        if path.is_file() and path.name != META and not path.name.startswith((_SHARE, _FAILED))
     )
 
 
@@ -132,13 +176,48 @@ def manifest_share(tmp: Path, rank: int, world_size: int) -> None:
     and write it beside them; ``commit_checkpoint`` gathers the shares into ``meta.json``.
     Call it on every rank once all ranks have written their files."""
     share = {
-        name: {"bytes": (tmp / name).stat().st_size, "crc32": _crc32(tmp / name)}
+        name: checksum_file(tmp / name)
         for index, name in enumerate(_files(tmp))
         if index % world_size == rank
     }
-    _write_file(
-        tmp / f"{_SHARE}{rank}.json", lambda handle: handle.write(json.dumps(share).encode())
-    )
+    write_manifest_share(tmp, rank, share)
+
+
+def written_files(directory: Path) -> list[str]:
+    """Relative names of the files written so far into a checkpoint's temporary directory."""
+    return _files(directory)
+
+
+def write_share_failure(tmp: Path, rank: int, reason: str) -> None:
+    """Tell rank 0's ``wait_for_shares`` that this rank's share will not come, and why
+    (best effort: the file system itself may be what failed)."""
+    with contextlib.suppress(OSError):
+        (tmp / f"{_FAILED}{rank}").write_text(reason)
+
+
+def wait_for_shares(tmp: Path, world_size: int, *, timeout: float, poll: float) -> None:
+    """Wait until every rank's manifest share is in ``tmp`` (ranks write into one shared
+    directory); raise ``CheckpointError`` when a rank reports a failure or the shares do
+    not all come within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    expected = {f"{_SHARE}{rank}.json" for rank in range(world_size)}
+    while True:
+        present = {path.name for path in tmp.iterdir()}
+        failed = sorted(name for name in present if name.startswith(_FAILED))
+        if failed:
+            reason = (tmp / failed[0]).read_text().strip()
+            raise CheckpointError(
+                f"rank {failed[0][len(_FAILED) :]} could not write its part ({reason})"
+            )
+        missing = expected - present
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            ranks = sorted(int(name[len(_SHARE) : -len(".json")]) for name in missing)
+            raise CheckpointError(
+                f"ranks {ranks} did not finish writing their part within {timeout:.0f} s"
+            )
+        time.sleep(poll)
 
 
 def _gather_manifest(tmp: Path) -> dict[str, dict[str, int]]:

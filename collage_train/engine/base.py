@@ -100,8 +100,12 @@ class Engine(Protocol):
     def close(self) -> None:
         """Leave the process group (if any)."""
 
-    def save(self, directory: Path, client_state: dict[str, Any]) -> None:
-        """Write the model and optimizer state of this rank into ``directory``."""
+    def state_files(
+        self, directory: Path, client_state: dict[str, Any], *, staged: bool
+    ) -> dict[str, Any]:
+        """This rank's part of a checkpoint in ``directory``, as relative file name -> what
+        to ``torch.save`` there (tensors still the live ones; the caller writes them).
+        ``staged``: the caller copies every tensor before training goes on."""
 
     def load(self, directory: Path) -> dict[str, Any]:
         """Restore model and optimizer state from ``directory``; return the client state."""

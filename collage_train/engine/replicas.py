@@ -218,19 +218,17 @@ class ReplicaEngine(SingleProcessEngine):
 
     # ----------------------------------------------------------- checkpoints
 
-    def save(self, directory: Path, client_state: dict[str, Any]) -> None:
+    def state_files(
+        self, directory: Path, client_state: dict[str, Any], *, staged: bool
+    ) -> dict[str, Any]:
         """This rank's model, inner optimizer, trainer and outer state in ``replica-R/``."""
-        target = replica_dir(directory, self.rank)
-        target.mkdir(parents=True, exist_ok=True)
-        checkpoint.write_tensors(
-            target,
-            {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "trainer": client_state,
-                "outer": {**self.outer.state_dict(), "counters": dict(self.counters)},
-            },
-        )
+        prefix = replica_dir(directory, self.rank).relative_to(directory).as_posix()
+        return {
+            f"{prefix}/model.pt": self.model.state_dict(),
+            f"{prefix}/optimizer.pt": self.optimizer.state_dict(),
+            f"{prefix}/trainer.pt": client_state,
+            f"{prefix}/outer.pt": {**self.outer.state_dict(), "counters": dict(self.counters)},
+        }
 
     def load(self, directory: Path) -> dict[str, Any]:
         source = replica_dir(directory, self.rank)

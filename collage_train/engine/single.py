@@ -118,9 +118,7 @@ class SingleProcessEngine:
     def barrier(self) -> None:
         """One process: there is no one to wait for."""
 
-    def edq_segments(
-        self, group_of: dict[torch.Tensor, str]
-    ) -> dict[torch.Tensor, list[Segment]]:
+    def edq_segments(self, group_of: dict[torch.Tensor, str]) -> dict[torch.Tensor, list[Segment]]:
         return {param: [(group, 0, param.numel())] for param, group in group_of.items()}
 
     def local_weights(self) -> list[torch.Tensor]:
@@ -143,19 +141,18 @@ class SingleProcessEngine:
     def close(self) -> None:
         """One process: no process group to leave."""
 
-    def save(self, directory: Path, client_state: dict[str, Any]) -> None:
+    def state_files(
+        self, directory: Path, client_state: dict[str, Any], *, staged: bool
+    ) -> dict[str, Any]:
         """model.pt, optimizer.pt (its state by index, and ``param_names`` naming each
         index, so that other layouts can read it per parameter) and trainer.pt."""
         names = {param: name for name, param in self.model.named_parameters()}
         param_names = [names[p] for group in self.optimizer.param_groups for p in group["params"]]
-        checkpoint.write_tensors(
-            directory,
-            {
-                "model": self.model.state_dict(),
-                "optimizer": {**self.optimizer.state_dict(), "param_names": param_names},
-                "trainer": client_state,
-            },
-        )
+        return {
+            "model.pt": self.model.state_dict(),
+            "optimizer.pt": {**self.optimizer.state_dict(), "param_names": param_names},
+            "trainer.pt": client_state,
+        }
 
     def load(self, directory: Path) -> dict[str, Any]:
         self.model.load_state_dict(checkpoint.load_checkpoint_file(directory, "model", self.device))

@@ -40,6 +40,7 @@ from collage_train.engine.deepspeed_config import (
 )
 from collage_train.engine.launch import check_process_group, init_process_group, local_rank
 from collage_train.engine.zero_buckets import ModelSize
+from collage_train.engine.zero_capture import CapturedFiles
 from collage_train.engine.zero_memory import ZeroStateBytes, zero_state_bytes
 from collage_train.errors import CheckpointError, ConfigError
 from collage_train.metrics.edq import layer_group_of
@@ -421,14 +422,24 @@ class ZeroEngine:
 
     # ----------------------------------------------------------- checkpoints
 
-    def save(self, directory: Path, client_state: dict[str, Any]) -> None:
-        """Every rank writes its shards into ``directory`` (DeepSpeed's layout)."""
-        self.ds.save_checkpoint(
-            str(directory.parent),
-            tag=directory.name,
-            client_state={"trainer": client_state},
-            save_latest=False,
-        )
+    def state_files(
+        self, directory: Path, client_state: dict[str, Any], *, staged: bool
+    ) -> dict[str, Any]:
+        """This rank's shards in DeepSpeed's layout, as DeepSpeed's ``save_checkpoint``
+        hands them to its checkpoint engine (``CapturedFiles``), written by the caller.
+        ``staged``: the caller copies every tensor itself, so DeepSpeed need not clone."""
+        captured = CapturedFiles(directory, self.ds.checkpoint_engine, clones=not staged)
+        self.ds.checkpoint_engine, original = captured, self.ds.checkpoint_engine
+        try:
+            self.ds.save_checkpoint(
+                str(directory.parent),
+                tag=directory.name,
+                client_state={"trainer": client_state},
+                save_latest=False,
+            )
+        finally:
+            self.ds.checkpoint_engine = original
+        return captured.files
 
     def load(self, directory: Path) -> dict[str, Any]:
         path, client_state = self.ds.load_checkpoint(
