@@ -1,0 +1,181 @@
+"""How long a checkpoint save blocks the training loop: synchronous against background.
+
+Each rank (one process, or the ranks of a ``torchrun`` launch) builds the real
+``Trainer`` from the composed configuration, takes one step, then saves ``--saves``
+times in each mode, one training step before each save:
+
+- sync (``train.async_checkpoint=false``): the loop waits until the files are written,
+  fsynced, checksummed and committed;
+- async (the default): the loop waits for the weights check and the copy of the state
+  into host buffers; training steps run while the files are written (counted), then the
+  save is waited for. The first background save also allocates the host buffers, so the
+  ratio is taken over the later ones ("steady").
+
+    python scripts/bench_checkpoint.py --model gpt_125m --precision collage_plus
+    python scripts/bench_checkpoint.py --model gpt_1.3b --precision bf16 --seq-len 128
+    python scripts/bench_checkpoint.py --distributed zero2 --nproc 2 --device cuda
+
+The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from runs import REPO, append_results
+
+GIB = 2**30
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+
+
+def worker(out: Path, overrides: list[str], saves: int) -> None:
+    """Inside each rank: build the trainer, step, save in both modes, report."""
+    import torch
+
+    from collage_train.compose import compose_job
+    from collage_train.trainer import Trainer
+
+    cfg = compose_job(overrides)
+    trainer = Trainer(cfg, out.parent / "run")
+    trainer.train_step()  # warm-up: allocations, the optimizer state
+    sync_s, blocked_s, written_s, steps_during = [], [], [], []
+    for _ in range(saves):
+        trainer.train_step()
+        start = time.perf_counter()
+        path = trainer.save_checkpoint(background=False)
+        sync_s.append(time.perf_counter() - start)
+    for _ in range(saves):
+        trainer.train_step()
+        start = time.perf_counter()
+        trainer.save_checkpoint(background=True)
+        blocked_s.append(time.perf_counter() - start)
+        overlapped = 0
+        while trainer.saver.in_flight:
+            trainer.train_step()
+            overlapped += 1
+        trainer.saver.wait()
+        trainer.saver.raise_failure()
+        written_s.append(trainer.saver.times.written[-1])
+        steps_during.append(overlapped)
+    rank = trainer.engine.rank
+    row = {
+        "rank": rank,
+        "world_size": trainer.engine.world_size,
+        "device": str(trainer.device),
+        "num_params": trainer.num_params,
+        "checkpoint_bytes": directory_bytes(path),
+        "host_staging_bytes": trainer.saver.host_staging_bytes,
+        "sync_s": sync_s,
+        "async_blocked_s": blocked_s,
+        "async_written_s": written_s,
+        "steps_during_write": steps_during,
+        "torch": torch.__version__,
+    }
+    Path(f"{out}.rank{rank}").write_text(json.dumps(row))
+    trainer.engine.close()
+
+
+def launch(distributed: str, ranks: int, overrides: list[str], saves: int) -> list[dict]:
+    scratch = Path(tempfile.mkdtemp(prefix="bench_checkpoint_"))
+    out = scratch / "row.json"
+    script = Path(__file__).resolve()
+    args = ["--worker-out", str(out), "--saves", str(saves), "--"]
+    args += [*overrides, f"distributed={distributed}"]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if ranks == 1:
+        command = [sys.executable, str(script), *args]
+    else:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
+        torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+        command = [torchrun, "--nproc_per_node", str(ranks), str(script), *args]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    rows = [json.loads(p.read_text()) for p in sorted(scratch.glob("row.json.rank*"))]
+    shutil.rmtree(scratch, ignore_errors=True)
+    if proc.returncode != 0 or len(rows) != ranks:
+        sys.exit(f"{distributed} on {ranks} rank(s) failed:\n{proc.stderr[-3000:]}")
+    for row in rows:
+        row["distributed"] = distributed
+        steady = row["async_blocked_s"][1:] or row["async_blocked_s"]
+        row["blocked_ratio"] = mean(steady) / mean(row["sync_s"])
+    return rows
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def table(rows: list[dict], model: str, precision: str) -> str:
+    lines = [
+        "| model | precision | engine | rank | checkpoint (GiB, this rank's files) | "
+        "sync save (s) | async: loop blocked (s), first / steady | async: written in "
+        "background (s) | steps run during the write | blocked / sync (steady) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        blocked = row["async_blocked_s"]
+        steady = blocked[1:] or blocked
+        lines.append(
+            f"| {model} | {precision} | {row['distributed']} | {row['rank']} of "
+            f"{row['world_size']} | {row['checkpoint_bytes'] / GIB:.2f} | "
+            f"{mean(row['sync_s']):.2f} | {blocked[0]:.2f} / {mean(steady):.2f} | "
+            f"{mean(row['async_written_s']):.2f} | "
+            f"{', '.join(map(str, row['steps_during_write']))} | "
+            f"{row['blocked_ratio']:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt_125m", help="model preset (configs/model/)")
+    parser.add_argument("--precision", default="collage_plus")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--device", default="auto", help="train.device: auto, cpu or cuda")
+    parser.add_argument("--distributed", default="unsharded", help="unsharded, zero1/2/3")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks (torchrun) for ZeRO")
+    parser.add_argument("--saves", type=int, default=3, help="saves in each mode")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker_out is not None:
+        worker(args.worker_out, args.overrides, args.saves)
+        return
+    batch = max(1, args.nproc)
+    overrides = [
+        f"model={args.model}", f"precision={args.precision}", f"train.device={args.device}",
+        f"data.seq_len={args.seq_len}", "train.micro_batch_size=1",
+        f"train.global_batch_size={batch}", "train.max_steps=1000",
+        "train.keep_checkpoints=1", "logging.wandb.mode=disabled", "logging.console=none",
+    ]  # fmt: skip
+    rows = launch(args.distributed, args.nproc, overrides, args.saves)
+    text = table(rows, args.model, args.precision)
+    print(text)
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    if not args.no_append:
+        append_results(
+            f"Checkpoint save: loop blocked, sync against async ({args.model}, "
+            f"{args.precision}, {args.distributed} x {args.nproc})",
+            f"One training step before each save, {args.saves} saves per mode, sequence "
+            f"{args.seq_len}, micro-batch 1, the embedded default corpus; the run directory "
+            "on the machine's local disk. Async: steps keep running while the files are "
+            "written; the first background save also allocates its host buffers.",
+            text,
+        )
+
+
+if __name__ == "__main__":
+    main()
