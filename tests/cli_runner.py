@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from suite_device import device_overrides, launch_drops, launch_environment, skip_without_gpus
 from tiny_config import tiny_model_and_data
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,8 +30,9 @@ class Result:
 
 
 def tiny_overrides(corpus: Path, cache: Path, run_dir: Path) -> list[str]:
-    """A 2-layer GPT on the small corpus: a few seconds per run."""
+    """A 2-layer GPT on the small corpus, on the suite's device: a few seconds per run."""
     return [
+        *device_overrides(),
         *tiny_model_and_data(corpus, cache),
         "train.micro_batch_size=4",
         "train.global_batch_size=8",
@@ -90,17 +92,20 @@ def rank_threads(ranks: int) -> int:
 def _launch(
     name: str, options: list[str], args: tuple[str, ...], cwd: Path, timeout: float, ranks: int
 ) -> Result:
-    """``NAME --master_port PORT OPTIONS ARGS`` (a launcher of this environment) on CPU, on
-    a free port, with the machine's cores shared out as OpenMP threads (one per rank on 2
-    cores, as on CI): the one launcher of every multi-process test. Retries a port another
-    process took between choosing and binding it; removes the run's DeepSpeed /dev/shm
-    files, naming them in the result."""
+    """``NAME --master_port PORT OPTIONS ARGS`` (a launcher of this environment) on a free
+    port, with the machine's cores shared out as OpenMP threads (one per rank on 2 cores,
+    as on CI): the one launcher of every multi-process test. On the suite's device: CPU
+    ranks over gloo, or under ``--device cuda`` NCCL ranks with a GPU each (the calling
+    test is skipped with fewer GPUs than ranks). Retries a port another process took
+    between choosing and binding it; removes the run's DeepSpeed /dev/shm files, naming
+    them in the result."""
+    skip_without_gpus(ranks)
     launcher = shutil.which(name) or str(Path(sys.executable).parent / name)
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in launch_drops()},
         "PYTHONUNBUFFERED": "1",
         "WANDB_SILENT": "true",
-        "DS_ACCELERATOR": "cpu",
+        **launch_environment(),
         "OMP_NUM_THREADS": str(rank_threads(ranks)),
     }
     for _ in range(3):
@@ -119,7 +124,7 @@ def _launch(
 
 
 def run_deepspeed(*args: str, ranks: int = 2, timeout: float = 900) -> Result:
-    """``deepspeed --num_gpus RANKS --no_local_rank --module collage_train ARGS`` on CPU."""
+    """``deepspeed --num_gpus RANKS --no_local_rank --module collage_train ARGS``."""
     options = ["--num_gpus", str(ranks), "--no_local_rank", "--module", "collage_train"]
     return _launch("deepspeed", options, args, REPO, timeout, ranks)
 
@@ -131,6 +136,6 @@ def run_torchrun(
     entry: str = "-m collage_train",
     timeout: float = 900,
 ) -> Result:
-    """``torchrun --nproc_per_node RANKS ENTRY ARGS`` on CPU, from ``cwd``."""
+    """``torchrun --nproc_per_node RANKS ENTRY ARGS``, from ``cwd``."""
     options = ["--nproc_per_node", str(ranks), *entry.split()]
     return _launch("torchrun", options, args, cwd, timeout, ranks)

@@ -1,17 +1,68 @@
-"""Shared fixtures: a small real-text corpus and a runner for the real CLI."""
+"""Shared fixtures: a small real-text corpus, a runner for the real CLI, and the device
+switch (``--device cpu|cuda``, tests/suite_device.py)."""
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
 import pytest
+import suite_device
 from cli_runner import Result, run_cli, tiny_overrides
 from tiny_config import compose_tiny
 
 from collage_train.config import register_schemas
 
 register_schemas()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        choices=suite_device.DEVICES,
+        default=os.environ.get(suite_device.VARIABLE) or "cpu",
+        help="device of the tests' training runs and device tensors: cpu (default) or cuda "
+        f"(every test that can run on a GPU does; also {suite_device.VARIABLE}=cuda)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Export the switch for test modules, CLI subprocesses and launched ranks; refuse
+    ``--device cuda`` in one line when torch sees no GPU (nothing would test the GPU)."""
+    device = config.getoption("--device")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise pytest.UsageError(
+                "--device cuda but torch sees no CUDA device; run on a GPU machine "
+                "or without --device"
+            )
+    os.environ[suite_device.VARIABLE] = device
+    config.addinivalue_line(
+        "markers",
+        "cpu_only(reason): the subject exists only on the CPU; skipped under --device cuda",
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    device = config.getoption("--device")
+    if device == "cuda":
+        import torch
+
+        return f"device: cuda ({torch.cuda.device_count()} x {torch.cuda.get_device_name(0)})"
+    return "device: cpu"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--device") != "cuda":
+        return
+    for item in items:
+        marker = item.get_closest_marker("cpu_only")
+        if marker is not None:
+            reason = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
+            item.add_marker(pytest.mark.skip(reason=f"--device cuda: CPU only: {reason}"))
 
 
 _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -31,6 +82,13 @@ def _launch_environment_is_restored():
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture
+def device():
+    """The suite's device as a ``torch.device`` (``--device``): where a test that can run
+    on a GPU puts its tensors."""
+    return suite_device.torch_device()
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from unittest import mock
 
 import torch
 from omegaconf import DictConfig
+from suite_device import torch_device
 
 from collage_train import trainer as trainer_module
 from collage_train.comm.outer import OuterState, apply_payloads_, make_payload
@@ -33,10 +34,11 @@ class Simulation:
 
 
 def simulate_replicas(cfg: DictConfig, replicas: int, work_dir: Path) -> Simulation:
-    """Train ``replicas`` replicas for ``cfg.train.max_steps`` steps in this process."""
+    """Train ``replicas`` replicas for ``cfg.train.max_steps`` steps in this process, on
+    the suite's device (``--device``)."""
     trainers = []
     for rank in range(replicas):
-        engine = SingleProcessEngine(device=torch.device("cpu"), rank=rank, world_size=replicas)
+        engine = SingleProcessEngine(device=torch_device(), rank=rank, world_size=replicas)
         with mock.patch.object(trainer_module, "build_engine", lambda *_, e=engine, **__: e):
             trainers.append(Trainer(cfg, work_dir / f"replica-{rank}"))
     settings = outer_settings(cfg.comm)

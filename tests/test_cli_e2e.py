@@ -124,7 +124,12 @@ def in_process(corpus_dir, cache_dir, capsys):
         ("mixed_fp32", "auto", "in-process"),
         ("bf16", "auto", "in-process"),
         ("collage_light", "auto", "in-process"),
-        ("collage_plus", "fp32", "subprocess"),  # a fresh interpreter restores the RNG too
+        pytest.param(  # a fresh interpreter restores the RNG too
+            "collage_plus",
+            "fp32",
+            "subprocess",
+            marks=pytest.mark.cpu_only(reason="train.cpu_bf16_gemm=fp32 acts on CPU runs only"),
+        ),
     ],
 )
 def test_stop_and_resume_is_bitwise_identical(tiny, in_process, tmp_path, precision, gemm, process):

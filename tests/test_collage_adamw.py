@@ -1,4 +1,6 @@
-"""CollageAdamW numerics against float64 references, and its use as a drop-in optimizer."""
+"""CollageAdamW numerics against float64 references, and its use as a drop-in optimizer.
+
+Tests taking ``device`` run on the suite's device (``pytest --device cuda``: the GPU)."""
 
 import pytest
 import torch
@@ -14,12 +16,12 @@ def second_moment(opt, param):
     return state["exp_avg_sq"].double() + (state["dv"].double() if "dv" in state else 0.0)
 
 
-def test_v_tracking_with_beta2_0999():
+def test_v_tracking_with_beta2_0999(device):
     """Constant g^2 = 1 for 4000 steps: true v = 1 - 0.999^4000 = 0.9817 (REFERENCE.md 3)."""
     truth = 1 - 0.999**4000
     result = {}
     for mode in ("none", "light", "plus"):
-        param = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        param = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16, device=device))
         opt = CollageAdamW([param], lr=0.0, betas=BETAS, mode=mode)
         for _ in range(4000):
             param.grad = torch.ones_like(param)
@@ -134,15 +136,17 @@ def _edq_after(opt, param, steps):
     return edq_metrics(opt.last_edq[param], with_dtheta="dtheta" in opt.state[param])
 
 
-def test_small_lr_updates_are_lost_in_bf16_and_kept_by_collage():
-    start = torch.linspace(0.5, 1.5, 1000).to(torch.bfloat16)
+def test_small_lr_updates_are_lost_in_bf16_and_kept_by_collage(device):
+    start = torch.linspace(0.5, 1.5, 1000).to(device, torch.bfloat16)
     metrics, effective = {}, {}
     for mode in ("none", "light", "plus"):
         param = torch.nn.Parameter(start.clone())
         opt = CollageAdamW([param], lr=1e-5, betas=(0.9, 0.95), mode=mode)
         metrics[mode] = _edq_after(opt, param, 50)
         state = opt.state[param]
-        effective[mode] = param.double() + state.get("dtheta", torch.zeros(1)).double()
+        effective[mode] = (
+            param.double() + state.get("dtheta", torch.zeros(1, device=device)).double()
+        )
     assert metrics["none"]["lost_update_frac"] == 1.0
     assert metrics["none"]["edq_normalized"] == 0.0
     assert torch.equal(effective["none"], start.double())  # never moved
@@ -152,15 +156,15 @@ def test_small_lr_updates_are_lost_in_bf16_and_kept_by_collage():
         assert metrics[mode]["dtheta_norm"] > 0
 
 
-def test_edq_is_one_for_fp32_and_below_one_for_bf16():
+def test_edq_is_one_for_fp32_and_below_one_for_bf16(device):
     gen = torch.Generator().manual_seed(0)
-    start = torch.randn(4096, generator=gen)
+    start = torch.randn(4096, generator=gen).to(device)
     fp32 = torch.nn.Parameter(start.clone())
     bf16 = torch.nn.Parameter(start.to(torch.bfloat16))
     fp32_opt = AdamW([fp32], lr=1e-3)
     bf16_opt = CollageAdamW([bf16], lr=1e-3, mode="none")
     for param, opt in ((fp32, fp32_opt), (bf16, bf16_opt)):
-        param.grad = torch.randn(4096, generator=gen).to(param.dtype)
+        param.grad = torch.randn(4096, generator=gen).to(device, param.dtype)
         opt.track_edq = True
         opt.step()
     fp32_metrics = edq_metrics(fp32_opt.last_edq[fp32], with_dtheta=False)
@@ -171,8 +175,8 @@ def test_edq_is_one_for_fp32_and_below_one_for_bf16():
     assert bf16_metrics["lost_update_frac"] > 0.1
 
 
-def test_tracking_off_does_no_descent_work():
-    param = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+def test_tracking_off_does_no_descent_work(device):
+    param = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16, device=device))
     opt = CollageAdamW([param], lr=1e-3)
     param.grad = torch.ones_like(param)
     opt.step()
@@ -182,11 +186,11 @@ def test_tracking_off_does_no_descent_work():
 # ------------------------------------------------------------------- drop-in use
 
 
-def test_plain_training_loop_with_param_groups():
+def test_plain_training_loop_with_param_groups(device):
     """A plain PyTorch loop, no trainer: learns, honours per-group lr, exposes EDQ."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    model = model.to(torch.bfloat16)
+    model = model.to(device, torch.bfloat16)
     frozen_lr = model[2].bias
     optimizer = CollageAdamW(
         [
@@ -199,7 +203,7 @@ def test_plain_training_loop_with_param_groups():
         weight_decay=0.01,
         mode="plus",
     )
-    x = torch.randn(256, 16).to(torch.bfloat16)
+    x = torch.randn(256, 16).to(device, torch.bfloat16)
     y = (x.float().sum(dim=1, keepdim=True) * 0.3).to(torch.bfloat16)
     bias_before = frozen_lr.detach().clone()
     losses = []
@@ -219,10 +223,10 @@ def test_plain_training_loop_with_param_groups():
     assert optimizer.last_edq[frozen_lr][1] == 0  # ||u||^2 of the lr-0 group
 
 
-def test_state_dict_round_trip_continues_bitwise():
+def test_state_dict_round_trip_continues_bitwise(device):
     gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(64, generator=gen).to(torch.bfloat16) for _ in range(10)]
-    a = torch.nn.Parameter(torch.randn(64, generator=gen).to(torch.bfloat16))
+    grads = [torch.randn(64, generator=gen).to(device, torch.bfloat16) for _ in range(10)]
+    a = torch.nn.Parameter(torch.randn(64, generator=gen).to(device, torch.bfloat16))
     opt_a = CollageAdamW([a], lr=1e-3, weight_decay=0.1, mode="plus")
     for g in grads[:5]:
         a.grad = g.clone()
@@ -250,17 +254,18 @@ def test_mode_is_compared_by_value_and_validated():
         CollageAdamW([torch.nn.Parameter(torch.ones(2))])
 
 
-def test_weight_decay_is_compensated():
+def test_weight_decay_is_compensated(device):
     """lr * wd = 1e-5 relative: lost in plain bf16, kept by Collage."""
     results = {}
     for mode in ("none", "light"):
-        param = torch.nn.Parameter(torch.ones(16, dtype=torch.bfloat16))
+        param = torch.nn.Parameter(torch.ones(16, dtype=torch.bfloat16, device=device))
         opt = CollageAdamW([param], lr=1e-4, weight_decay=0.1, mode=mode)
         for _ in range(100):
             param.grad = torch.zeros_like(param)
             opt.step()
         state = opt.state[param]
-        results[mode] = (param.double() + state.get("dtheta", torch.zeros(1)).double())[0].item()
+        dtheta = state.get("dtheta", torch.zeros(1, device=device))
+        results[mode] = (param.double() + dtheta.double())[0].item()
     assert results["none"] == 1.0
     decay = 1 - (1 - 1e-5) ** 100  # 1e-3 in all
     assert abs(results["light"] - (1 - decay)) < 0.1 * decay

@@ -242,7 +242,10 @@ def test_strategies_say_whether_they_compute_in_bf16():
 
 # ------------------------------------------------------------------ the trainer
 
+CPU_ONLY = "train.cpu_bf16_gemm (bf16 GEMMs emulated as fp32 ones) acts on CPU runs only"
 
+
+@pytest.mark.cpu_only(reason=CPU_ONLY)
 def test_trainer_emulates_reports_and_records_the_choice(make_cfg, tmp_path, monkeypatch):
     seen = _count_emulated(monkeypatch)
     cfg = make_cfg("precision=collage_plus", "train.cpu_bf16_gemm=fp32")
@@ -260,6 +263,7 @@ def test_trainer_emulates_reports_and_records_the_choice(make_cfg, tmp_path, mon
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_only(reason=CPU_ONLY)
 def test_compiled_model_gets_the_emulation_from_inductor(make_cfg, tmp_path, monkeypatch):
     """Dynamo does not trace under a dispatch mode: the compiled model must still be
     compiled (not silently eager) and its bf16 products decomposed into fp32 GEMMs."""

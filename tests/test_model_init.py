@@ -68,11 +68,11 @@ def test_weights_follow_the_model_classs_own_init_rules(family, extra):
 
 
 @pytest.mark.parametrize(("family", "extra"), FAMILIES)
-def test_a_unit_at_a_time_in_the_storage_dtype(family, extra):
+def test_a_unit_at_a_time_in_the_storage_dtype(family, extra, device):
     """Each unit reaches ``place`` already in the storage dtype while every later unit is
     still on the meta device, so no fp32 copy of the model ever exists; the values are
     the fp32 draw rounded once, and every parameter is placed exactly once."""
-    reference = materialise(meta_model(family, **extra), seed=7, dtype=torch.float32, device="cpu")
+    reference = materialise(meta_model(family, **extra), seed=7, dtype=torch.float32, device=device)
     model = meta_model(family, **extra)
     planned = units(model)
     placed: list[list[torch.nn.Parameter]] = []
@@ -81,9 +81,9 @@ def test_a_unit_at_a_time_in_the_storage_dtype(family, extra):
         placed.append(params)
         drawn = [p for p in model.parameters() if not p.is_meta]
         assert len(drawn) == sum(len(unit) for unit in placed)  # nothing drawn ahead
-        assert all(p.dtype == torch.bfloat16 for p in drawn)
+        assert all(p.dtype == torch.bfloat16 and p.device == device for p in drawn)
 
-    materialise(model, seed=7, dtype=torch.bfloat16, device="cpu", place=place)
+    materialise(model, seed=7, dtype=torch.bfloat16, device=device, place=place)
     flat = [p for params in placed for p in params]
     assert len({id(p) for p in flat}) == len(flat) == len(list(model.parameters()))
     expected = reference.state_dict()
@@ -94,14 +94,14 @@ def test_a_unit_at_a_time_in_the_storage_dtype(family, extra):
     )
 
 
-def test_same_seed_same_weights_whatever_came_before_and_no_global_rng_drawn():
+def test_same_seed_same_weights_whatever_came_before_and_no_global_rng_drawn(device):
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    first = materialise(meta_model("gpt"), seed=3, dtype=torch.float32, device="cpu")
+    first = materialise(meta_model("gpt"), seed=3, dtype=torch.float32, device=device)
     assert torch.equal(torch.get_rng_state(), before)  # the caller's random state untouched
     torch.rand(1000)  # whatever the caller drew in between
-    second = materialise(meta_model("gpt"), seed=3, dtype=torch.float32, device="cpu")
-    other = materialise(meta_model("gpt"), seed=4, dtype=torch.float32, device="cpu")
+    second = materialise(meta_model("gpt"), seed=3, dtype=torch.float32, device=device)
+    other = materialise(meta_model("gpt"), seed=4, dtype=torch.float32, device=device)
     for (name, a), b, c in zip(
         first.state_dict().items(),
         second.state_dict().values(),
@@ -114,11 +114,11 @@ def test_same_seed_same_weights_whatever_came_before_and_no_global_rng_drawn():
     assert module_seed(3, "transformer.h.0") != module_seed(3, "transformer.h.1")
 
 
-def test_a_module_draws_the_same_values_in_a_deeper_or_shallower_model():
+def test_a_module_draws_the_same_values_in_a_deeper_or_shallower_model(device):
     """Values depend on the seed and the module's name only: the first block of a 2-layer
     and of a 3-layer model are the same, whatever the number of units drawn before."""
-    two = materialise(meta_model("llama", num_layers=2), seed=5, dtype=torch.float32, device="cpu")
-    three = materialise(meta_model("llama"), seed=5, dtype=torch.float32, device="cpu")
+    two = materialise(meta_model("llama", num_layers=2), seed=5, dtype=torch.float32, device=device)
+    three = materialise(meta_model("llama"), seed=5, dtype=torch.float32, device=device)
     for name, value in two.model.layers[1].state_dict().items():
         assert torch.equal(value, three.model.layers[1].state_dict()[name]), name
 
@@ -135,7 +135,7 @@ def test_trainer_weights_equal_the_fp32_draw_cast_once(make_cfg, tmp_path):
         ),
         seed=cfg.train.seed,
         dtype=torch.float32,
-        device="cpu",
+        device=trainer.device,
     )
     expected = reference.state_dict()
     for name, value in trainer.model.state_dict().items():

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
+from suite_device import device_overrides
 
 from collage_train.cli import config_dir
 from collage_train.models import build_model
@@ -35,7 +36,8 @@ def tiny_model_and_data(corpus: Path, cache: Path, hidden_size: int = 32) -> lis
 
 
 def compose_tiny(corpus: Path, cache: Path, *overrides: str) -> DictConfig:
-    """The real config of the tiny model, quiet (no console, W&B, plots, export); overrides win."""
+    """The real config of the tiny model on the suite's device (``--device``), quiet (no
+    console, W&B, plots, export); overrides win."""
     quiet = [
         "train.eval_batches=2",
         "logging.console=none",
@@ -46,7 +48,12 @@ def compose_tiny(corpus: Path, cache: Path, *overrides: str) -> DictConfig:
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         return compose(
             config_name="config",
-            overrides=tiny_model_and_data(corpus, cache) + quiet + list(overrides),
+            overrides=[
+                *device_overrides(),
+                *tiny_model_and_data(corpus, cache),
+                *quiet,
+                *overrides,
+            ],
         )
 
 
