@@ -1,0 +1,182 @@
+"""Checkpoints written in the background (collage_train.run_checkpoint.CheckpointSaver):
+the same files as a foreground save while training goes on, never taken before they are
+complete, failures kept for the loop, and a process killed mid-write that resumes from
+the previous checkpoint."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from collage_train import checkpoint
+from collage_train.errors import CheckpointWriteFailed
+from collage_train.trainer import Trainer
+
+
+def _state(path):
+    return {name: checkpoint.load_checkpoint_file(path, name) for name in ("model", "optimizer")}
+
+
+def _assert_bitwise(a, b) -> None:
+    if torch.is_tensor(a):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _assert_bitwise(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_bitwise(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("precision", ["collage_plus", "mixed_fp32"])
+def test_background_save_holds_the_step_it_was_taken_at(
+    make_cfg, tmp_path, monkeypatch, precision
+):
+    cfg = make_cfg(f"precision={precision}", "train.max_steps=8")
+    background, foreground = Trainer(cfg, tmp_path / "bg"), Trainer(cfg, tmp_path / "fg")
+    for trainer in (background, foreground):
+        trainer.train_step()
+        trainer.train_step()
+    release, write = threading.Event(), checkpoint.write_checksummed
+
+    def after_the_next_steps(path, obj):
+        release.wait(timeout=60)
+        return write(path, obj)
+
+    monkeypatch.setattr(checkpoint, "write_checksummed", after_the_next_steps)
+    path = background.save_checkpoint(background=True)
+    background.train_step()  # the weights and moments change before a file is written
+    background.train_step()
+    release.set()
+    background.saver.wait()
+    monkeypatch.undo()
+    assert background.saver.failure is None
+    reference = foreground.save_checkpoint()
+    assert checkpoint.damage(path) is None
+    _assert_bitwise(_state(path), _state(reference))
+    trainer_state = checkpoint.load_checkpoint_file(path, "trainer")
+    assert trainer_state["step"] == 2
+    assert background.saver.times.blocked and background.saver.host_staging_bytes > 0
+
+
+def test_a_save_in_flight_is_not_a_checkpoint_until_committed(make_cfg, tmp_path, monkeypatch):
+    trainer = Trainer(make_cfg(), tmp_path / "run")
+    trainer.train_step()
+    first = trainer.save_checkpoint()
+    trainer.train_step()
+    release, writing = threading.Event(), threading.Event()
+    write = checkpoint.write_checksummed
+
+    def held(path, obj):
+        writing.set()
+        release.wait(timeout=60)
+        return write(path, obj)
+
+    monkeypatch.setattr(checkpoint, "write_checksummed", held)
+    second = trainer.save_checkpoint(background=True)
+    assert writing.wait(timeout=60) and trainer.saver.in_flight
+    assert checkpoint.latest_checkpoint(tmp_path / "run") == first
+    assert checkpoint.temporary_dir(tmp_path / "run", 2).is_dir()
+    trainer.train_step()  # training goes on meanwhile
+    release.set()
+    trainer.saver.wait()
+    assert checkpoint.latest_checkpoint(tmp_path / "run") == second
+    assert checkpoint.damage(second) is None
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
+def test_a_failed_background_write_is_kept_and_leaves_the_last_checkpoint(
+    make_cfg, tmp_path, monkeypatch, code
+):
+    run_dir = tmp_path / "run"
+    trainer = Trainer(make_cfg(), run_dir)
+    trainer.train_step()
+    first = trainer.save_checkpoint()
+    trainer.train_step()
+
+    def failing(path, obj):
+        raise OSError(code, os.strerror(code), str(path))
+
+    monkeypatch.setattr(checkpoint, "write_checksummed", failing)
+    trainer.save_checkpoint(background=True)
+    trainer.saver.wait()
+    assert "step 2" in trainer.saver.failure and "rank 0" in trainer.saver.failure
+    # a full disk is raised as itself: the CLI has its own line for it
+    expected = OSError if code == errno.ENOSPC else CheckpointWriteFailed
+    with pytest.raises(expected):
+        trainer.saver.raise_failure()
+    assert checkpoint.latest_checkpoint(run_dir) == first and checkpoint.damage(first) is None
+
+
+def test_a_rank_that_fails_stops_rank_0_waiting_for_its_share(tmp_path):
+    tmp = tmp_path / ".step-3.tmp"
+    tmp.mkdir()
+    checkpoint.write_manifest_share(tmp, 0, {})
+    checkpoint.write_share_failure(tmp, 1, "No space left on device")
+    with pytest.raises(Exception, match="rank 1 could not write its part"):
+        checkpoint.wait_for_shares(tmp, 2, timeout=30, poll=0.01)
+    (tmp / ".failed-rank1").unlink()
+    with pytest.raises(Exception, match=r"ranks \[1\] did not finish"):
+        checkpoint.wait_for_shares(tmp, 2, timeout=0.05, poll=0.01)
+
+
+def test_killed_during_a_background_save_resumes_from_the_previous_checkpoint(
+    make_cfg, tmp_path
+):
+    """SIGKILL while the thread writes step 2: step-1 stays the newest checkpoint, the
+    half-written directory is never taken, and a resume continues from step 1."""
+    run_dir = tmp_path / "run"
+    cfg = make_cfg("train.max_steps=8")
+    from omegaconf import OmegaConf
+
+    (tmp_path / "cfg.yaml").write_text(OmegaConf.to_yaml(cfg))
+    script = textwrap.dedent(
+        f"""
+        import os, signal, threading
+        from omegaconf import OmegaConf
+        from collage_train import checkpoint
+        from collage_train.config import register_schemas
+        from collage_train.trainer import Trainer
+        register_schemas()
+        cfg = OmegaConf.load({str(tmp_path / "cfg.yaml")!r})
+        trainer = Trainer(cfg, __import__("pathlib").Path({str(run_dir)!r}))
+        trainer.train_step()
+        trainer.save_checkpoint()
+        trainer.train_step()
+        write, written = checkpoint.write_checksummed, []
+        def one_then_die(path, obj):
+            if written:
+                os.kill(os.getpid(), signal.SIGKILL)
+            written.append(write(path, obj))
+            return written[-1]
+        checkpoint.write_checksummed = one_then_die
+        trainer.save_checkpoint(background=True)
+        trainer.train_step()
+        trainer.saver.wait()
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    partial = checkpoint.temporary_dir(run_dir, 2)
+    assert [p.name for p in partial.iterdir()] == ["model.pt"]  # one file written, then killed
+    assert checkpoint.latest_checkpoint(run_dir).name == "step-1"
+    resumed = Trainer(cfg, run_dir)
+    resumed.resume_from(checkpoint.latest_checkpoint(run_dir))
+    assert resumed.step == 1
+    resumed.train_step()
+    assert resumed.save_checkpoint(background=True).name == "step-2"
+    resumed.saver.wait()
+    assert checkpoint.damage(run_dir / "checkpoints" / "step-2") is None
+    assert not partial.exists()  # the stale write was cleared by the next save
