@@ -58,30 +58,39 @@ def check_state_fits(
     host_transient_bytes: float,
     model_name: str,
     distributed: str,
+    checkpoint_copy_bytes: float = 0.0,
 ) -> None:
     """Refuse a model whose state cannot fit, before the kernel's OOM killer would.
 
     Needs at least the strategy's model-state bytes (this rank's share under ZeRO) on the
-    device, and ``host_transient_bytes`` (what building the model holds on the host at
-    once) on the host for every rank on this node; on a CPU run the device is the host.
-    Raises OutOfMemory.
+    device, and on the host, for every rank on this node, the larger of
+    ``host_transient_bytes`` (what building the model holds on the host at once) and
+    ``checkpoint_copy_bytes`` (the host copy a background checkpoint is written from,
+    allocated at the first save); on a CPU run the device is the host and holds both the
+    state and the copy. Raises OutOfMemory.
     """
     ranks_here = local_world_size() if engine.world_size > 1 else 1
     device_needs = num_params * engine.peak_state_bytes_per_param(strategy)
-    needs = {"host": host_transient_bytes * ranks_here}
+    needs = {"host": max(host_transient_bytes, checkpoint_copy_bytes) * ranks_here}
     if device.type == "cuda":
         needs[str(device)] = device_needs
     else:
-        needs["host"] = max(needs["host"], device_needs * ranks_here)
+        needs["host"] = max(needs["host"], (device_needs + checkpoint_copy_bytes) * ranks_here)
     for where, needed in needs.items():
         available = available_memory(device if where != "host" else torch.device("cpu"))
         if available is not None and needed > available:
+            copy = (
+                " and the host copy of background checkpoints (train.async_checkpoint=false "
+                "saves without it)"
+                if where == "host" and checkpoint_copy_bytes
+                else ""
+            )
             raise OutOfMemory(
                 f"out of memory: {model_name} has {num_params / 1e9:.2f}B "
                 f"parameters and precision={strategy.name} with "
                 f"distributed={distributed} needs at least "
                 f"{needed / GIB:.1f} GiB on {where} for weights, gradients and optimizer "
-                f"state, but {available / GIB:.1f} GiB is free (a smaller "
+                f"state{copy}, but {available / GIB:.1f} GiB is free (a smaller "
                 "train.micro_batch_size cannot fix this); pick a smaller model or spread "
                 "the model state over more GPUs with DeepSpeed ZeRO "
                 "(distributed=zero2 or zero3)"

@@ -55,7 +55,7 @@ Allocator fragmentation and the CUDA context are left to ``plan.reserve_gb``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -376,6 +376,14 @@ def model_state(shape: ModelShape, setting: Setting) -> MemoryEstimate:
         weights = 0.0
     buffers = zero_buffer_bytes(shape, setting) if setting.stage else 0.0
     return MemoryEstimate(weights, grads, master, optimizer, buffers)
+
+
+def checkpoint_copy_bytes(shape: ModelShape, setting: Setting) -> float:
+    """Host bytes per rank that a background checkpoint copies the state into
+    (``train.async_checkpoint``): this rank's weights, master weights and optimizer state,
+    offloaded or not (the checkpoint holds them all; pinned memory on CUDA)."""
+    held = replace(setting, offload_optimizer=False, offload_param=False)
+    return model_state(shape, held).persistent
 
 
 def zero_buffer_bytes(shape: ModelShape, setting: Setting) -> float:

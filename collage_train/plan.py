@@ -29,6 +29,7 @@ from collage_train.memory_plan import (
     MemoryEstimate,
     ModelShape,
     Setting,
+    checkpoint_copy_bytes,
     estimate_at,
     largest_micro_batch,
 )
@@ -48,6 +49,7 @@ class PlanRow:
     fits: bool  # at the configured micro-batch and checkpointing setting
     chosen: bool
     loss_chunk_tokens: int | None = None  # the chunked loss's block; None: full logits
+    checkpoint_copy: float = 0.0  # host bytes per rank of a background checkpoint's copy
 
     @property
     def fits_at_all(self) -> bool:
@@ -71,6 +73,7 @@ class PlanRow:
             "fits": self.fits,
             "fits_at_all": self.fits_at_all,
             "loss_chunk_tokens": self.loss_chunk_tokens,
+            "host_checkpoint_copy": self.checkpoint_copy,
         }
 
 
@@ -89,6 +92,7 @@ class Plan:
     checkpointing: bool
     fused_optimizer: bool
     rows: list[PlanRow]
+    async_checkpoint: bool = True
 
     @property
     def chosen(self) -> PlanRow:
@@ -168,6 +172,7 @@ def make_plan(cfg: Any) -> Plan:
         checkpointing=bool(train.activation_checkpointing),
         fused_optimizer=fused,
         rows=rows,
+        async_checkpoint=bool(train.async_checkpoint),
     )
 
 
@@ -245,6 +250,7 @@ def _row(
         fits=configured.peak <= budget,
         chosen=chosen,
         loss_chunk_tokens=chunk,
+        checkpoint_copy=checkpoint_copy_bytes(shape, setting),
     )
 
 
@@ -260,6 +266,15 @@ def _describe_loss(chunk: int | None, shape: ModelShape) -> str:
     else:
         covered = ""
     return f"blocks of {chunk} tokens (train.loss_chunk_tokens{covered})"
+
+
+def _describe_checkpoint_copy(nbytes: float, asynchronous: bool) -> str:
+    if not asynchronous:
+        return "no checkpoint copy (train.async_checkpoint=false: saves block the step)"
+    return (
+        f"{_gib(nbytes)} GiB for the background checkpoint's copy of the state "
+        "(pinned; train.async_checkpoint=false: none)"
+    )
 
 
 def _stage_name(stage: int) -> str:
@@ -299,6 +314,7 @@ def render(plan: Plan) -> str:
         ),
         (f"fits at micro-batch {plan.micro_batch}", "yes" if row.fits else "no"),
         ("loss", _describe_loss(row.loss_chunk_tokens, shape)),
+        ("host, per rank", _describe_checkpoint_copy(row.checkpoint_copy, plan.async_checkpoint)),
     ]
     lines += [f"  {key:<26}{value}" for key, value in detail]
     if not row.fits_at_all:

@@ -39,7 +39,7 @@ from collage_train.fit_check import (
     smallest_free_memory,
 )
 from collage_train.loss import install_chunked_loss, resolve_chunk_tokens
-from collage_train.memory_plan import GIB, ModelShape
+from collage_train.memory_plan import GIB, ModelShape, checkpoint_copy_bytes
 from collage_train.metrics import Sink, detect_peak_tflops, reset_peak_memory
 from collage_train.metrics.edq import layer_groups
 from collage_train.metrics.step_window import settle
@@ -154,6 +154,8 @@ class Trainer:
         transient = (num_params if cfg.model.init_from else largest_unit_numel(meta)) * (
             4 + param_bytes
         )  # fp32 values beside their cast copy, on the host
+        model_shape = ModelShape.from_model(meta, seq_len=cfg.data.seq_len)
+        setting = planned_setting(cfg, self.strategy, self.engine.world_size, self.optimizer_kernel)
         check_state_fits(
             num_params,
             self.strategy,
@@ -162,12 +164,15 @@ class Trainer:
             host_transient_bytes=transient,
             model_name=cfg.model.name,
             distributed=cfg.distributed.name,
+            checkpoint_copy_bytes=(
+                checkpoint_copy_bytes(model_shape, setting) if cfg.train.async_checkpoint else 0.0
+            ),
         )
         free = smallest_free_memory(device, self.engine)
         if free is not None:
             check_step_fits(
-                ModelShape.from_model(meta, seq_len=cfg.data.seq_len),
-                planned_setting(cfg, self.strategy, self.engine.world_size, self.optimizer_kernel),
+                model_shape,
+                setting,
                 free_bytes=free,
                 reserve_bytes=cfg.plan.reserve_gb * GIB,
                 micro_batch=cfg.train.micro_batch_size,

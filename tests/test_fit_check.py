@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from collage_train import cli
 from collage_train.compose import compose_job
-from collage_train.fit_check import StepWillNotFit, check_step_fits, planned_setting
+from collage_train.errors import OutOfMemory
+from collage_train.fit_check import (
+    StepWillNotFit,
+    check_state_fits,
+    check_step_fits,
+    planned_setting,
+)
 from collage_train.memory_plan import GIB, ModelShape, estimate_at
-from collage_train.precision import strategy_for
+from collage_train.precision import get_strategy, strategy_for
 from collage_train.trainer import Trainer
 
 GPU = 80 * GIB
@@ -115,3 +123,18 @@ def test_trainer_refuses_before_drawing_a_weight(make_cfg, tmp_path, monkeypatch
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: out of memory ahead")
     assert not drawn and not any(run_dir.glob("**/*.json*"))
+
+
+def test_the_host_copy_of_background_checkpoints_is_counted(monkeypatch):
+    """On a CPU run the host holds the state and, from the first save, its copy: a state
+    that fits alone is refused with the copy, in one line naming the way out."""
+    monkeypatch.setattr("collage_train.fit_check.available_memory", lambda device: 20 * 2**30)
+    strategy = get_strategy("collage_plus")
+    engine = SimpleNamespace(world_size=1, peak_state_bytes_per_param=lambda s: 14.0)
+    # 1e9 parameters x 14 bytes = 13 GiB: fits in 20 GiB alone
+    common = {"host_transient_bytes": 1e8, "model_name": "m", "distributed": "unsharded"}
+    check_state_fits(10**9, strategy, engine, torch.device("cpu"), **common)
+    with pytest.raises(OutOfMemory, match=r"host copy of background checkpoints.*=false"):
+        check_state_fits(
+            10**9, strategy, engine, torch.device("cpu"), checkpoint_copy_bytes=12e9, **common
+        )

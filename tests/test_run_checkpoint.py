@@ -180,3 +180,23 @@ def test_killed_during_a_background_save_resumes_from_the_previous_checkpoint(
     resumed.saver.wait()
     assert checkpoint.damage(run_dir / "checkpoints" / "step-2") is None
     assert not partial.exists()  # the stale write was cleared by the next save
+
+
+@pytest.mark.parametrize("precision", ["collage_plus", "mixed_fp32", "bf16"])
+def test_the_planned_host_copy_is_what_a_background_save_holds(make_cfg, tmp_path, precision):
+    """What the start-up check and ``collage_train.plan`` count for the copy
+    (``memory_plan.checkpoint_copy_bytes``) is what the first background save allocates."""
+    from collage_train.fit_check import planned_setting
+    from collage_train.memory_plan import ModelShape, checkpoint_copy_bytes
+    from collage_train.plan import make_plan, render
+
+    cfg = make_cfg(f"precision={precision}")
+    trainer = Trainer(cfg, tmp_path / "run")
+    trainer.train_step()
+    trainer.save_checkpoint(background=True)
+    trainer.saver.wait()
+    shape = ModelShape.from_model(trainer.model, seq_len=cfg.data.seq_len)
+    setting = planned_setting(cfg, trainer.strategy, 1, trainer.optimizer_kernel)
+    planned = checkpoint_copy_bytes(shape, setting)
+    assert planned == pytest.approx(trainer.saver.host_staging_bytes, rel=0.02)
+    assert "for the background checkpoint's copy of the state" in render(make_plan(cfg))
