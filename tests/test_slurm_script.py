@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from cli_runner import REPO
@@ -52,6 +57,9 @@ def test_torchrun_on_every_node_with_a_rendezvous_on_the_first(slurm):
     assert words[words.index("--nproc_per_node") + 1] == "8"
     assert words[words.index("--rdzv_endpoint") + 1] == "gpu-a:29500"
     assert words[words.index("--rdzv_id") + 1] == "4242"
+    # torchrun waits STOP_GRACE (default: the --signal lead time) before SIGKILL
+    assert words[2:4] == ["--ntasks-per-node=1", "env"]
+    assert words[4:6] == ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300", "torchrun"]
     # a fixed run directory and resume: a requeued job continues where it stopped
     assert words[-4:] == [
         "hydra.run.dir=outputs/slurm-gpt67",
@@ -79,3 +87,164 @@ def test_an_unknown_launcher_is_one_error_line(slurm):
     assert done.stderr.strip().splitlines() == [
         "error: LAUNCHER must be torchrun or deepspeed, got 'mpirun'"
     ]
+
+
+def test_the_signal_lead_time_and_the_stop_grace_agree():
+    text = SCRIPT.read_text()
+    (lead,) = re.findall(r"^#SBATCH --signal=B:TERM@(\d+)$", text, flags=re.M)
+    (grace,) = re.findall(r'grace="\$\{STOP_GRACE:-(\d+)\}"', text)
+    assert lead == grace == "300"  # the batch shell (B:) gets it, to pass to the ranks
+
+
+def test_stop_grace_sets_torchruns_shutdown_timeout(slurm):
+    done = slurm(STOP_GRACE="900")
+    assert done.returncode == 0, done.stderr
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=900" in done.stdout.split()
+    bad = slurm(STOP_GRACE="5m")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [
+        "error: STOP_GRACE must be a whole number of seconds, got '5m'"
+    ]
+
+
+# Stand-ins for Slurm and the launchers: srun runs its command here (and, like the real
+# one, ends with the launcher's arguments), the launchers start one "rank" the way the real
+# ones do (PYTHON -u -m collage_train ARGS), and pkill signals whichever of the registered
+# processes its pattern matches, as the real one would.
+_SRUN = """#!/bin/sh
+echo "$*" >> "$STUB_DIR/srun.calls"
+echo "srun $$" >> "$STUB_DIR/pids"
+while [ "${1#-}" != "$1" ]; do shift; done
+"$@" &
+wait $!
+"""
+_LAUNCHER = """#!/usr/bin/env bash
+echo "launcher $$" >> "$STUB_DIR/pids"
+trap 'echo TERM >> "$STUB_DIR/launcher.signals"' TERM
+while [[ $# -gt 0 && "$1" != -m && "$1" != --module ]]; do shift; done
+shift
+"$PYTHON" -u -m "$@" &
+rank=$!
+while :; do
+    status=0
+    wait "$rank" || status=$?
+    kill -0 "$rank" 2>/dev/null || break
+done
+exit "$status"
+"""
+_PKILL = """#!PYTHON
+import os, re, signal, sys
+args = sys.argv[1:]
+pattern = args[args.index("--") + 1]
+assert args[0] == "-TERM" and args[args.index("-u") + 1] == str(os.getuid())
+stub = os.environ["STUB_DIR"]
+with open(f"{stub}/pids") as f:
+    candidates = [line.split() for line in f]
+matched = []
+for kind, pid in candidates:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read().replace(b"\\0", b" ").decode()
+    except FileNotFoundError:
+        continue
+    if re.search(pattern, command):
+        os.kill(int(pid), signal.SIGTERM)
+        matched.append(kind)
+with open(f"{stub}/pkill.matched", "a") as f:
+    f.write(" ".join(matched) + "\\n")
+sys.exit(0 if matched else 1)
+"""
+_RANK = """import os, signal, sys, time
+stub = os.environ["STUB_DIR"]
+got = []
+signal.signal(signal.SIGTERM, lambda *_: got.append(1))
+with open(f"{stub}/pids", "a") as f:
+    f.write(f"rank {os.getpid()}\\n")
+open(f"{stub}/ready", "w").close()
+deadline = time.time() + float(os.environ.get("RANK_WAIT", "60"))
+while not got and time.time() < deadline:
+    time.sleep(0.02)
+time.sleep(0.2)  # the checkpoint
+with open(f"{stub}/rank.signals", "w") as f:
+    f.write(f"{len(got)}\\n")
+sys.exit(int(os.environ.get("RANK_EXIT", "0")))
+"""
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """The script run for real (no DRY_RUN) against the stand-ins, in a 3-node allocation."""
+    bin_dir, stub, package = tmp_path / "bin", tmp_path / "stub", tmp_path / "fake"
+    for folder in (bin_dir, stub, package / "collage_train"):
+        folder.mkdir(parents=True)
+    (package / "collage_train" / "__main__.py").write_text(_RANK)
+    for name, text in {
+        "scontrol": 'printf "gpu-a\\ngpu-b\\ngpu-c\\n"\n',
+        "srun": _SRUN,
+        "torchrun": _LAUNCHER,
+        "deepspeed": _LAUNCHER,
+        "pkill": _PKILL.replace("PYTHON", sys.executable),
+    }.items():
+        path = bin_dir / name
+        path.write_text(text if text.startswith("#!") else f"#!/bin/sh\n{text}")
+        path.chmod(0o755)
+
+    def start(launcher: str, **env: str) -> subprocess.Popen:
+        environment = {
+            **os.environ,
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "PYTHONPATH": str(package),
+            "PYTHON": sys.executable,
+            "STUB_DIR": str(stub),
+            "SLURM_JOB_NODELIST": "gpu-[a-c]",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NAME": "gpt67",
+            "SLURM_GPUS_ON_NODE": "8",
+            "LAUNCHER": launcher,
+            **env,
+        }
+        environment.pop("DRY_RUN", None)
+        proc = subprocess.Popen(
+            ["bash", str(SCRIPT), "+experiment=gpt_6.7b"],
+            cwd=tmp_path,
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.time() + 60
+        while not (stub / "ready").exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.05)
+        return proc
+
+    start.stub = stub  # type: ignore[attr-defined]
+    return start
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_slurms_sigterm_reaches_the_ranks_and_not_the_launcher(cluster, launcher):
+    proc = cluster(launcher)
+    proc.send_signal(signal.SIGTERM)  # what --signal=B:TERM@300 sends the batch shell
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr  # the ranks' (and so the launcher's) status
+    stub = cluster.stub
+    assert _read(stub / "rank.signals") == "1\n"  # exactly once
+    assert _read(stub / "launcher.signals") == ""  # its kill timer never started
+    assert _read(stub / "pkill.matched") == "rank\n"  # not the launcher, nor srun
+    calls = _read(stub / "srun.calls").splitlines()
+    stop = [call for call in calls if " pkill " in call]
+    assert len(stop) == 1 and stop[0].startswith("--overlap --nodes=3 --ntasks-per-node=1 ")
+    assert "the ranks checkpoint and stop" in stderr
+
+
+def test_without_a_signal_the_script_returns_the_launchers_status(cluster):
+    proc = cluster("torchrun", RANK_EXIT="7", RANK_WAIT="0")  # ends on its own
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 7, stderr
+    assert _read(cluster.stub / "rank.signals") == "0\n"
+    assert " pkill " not in _read(cluster.stub / "srun.calls")
