@@ -151,6 +151,8 @@ def run_summary(
         **trainer.cpu_bf16_gemm.summary(),
         "loss_chunk_tokens": trainer.loss_chunk_tokens,  # None: the full-logits loss
         "skipped_steps": trainer.skipped_steps,
+        "async_checkpoint": train.async_checkpoint,
+        **trainer.saver.times.summary(),  # checkpoint_saves, seconds the loop was blocked
         "wall_time_s": wall_time,
         "device": str(trainer.device),
         "corpus": corpus_summary(trainer.data.meta),

@@ -97,22 +97,28 @@ class StopAgreement:
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
         self._agreed_wall: float | None = None  # earliest signal on any rank (time.time())
         self._agreed_signum = 0
+        self.failed = False  # a rank stopped the run because its checkpoint write failed
 
-    def _local_flag(self) -> torch.Tensor:
+    def _local_flag(self, failed: bool) -> torch.Tensor:
         wall = self.request.received_wall
         signum = signal.Signals[self.request.signal_name].value if wall is not None else 0
-        flag = [-wall if wall is not None else -math.inf, float(signum)]
+        flag = [-wall if wall is not None else -math.inf, float(signum), float(failed)]
         return torch.tensor(flag, dtype=torch.float64)  # host memory: no device involved
 
-    def after_step(self) -> bool:
-        """Whether every rank must stop now (after the step just taken); the same on all."""
+    def after_step(self, failed: bool = False) -> bool:
+        """Whether every rank must stop now (after the step just taken); the same on all.
+
+        ``failed``: this rank must stop without a signal (its background checkpoint write
+        failed); every rank then stops at the same step, ``failed`` set on all of them.
+        """
         self.steps += 1
         if self.stop_step is not None:
             return True
         if self.world_size == 1:
-            if self.request.signal_name is None:
+            if self.request.signal_name is None and not failed:
                 return False
             self._agreed_wall = self.request.received_wall
+            self.failed = failed
             self.stop_step = self.steps
             return True
         decided = False
@@ -120,14 +126,16 @@ class StopAgreement:
             work, reduced = self._pending
             work.wait()
             self._pending = None
-            neg_wall, signum = reduced.tolist()  # a host tensor: no device sync
+            neg_wall, signum, any_failed = reduced.tolist()  # a host tensor: no device sync
             if neg_wall != -math.inf:
                 self._agreed_wall, self._agreed_signum = -neg_wall, int(signum)
                 decided = True
+            if any_failed:
+                self.failed = decided = True
         if decided:  # every rank decided at this step, so none launches another
             self.stop_step = self.steps
             return True
-        flag = self._local_flag()
+        flag = self._local_flag(failed)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self._pending = (work, flag)
         return False

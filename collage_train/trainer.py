@@ -30,7 +30,7 @@ from collage_train.data import build_data
 from collage_train.data.progress import write_json_atomic
 from collage_train.data.transfer import to_device
 from collage_train.engine import build_engine
-from collage_train.errors import ConfigError
+from collage_train.errors import CheckpointWriteFailed, ConfigError
 from collage_train.export import export_from_engine
 from collage_train.fit_check import (
     check_state_fits,
@@ -55,7 +55,7 @@ from collage_train.optim import decay_param_groups, warmup_cosine_lr
 from collage_train.optim.collage.kernels import choose_kernel
 from collage_train.precision import strategy_for
 from collage_train.run_checkpoint import CheckpointSaver
-from collage_train.stop_signal import StopRequest
+from collage_train.stop_signal import StopAgreement, StopRequest, stop_group
 
 
 class Trainer:
@@ -132,6 +132,7 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.saver = CheckpointSaver(self.engine, run_dir, background=train.async_checkpoint)
+        self.stop_group = stop_group()  # collective: every rank builds it here
 
     def _build_model(self) -> torch.nn.Module:
         """The model in the strategy's dtype on this rank's device (under ZeRO-3 only this
@@ -304,7 +305,7 @@ class Trainer:
         """One optimizer step, its statistics settled as host numbers (``_settle``)."""
         since = time.perf_counter()
         stats = self._step()
-        self._settle([stats], stop_requested=False, since=since)
+        self._settle([stats], since=since)
         return stats
 
     def _step(self) -> dict[str, Any]:
@@ -346,16 +347,14 @@ class Trainer:
             "edq": outcome.edq,
         }
 
-    def _settle(self, window: list[dict[str, Any]], *, stop_requested: bool, since: float) -> bool:
-        """Settle ``window``'s statistics as host numbers (``metrics.step_window.settle``);
-        return whether any rank was asked to stop."""
-        return settle(
+    def _settle(self, window: list[dict[str, Any]], *, since: float) -> None:
+        """Settle ``window``'s statistics as host numbers (``metrics.step_window.settle``)."""
+        settle(
             window,
             all_reduce_sum=self.engine.all_reduce_sum,
             device=self.device,
             layer_groups=self.layer_groups,
             with_dtheta=self.with_dtheta,
-            stop_requested=stop_requested,
             since=since,
         )
 
@@ -405,39 +404,35 @@ class Trainer:
                 sink.log(record)
 
         window_start = time.perf_counter()
-        with StopRequest().installed() as stop:
+        with StopRequest().installed() as request:
+            # A signal on any rank, or a failed background save, stops every rank at the
+            # same step, at most two steps later, without waiting for the device.
+            stop = StopAgreement(request, self.engine.world_size, self.stop_group)
             while self.step < end:
                 history.append(self._step())
+                stopping = stop.after_step(failed=self.saver.failure is not None)
                 log = self.step % self.cfg.logging.log_every == 0 or self.step == end
                 validate = self.step % train.eval_every == 0 or self.step == train.max_steps
                 save = self.step % train.checkpoint_every == 0 or self.step == end
                 first = self.step == start_step + 1  # settled alone: it pays for warm-up
-                if not (log or validate or save or first):
+                if not (log or validate or save or first or stopping):
                     continue  # the host runs ahead; nothing waits for the device
-                stopped = self._settle(
-                    history[settled:],
-                    stop_requested=stop.signal_name is not None,
-                    since=window_start,
-                )
+                self._settle(history[settled:], since=window_start)
                 settled = len(history)
-                if log:
+                if log or stopping:
                     last_record = report.train_record(self, history[logged:])
                     emit(last_record)
                     logged = len(history)
+                if stopping:
+                    self._stop(stop)
+                    return None
                 if validate:
                     val = self.evaluate()
                     emit({"step": self.step, **val})
-                if stopped:  # any rank signalled
-                    self.save_checkpoint(background=train.async_checkpoint)
-                    self._finish_saving()
-                    self._notice(
-                        f"{stop.signal_name or 'a stop signal'} received: checkpoint saved at "
-                        f"step {self.step}; continue with train.resume=true"
-                    )
-                    return None
                 if save:
                     self.save_checkpoint(background=train.async_checkpoint)
                 window_start = time.perf_counter()
+            stop.finish()
         self._finish_saving()
         if self.step < train.max_steps:
             self._notice(
@@ -455,6 +450,26 @@ class Trainer:
         for sink in sinks:
             sink.summary(summary)
         return summary
+
+    def _stop(self, stop: StopAgreement) -> None:
+        """The agreed stop: a failed background save ends the run with its error line; a
+        signal with a checkpoint of this step, flushed before the process exits."""
+        if stop.failed:
+            self.saver.wait()
+            self.saver.raise_failure()
+            raise CheckpointWriteFailed(
+                "a checkpoint could not be written on another rank (its error line says "
+                "why); the newest complete checkpoint is intact: continue with "
+                "train.resume=true once the cause is fixed"
+            )
+        self.save_checkpoint(background=self.cfg.train.async_checkpoint)
+        self._finish_saving()
+        elapsed = stop.elapsed()
+        took = f", {elapsed:.1f} s after the signal" if elapsed is not None else ""
+        self._notice(
+            f"{stop.signal_name or 'a stop signal'} received: checkpoint saved at step "
+            f"{self.step}{took}; continue with train.resume=true"
+        )
 
     def _finish_saving(self) -> None:
         """Wait for a checkpoint written in the background; stop on its failure."""

@@ -27,11 +27,10 @@ def settle(
     device: torch.device,
     layer_groups: Sequence[str],
     with_dtheta: bool,
-    stop_requested: bool,
     since: float,
-) -> bool:
+) -> None:
     """Replace the device statistics of ``window`` (the steps since the last settle) by
-    host numbers, in place; return whether any rank was asked to stop.
+    host numbers, in place.
 
     ``window`` holds one dict per step with ``loss`` (this rank's share of the mean),
     ``grad_norm`` (already global) and ``edq`` (``StepOutcome.edq`` or None);
@@ -40,7 +39,6 @@ def settle(
     loss raises ``TrainingDiverged`` naming its step, before anything is checkpointed.
     """
     reduced = [stats["loss"].reshape(1) for stats in window]
-    reduced.append(torch.tensor([float(stop_requested)]))
     tracked = [stats for stats in window if stats["edq"] is not None]
     reduced += [stats["edq"].flatten() for stats in tracked]
     local = [torch.as_tensor(s["grad_norm"], dtype=torch.float64).reshape(1) for s in window]
@@ -55,7 +53,7 @@ def settle(
         stats["loss"] = values[index]
         stats["grad_norm"] = values[count + index]
         stats["time"] = elapsed / size
-    offset = size + 1
+    offset = size
     for stats in tracked:
         stats["edq"] = layer_group_metrics(
             values[offset : offset + width], layer_groups, with_dtheta
@@ -68,4 +66,3 @@ def settle(
                 "checkpoint is kept. Lower optim.lr, raise optim.warmup_steps, or use "
                 "precision=mixed_fp32"
             )
-    return values[size] > 0
