@@ -18,11 +18,12 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from collage_train import checkpoint
+from collage_train import checkpoint, determinism
 from collage_train.compose import config_dir
 from collage_train.config import register_schemas
 from collage_train.engine.launch import gather_objects, launched_rank, launched_world_size
 from collage_train.errors import (
+    BAD_INPUT,
     RUN_FAILED,
     CollageError,
     ConfigError,
@@ -58,7 +59,15 @@ def build_sinks(
 
 
 def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None) -> dict | None:
-    """Run (or resume) one training job in ``run_dir``; return its summary."""
+    """Run (or resume) one training job in ``run_dir``; return its summary.
+
+    ``train.deterministic`` takes effect here, before the trainer's first matrix product
+    (cuBLAS reads its workspace setting then), and is undone when the job returns."""
+    with determinism.applied(cfg.train.deterministic):
+        return _train(cfg, run_dir, extra_sinks)
+
+
+def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> dict | None:
     wandb_mode(cfg.logging.wandb)  # a bad mode (setting or WANDB_MODE): one line, now
     existing = checkpoint.latest_checkpoint(run_dir)
     if existing is not None and not cfg.train.resume:
@@ -154,6 +163,11 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
         if is_disk_full(err):
             print(f"error: {_rank_prefix(rank)}{_disk_full_message(err, run_dir)}", file=sys.stderr)
             return RUN_FAILED
+        refused = determinism.nondeterministic_operation(err)
+        if refused is not None:  # the same on every rank: rank 0 reports it
+            if rank == 0:
+                print(f"error: {refused}", file=sys.stderr, flush=True)
+            return BAD_INPUT
         if not _is_out_of_memory(err):
             raise
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -171,6 +171,10 @@ class TrainConfig:
     global_batch_size: int = 16
     seed: int = 1234
     device: Device = Device.auto  # auto (CUDA when present, else CPU) | cpu | cuda
+    # deterministic kernels on CUDA (torch.use_deterministic_algorithms, a fixed cuBLAS
+    # workspace, cuDNN's fixed algorithms): bitwise the same run on the same GPUs, at some
+    # speed (docs/reproducibility.md); CPU runs are bitwise run to run either way
+    deterministic: bool = False
     eval_every: int = 50  # validation every N steps (and always at the end)
     eval_batches: int = 8  # x micro_batch_size held-out windows per validation, at any world size
     checkpoint_every: int = 100  # checkpoints/step-N every N steps (and at the end)

@@ -16,16 +16,27 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from collage_train import determinism
 from collage_train.comm.settings import comm_name, uses_replicas
 from collage_train.data.progress import write_json_atomic
 from collage_train.metrics import model_flops_utilisation, peak_memory
 
-_VERSIONED_PACKAGES = ("torch", "transformers", "sentencepiece", "hydra-core", "wandb", "numpy")
+# The GPU-tested stack (docker/gpu_stack.txt) names torch, transformers, deepspeed and
+# triton: a GPU run's summary records each, and the CUDA version torch was built with.
+_VERSIONED_PACKAGES = (
+    "torch", "transformers", "deepspeed", "triton", "sentencepiece", "hydra-core", "wandb",
+    "numpy",
+)  # fmt: skip
 
 
 def package_versions() -> dict[str, str]:
-    """Versions of Python and the packages a run's numbers depend on."""
+    """Versions of Python, CUDA (a CUDA build of torch only) and the packages a run's
+    numbers depend on."""
     versions = {"python": platform.python_version()}
+    if torch.version.cuda:
+        versions["cuda"] = torch.version.cuda
     for name in ("collage_train", *_VERSIONED_PACKAGES):
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[name] = metadata.version(name)
@@ -138,9 +149,7 @@ def run_summary(
         "activation_checkpointing": train.activation_checkpointing,
         "peak_mem_bytes": peak_memory(trainer.device)["peak_mem_bytes"],
         "state_bytes_per_param": engine.state_bytes() / trainer.num_params,
-        "expected_state_bytes_per_param": engine.expected_state_bytes_per_param(
-            trainer.strategy
-        ),
+        "expected_state_bytes_per_param": engine.expected_state_bytes_per_param(trainer.strategy),
         "state_bytes_measure": engine.state_bytes_measure,
         "distributed": cfg.distributed.name,
         "comm": comm_name(cfg.comm),
@@ -153,6 +162,7 @@ def run_summary(
         "skipped_steps": trainer.skipped_steps,
         "async_checkpoint": train.async_checkpoint,
         **trainer.saver.times.summary(),  # checkpoint_saves, seconds the loop was blocked
+        **determinism.summary(),  # train.deterministic: what held while the run ran
         "wall_time_s": wall_time,
         "device": str(trainer.device),
         "corpus": corpus_summary(trainer.data.meta),

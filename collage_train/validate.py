@@ -4,7 +4,8 @@ Hydra's schema (``collage_train/config.py``) already refuses misspelt keys and w
 typed values; this module refuses what it lets through: keys added with ``+`` under the
 project's own groups, values of the right type that cannot work (a negative learning
 rate, a cadence of 0 steps, betas outside [0, 1), a loss block size that is neither
-``auto``, ``off`` nor a count, or a count for Scalify), ``model.extra`` keys that the
+``auto``, ``off`` nor a count, or a count for Scalify, a non-deterministic
+CUBLAS_WORKSPACE_CONFIG under ``train.deterministic``), ``model.extra`` keys that the
 transformers config does not know or that the model builder already sets, and W&B
 ``online`` without credentials (which would otherwise hang in ``wandb.init``).
 ``validate`` runs once per launch, in the Hydra callback that also locks the run
@@ -26,6 +27,7 @@ from urllib.parse import urlsplit
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from collage_train.config import JobConfig
+from collage_train.determinism import check_cublas_config
 from collage_train.errors import ConfigError
 from collage_train.loss import resolve_chunk_tokens
 from collage_train.metrics.sinks import wandb_mode
@@ -152,12 +154,15 @@ def check_optim(optim: DictConfig) -> None:
 
 
 def check_train(train: DictConfig) -> None:
-    """Cadences and batch sizes that are counts of at least one."""
+    """Cadences and batch sizes that are counts of at least one; under
+    ``train.deterministic``, a CUBLAS_WORKSPACE_CONFIG that cuBLAS would not honour."""
     for key in ("checkpoint_every", "eval_every"):
         check_positive(f"train.{key}", train[key], "step")
     check_positive("train.eval_batches", train.eval_batches, "micro-batch")
     for key in ("micro_batch_size", "global_batch_size"):
         check_positive(f"train.{key}", train[key], "sequence")
+    if train.deterministic:
+        check_cublas_config()
 
 
 def check_loss_chunk(cfg: DictConfig) -> None:

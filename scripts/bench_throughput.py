@@ -19,10 +19,14 @@ comparable with the plan) and the planner's predicted peak for the same setting
 (``memory_plan.estimate``, with the optimizer kernel the run used), with their ratio.
 Each run's directory (it ends with a checkpoint) is deleted once read. Rows go to
 ``--json`` as each finishes, so a run cut short keeps what it measured; a run that fails
-(e.g. out of memory) is a row with its error line.
+(e.g. out of memory) is a row with its error line. ``--deterministic both`` runs each
+row with and without ``train.deterministic`` and gives the deterministic row's tokens/s
+over the other's: what the setting costs (docs/reproducibility.md).
 
     python scripts/bench_throughput.py --json throughput.json          # gpt_1.3b, seq 2048, GPU
     python scripts/bench_throughput.py --compile on --roles largest     # a part of it
+    python scripts/bench_throughput.py --strategies collage_plus --compile off --roles equal \\
+        --deterministic both                                            # the setting's cost
     python scripts/bench_throughput.py --dry-run --gpu-mem-gb 80        # the planned rows only
     python scripts/bench_throughput.py --model gpt_tiny --seq-len 64 --device cpu \\
         --gpu-mem-gb 0.01 --strategies bf16 --compile off --timed-tokens 1 --no-append
@@ -50,6 +54,7 @@ from collage_train.precision import get_strategy
 STRATEGIES = ("mixed_fp32", "bf16", "collage_plus")
 BASELINE = "mixed_fp32"
 COMPILE_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
+DETERMINISTIC_MODES = COMPILE_MODES  # train.deterministic: off | on | both
 ROLES = ("equal", "largest")
 
 
@@ -83,7 +88,8 @@ def largest_fitting(shape: ModelShape, strategy: str, budget: float, cap: int) -
 
 
 def plan_rows(args: argparse.Namespace, shape: ModelShape, budget: float) -> list[dict]:
-    """Every row to run: strategy, compile setting, role and micro-batch."""
+    """Every row to run: strategy, compile setting, role, micro-batch and
+    ``train.deterministic``."""
     rows = []
     for compile_model in COMPILE_MODES[args.compile]:
         for strategy in args.strategies:
@@ -91,12 +97,14 @@ def plan_rows(args: argparse.Namespace, shape: ModelShape, budget: float) -> lis
             for role, micro in (("equal", args.micro_batch), ("largest", largest)):
                 if role not in args.roles:
                     continue
-                row = {"strategy": strategy, "compile": compile_model, "role": role}
-                row["micro_batch"] = micro
-                row["planned_largest"] = largest
-                if micro < 1 or micro > largest:
-                    row["error"] = f"the planner fits at most micro-batch {largest}"
-                rows.append(row)
+                for deterministic in DETERMINISTIC_MODES[args.deterministic]:
+                    row = {"strategy": strategy, "compile": compile_model, "role": role}
+                    row["deterministic"] = deterministic
+                    row["micro_batch"] = micro
+                    row["planned_largest"] = largest
+                    if micro < 1 or micro > largest:
+                        row["error"] = f"the planner fits at most micro-batch {largest}"
+                    rows.append(row)
     return rows
 
 
@@ -121,6 +129,7 @@ def run_row(
         "train.keep_checkpoints=1",
         "train.activation_checkpointing=true",
         f"train.compile={str(row['compile']).lower()}",
+        f"train.deterministic={str(row['deterministic']).lower()}",
         f"train.device={args.device}",
         f"logging.log_every={steps}",
         "logging.console=none",
@@ -167,7 +176,7 @@ def measure(args: argparse.Namespace, shape: ModelShape, rows: list[dict], write
             if "error" in row:
                 write(rows)
                 continue
-            key = (row["strategy"], row["compile"], row["micro_batch"])
+            key = (row["strategy"], row["compile"], row["micro_batch"], row["deterministic"])
             if key not in done:
                 done[key] = run_row(args, row, Path(tmp), peak)
             row.update(done[key])
@@ -191,34 +200,52 @@ def _gib(value: float | None) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown rows; tokens/s also against mixed_fp32 at the equal micro-batch."""
+    """Markdown rows; tokens/s also against mixed_fp32 at the equal micro-batch (same
+    compile and deterministic settings) and, where both were run, the deterministic row's
+    against the same row without it (what ``train.deterministic`` costs)."""
     base = {
-        row["compile"]: row.get("tokens_per_s")
+        (row["compile"], row["deterministic"]): row.get("tokens_per_s")
         for row in rows
         if row["strategy"] == BASELINE and row["role"] == "equal"
     }
-    lines = [
+    plain = {
+        (row["strategy"], row["compile"], row["role"]): row.get("tokens_per_s")
+        for row in rows
+        if not row["deterministic"]
+    }
+    costed = any(row["deterministic"] for row in rows)
+    header = (
         "| strategy | compile | micro-batch | tokens/s | x mixed_fp32 (equal) | MFU | "
-        "peak GiB | planned GiB | planned / measured |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "peak GiB | planned GiB | planned / measured |"
+    )
+    lines = [
+        header + (" x deterministic off |" if costed else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if costed else ""),
     ]
     for row in rows:
-        name = f"{row['strategy']} ({row['role']})"
+        deterministic = ", deterministic" if row["deterministic"] else ""
+        name = f"{row['strategy']} ({row['role']}{deterministic})"
         compiled = "on" if row["compile"] else "off"
         if row.get("tokens_per_s") is None:
             planned = _gib(row.get("predicted_peak_bytes"))
-            cells = f"{row['micro_batch']} | - | - | - | - | {planned} | - |"
+            cells = f"{row['micro_batch']} | - | - | - | - | {planned} | -"
+            cells += " | -" if costed else ""
             note = row.get("error", "")
-            lines.append(f"| {name} | {compiled} | {cells}" + (f" {note} |" if note else ""))
+            lines.append(f"| {name} | {compiled} | {cells} |" + (f" {note} |" if note else ""))
             continue
         tokens, mfu = row["tokens_per_s"], row.get("mfu")
-        ratio = tokens / base[row["compile"]] if base.get(row["compile"]) else None
-        lines.append(
+        baseline = base.get((row["compile"], row["deterministic"]))
+        ratio = tokens / baseline if baseline else None
+        line = (
             f"| {name} | {compiled} | {row['micro_batch']} | {tokens:,.0f} | "
             f"{f'{ratio:.2f}' if ratio else '-'} | {f'{mfu:.1%}' if mfu is not None else '-'} | "
             f"{_gib(row['peak_mem_bytes'])} | {_gib(row['predicted_peak_bytes'])} | "
             f"{row['predicted_over_measured']:.2f} |"
         )
+        if costed:
+            off = plain.get((row["strategy"], row["compile"], row["role"]))
+            line += f" {tokens / off:.2f} |" if row["deterministic"] and off else " - |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -245,6 +272,12 @@ def main() -> None:
     parser.add_argument("--max-micro-batch", type=int, default=256, help="planner search cap")
     parser.add_argument("--compile", choices=sorted(COMPILE_MODES), default="both")
     parser.add_argument("--roles", nargs="*", choices=ROLES, default=list(ROLES))
+    parser.add_argument(
+        "--deterministic",
+        choices=sorted(DETERMINISTIC_MODES),
+        default="off",
+        help="train.deterministic for every row; both: each row with and without it",
+    )
     parser.add_argument("--timed-tokens", type=int, default=2**18, help="per run, after step 1")
     parser.add_argument("--min-timed-steps", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

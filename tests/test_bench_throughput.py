@@ -100,3 +100,36 @@ def test_tiny_runs_on_cpu_measure_every_row(corpus_dir, cache_dir, tmp_path):
     assert largest["predicted_over_measured"] == pytest.approx(
         largest["predicted_peak_bytes"] / largest["peak_mem_bytes"]
     )
+
+
+def test_deterministic_both_plans_each_row_with_and_without_the_setting(tmp_path):
+    out = tmp_path / "plan.json"
+    _run("--dry-run", "--gpu-mem-gb", "80", "--compile", "off", "--roles", "equal",
+         "--strategies", "collage_plus", "--deterministic", "both", "--json", str(out))  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["strategy"], r["role"], r["deterministic"]) for r in rows] == [
+        ("collage_plus", "equal", False),
+        ("collage_plus", "equal", True),
+    ]
+    assert rows[0]["micro_batch"] == rows[1]["micro_batch"] == 8
+
+
+@pytest.mark.slow
+def test_deterministic_both_measures_what_the_setting_costs(corpus_dir, cache_dir, tmp_path):
+    """Two real tiny runs, the second with train.deterministic=true: the table gives its
+    tokens/s over the first's."""
+    data = [o for o in tiny_model_and_data(corpus_dir, cache_dir) if "seq_len" not in o]
+    out = tmp_path / "rows.json"
+    proc = _run(
+        "--model", "gpt_tiny", "--seq-len", "32", "--device", "cpu", "--strategies", "bf16",
+        "--micro-batch", "4", "--gpu-mem-gb", "1", "--reserve-gb", "0", "--roles", "equal",
+        "--compile", "off", "--deterministic", "both", "--timed-tokens", "1",
+        "--min-timed-steps", "2", "--no-append", "--json", str(out), *data,
+    )  # fmt: skip
+    plain, deterministic = json.loads(out.read_text())["rows"]
+    assert not plain["deterministic"] and deterministic["deterministic"]
+    assert plain["tokens_per_s"] > 0 and deterministic["tokens_per_s"] > 0
+    (line,) = [row for row in proc.stdout.splitlines() if "(equal, deterministic)" in row]
+    cost = deterministic["tokens_per_s"] / plain["tokens_per_s"]
+    assert line.rstrip(" |").endswith(f"{cost:.2f}")
+    assert "x deterministic off" in proc.stdout

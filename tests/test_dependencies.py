@@ -1,8 +1,8 @@
-"""Declared dependencies, the Docker image and the pinned constraints agree."""
+"""Declared dependencies: floors that cover what the code uses, each one used. (The Docker
+image and its pins against them: tests/test_docker_image.py.)"""
 
 from __future__ import annotations
 
-import re
 from importlib import metadata
 
 from cli_runner import REPO
@@ -21,29 +21,6 @@ def declared() -> dict[str, Requirement]:
 def floor(requirement: Requirement) -> Version:
     (lowest,) = [Version(s.version) for s in requirement.specifier if s.operator == ">="]
     return lowest
-
-
-def test_the_docker_base_image_has_a_torch_the_project_accepts():
-    (base,) = re.findall(r"^FROM (\S+)", (REPO / "docker/Dockerfile").read_text(), re.MULTILINE)
-    match = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn\d+-devel", base)
-    assert match, f"{base}: expected an official pytorch/pytorch devel image"
-    torch = declared()["torch"]
-    assert Version(match[1]) in torch.specifier, (base, str(torch))
-    assert Version(match[1]) >= Version("2.6")  # transformers 5 disables torch below 2.6
-
-
-def test_the_pinned_constraints_satisfy_the_declared_ranges():
-    ranges = declared()
-    text = (REPO / "docker/constraints.txt").read_text()
-    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", text, re.MULTILINE))
-    assert pins, "no pins in docker/constraints.txt"
-    assert "torch" not in pins  # the base image's CUDA build stays
-    for name, version in pins.items():
-        requirement = ranges.get(canonicalize_name(name))
-        if requirement is not None:
-            assert Version(version) in requirement.specifier, (name, version, str(requirement))
-    missing = set(ranges) - {canonicalize_name(n) for n in pins} - {"torch"}
-    assert not missing, f"declared but not pinned: {sorted(missing)}"
 
 
 def test_floors_cover_what_the_code_uses_and_deepspeed_is_capped():
