@@ -94,6 +94,7 @@ class StopAgreement:
         self.group = group
         self.steps = 0  # after_step calls so far
         self.stop_step: int | None = None  # the call that returned True first
+        self.signal_step: int | None = None  # the call during whose step this rank's signal came
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
         self._agreed_wall: float | None = None  # earliest signal on any rank (time.time())
         self._agreed_signum = 0
@@ -112,6 +113,8 @@ class StopAgreement:
         failed); every rank then stops at the same step, ``failed`` set on all of them.
         """
         self.steps += 1
+        if self.request.signal_name is not None and self.signal_step is None:
+            self.signal_step = self.steps  # it landed after the previous call: in this step
         if self.stop_step is not None:
             return True
         if self.world_size == 1:

@@ -466,9 +466,11 @@ class Trainer:
         self._finish_saving()
         elapsed = stop.elapsed()
         took = f", {elapsed:.1f} s after the signal" if elapsed is not None else ""
+        landed = self.step - stop.stop_step + stop.signal_step if stop.signal_step else None
+        during = f" during step {landed}" if landed is not None else " on another rank"
         self._notice(
-            f"{stop.signal_name or 'a stop signal'} received: checkpoint saved at step "
-            f"{self.step}{took}; continue with train.resume=true"
+            f"{stop.signal_name or 'a stop signal'} received{during}: checkpoint saved at "
+            f"step {self.step}{took}; continue with train.resume=true"
         )
 
     def _finish_saving(self) -> None:

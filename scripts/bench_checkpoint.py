@@ -35,14 +35,24 @@ from runs import REPO, append_results
 GIB = 2**30
 
 
-def directory_bytes(path: Path) -> int:
-    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+def directory_bytes(path: Path, rank: int | None) -> int:
+    """Bytes of a checkpoint's files; of one rank's optimizer shards when ``rank`` is set
+    (DeepSpeed's ``*_rank_R_*`` files, plus the model states rank 0 writes)."""
+    files = [file for file in path.rglob("*.pt") if file.is_file()]
+    if rank is not None:
+        files = [
+            f
+            for f in files
+            if f"_rank_{rank}_" in f.name or (rank == 0 and "model_states" in f.name)
+        ]
+    return sum(file.stat().st_size for file in files)
 
 
 def worker(out: Path, overrides: list[str], saves: int) -> None:
     """Inside each rank: build the trainer, step, save in both modes, report."""
     import torch
 
+    from collage_train import checkpoint
     from collage_train.compose import compose_job
     from collage_train.trainer import Trainer
 
@@ -53,7 +63,7 @@ def worker(out: Path, overrides: list[str], saves: int) -> None:
     for _ in range(saves):
         trainer.train_step()
         start = time.perf_counter()
-        path = trainer.save_checkpoint(background=False)
+        trainer.save_checkpoint(background=False)
         sync_s.append(time.perf_counter() - start)
     for _ in range(saves):
         trainer.train_step()
@@ -69,12 +79,15 @@ def worker(out: Path, overrides: list[str], saves: int) -> None:
         written_s.append(trainer.saver.times.written[-1])
         steps_during.append(overlapped)
     rank = trainer.engine.rank
+    newest = checkpoint.latest_checkpoint(trainer.run_dir)
     row = {
         "rank": rank,
         "world_size": trainer.engine.world_size,
         "device": str(trainer.device),
         "num_params": trainer.num_params,
-        "checkpoint_bytes": directory_bytes(path),
+        "checkpoint_bytes": directory_bytes(
+            newest, rank if trainer.engine.world_size > 1 else None
+        ),
         "host_staging_bytes": trainer.saver.host_staging_bytes,
         "sync_s": sync_s,
         "async_blocked_s": blocked_s,

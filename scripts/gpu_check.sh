@@ -123,6 +123,9 @@ step throughput_compiled_equal "${throughput[@]}" --compile on --roles equal \
     --json "$out/throughput_compiled_equal.json"
 step throughput_compiled_largest "${throughput[@]}" --compile on --roles largest \
     --json "$out/throughput_compiled_largest.json"
+# what train.deterministic=true costs (docs/reproducibility.md): collage_plus, eager
+step throughput_deterministic "${throughput[@]}" --strategies collage_plus --compile off \
+    --roles equal --deterministic both --json "$out/throughput_deterministic.json"
 
 # The whole suite on the GPU: the files that drive the device hardest first (the compiled
 # and Triton steps, host syncs, resume, ZeRO), then every other test, within SUITE_LIMIT.
@@ -304,6 +307,7 @@ result = {
             "throughput_eager.json",
             "throughput_compiled_equal.json",
             "throughput_compiled_largest.json",
+            "throughput_deterministic.json",
         )
     ],
     "loss_bench": load("loss.json"),

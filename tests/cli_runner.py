@@ -101,13 +101,7 @@ def _launch(
     them in the result."""
     skip_without_gpus(ranks)
     launcher = shutil.which(name) or str(Path(sys.executable).parent / name)
-    env = {
-        **{k: v for k, v in os.environ.items() if k not in launch_drops()},
-        "PYTHONUNBUFFERED": "1",
-        "WANDB_SILENT": "true",
-        **launch_environment(),
-        "OMP_NUM_THREADS": str(rank_threads(ranks)),
-    }
+    env = _launch_env(ranks)
     for _ in range(3):
         port = _free_port()
         command = [launcher, "--master_port", str(port), *options, *args]
@@ -121,6 +115,38 @@ def _launch(
         if "address already in use" not in result.stderr.lower():
             break
     return result
+
+
+def _launch_env(ranks: int) -> dict[str, str]:
+    return {
+        **{k: v for k, v in os.environ.items() if k not in launch_drops()},
+        "PYTHONUNBUFFERED": "1",
+        "WANDB_SILENT": "true",
+        **launch_environment(),
+        "OMP_NUM_THREADS": str(rank_threads(ranks)),
+    }
+
+
+def start_torchrun(*args: str, ranks: int = 2) -> tuple[subprocess.Popen, int]:
+    """``torchrun --nproc_per_node RANKS -m collage_train ARGS`` started, not waited for
+    (text pipes); returns it and its port (``remove_shm_buffers(port)`` once it ended)."""
+    skip_without_gpus(ranks)
+    launcher = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    port = _free_port()
+    command = [launcher, "--master_port", str(port), "--nproc_per_node", str(ranks)]
+    proc = subprocess.Popen(
+        [*command, "-m", "collage_train", *args],
+        cwd=REPO,
+        env=_launch_env(ranks),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return proc, port
+
+
+def remove_shm_buffers(port: int) -> tuple[str, ...]:
+    return _remove_shm_buffers(port)
 
 
 def run_deepspeed(*args: str, ranks: int = 2, timeout: float = 900) -> Result:

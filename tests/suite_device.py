@@ -47,14 +47,18 @@ def torch_device() -> torch.device:
 
 
 def device_overrides() -> list[str]:
-    """The override that puts a composed or launched run on the suite's device."""
+    """The overrides that put a composed or launched run on the suite's device; on CUDA
+    also ``train.deterministic=true``, where the suite's bitwise comparisons (resume,
+    engines against one process) hold (docs/reproducibility.md)."""
+    if on_cuda():
+        return ["train.device=cuda", "train.deterministic=true"]
     return [f"train.device={suite_device()}"]
 
 
 def launch_environment() -> dict[str, str]:
     """Variables the ranks of a launch get on top of the parent's (``cli_runner._launch``)."""
     if on_cuda():
-        return {}
+        return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # before any rank's first cuBLAS call
     return {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
 
 

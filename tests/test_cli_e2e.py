@@ -200,7 +200,7 @@ def test_signal_saves_a_checkpoint_and_exits_cleanly(corpus_dir, cache_dir, tmp_
     proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
-    assert f"{signal.Signals(signum).name} received: checkpoint saved" in stdout
+    assert f"{signal.Signals(signum).name} received during step " in stdout
     saved = sorted((run_dir / "checkpoints").glob("step-*"))
     assert len(saved) == 1 and int(saved[0].name.split("-")[1]) >= 3
 

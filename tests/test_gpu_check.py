@@ -97,7 +97,7 @@ def test_the_summary_step_gathers_every_step(tmp_path):
     ]  # fmt: skip
     assert result["steps"][-1]["exit_status"] == 0
     assert result["zero2_1gpu_summary"] == {"tokens_per_s": 123.0}
-    assert result["throughput"] == [{"rows": [{"strategy": "bf16"}]}, None, None]
+    assert result["throughput"] == [{"rows": [{"strategy": "bf16"}]}, None, None, None]
     assert result["train_bench"] is None and result["zero_stages"] is None
     assert result["loss_bench"] is None and result["startup"] is None
     assert result["elastic_resume"] == {"rows": [{"max_rel_diff": 0.001}]}
@@ -271,6 +271,12 @@ def test_every_throughput_step_is_gathered():
     """The steps that run scripts/bench_throughput.py write the files the summary reads."""
     text = SCRIPT.read_text()
     tail = text[text.index("<<'EOF'\n") :]
-    for name in ("throughput_eager", "throughput_compiled_equal", "throughput_compiled_largest"):
+    names = (
+        "throughput_eager",
+        "throughput_compiled_equal",
+        "throughput_compiled_largest",
+        "throughput_deterministic",
+    )
+    for name in names:
         assert f"step {name} " in text and f'"$out/{name}.json"' in text
         assert f'"{name}.json"' in tail

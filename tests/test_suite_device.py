@@ -58,9 +58,11 @@ def test_cpu_launches_hide_the_gpus_and_cuda_launches_take_one_each(monkeypatch)
     suite_device.skip_without_gpus(2)  # on CPU, ranks need no GPU
 
     monkeypatch.setenv(suite_device.VARIABLE, "cuda")
-    assert suite_device.device_overrides() == ["train.device=cuda"]
+    # bitwise comparisons on CUDA need deterministic kernels (docs/reproducibility.md)
+    assert suite_device.device_overrides() == ["train.device=cuda", "train.deterministic=true"]
     assert suite_device.torch_device() == torch.device("cuda", 0)
-    assert suite_device.launch_environment() == {}  # NCCL, a GPU per LOCAL_RANK
+    # NCCL, a GPU per LOCAL_RANK; cuBLAS's deterministic workspace before any rank's GEMM
+    assert suite_device.launch_environment() == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     assert suite_device.launch_drops() == ("DS_ACCELERATOR",)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(pytest.skip.Exception, match=r"2 NCCL ranks need 2 GPUs .* has 1"):
