@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for the run")
     args = parser.parse_args()
     if args.worker_out is not None:
         worker(args.worker_out, args.overrides, args.saves)
@@ -172,6 +172,7 @@ def main() -> None:
         f"data.seq_len={args.seq_len}", "train.micro_batch_size=1",
         f"train.global_batch_size={batch}", "train.max_steps=1000",
         "train.keep_checkpoints=1", "logging.wandb.mode=disabled", "logging.console=none",
+        *args.overrides,
     ]  # fmt: skip
     rows = launch(args.distributed, args.nproc, overrides, args.saves)
     text = table(rows, args.model, args.precision)
