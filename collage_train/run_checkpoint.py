@@ -146,6 +146,7 @@ class CheckpointSaver:
         background = self.background if background is None else background
         since = time.perf_counter()
         self.wait()  # the host buffers are reused, and one save at a time commits
+        self.stop_on_failure()
         if not all_weights_finite(self.engine):
             raise TrainingDiverged(
                 f"the weights became NaN or infinite at step {step}; nothing was saved "
@@ -188,18 +189,22 @@ class CheckpointSaver:
             return final
         self._run(job)
         self.times.blocked.append(time.perf_counter() - since)
-        # every rank returns once rank 0 has committed, or raises when any rank failed
-        failed = torch.tensor([float(self._failure is not None)], device=engine.device)
-        if engine.world_size > 1:
-            engine.all_reduce_sum(failed)
+        self.stop_on_failure()  # every rank returns once rank 0 has committed
+        return final
+
+    def stop_on_failure(self) -> None:
+        """Raise, on every rank together (a collective), when the last save failed on any
+        rank (the loop's stop flag may not have carried it yet)."""
+        failed = torch.tensor([float(self._failure is not None)], device=self.engine.device)
+        if self.engine.world_size > 1:
+            self.engine.all_reduce_sum(failed)
         if failed.item():
             self.raise_failure()
             raise CheckpointWriteFailed(
-                f"the checkpoint of step {step} could not be written on another rank (its "
-                "error line says why); the newest complete checkpoint is intact: continue "
-                "with train.resume=true once the cause is fixed"
+                "a checkpoint could not be written on another rank (its error line says "
+                "why); the newest complete checkpoint is intact: continue with "
+                "train.resume=true once the cause is fixed"
             )
-        return final
 
     def _run(self, job: _SaveJob) -> None:
         since = time.perf_counter()

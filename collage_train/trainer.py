@@ -30,7 +30,7 @@ from collage_train.data import build_data
 from collage_train.data.progress import write_json_atomic
 from collage_train.data.transfer import to_device
 from collage_train.engine import build_engine
-from collage_train.errors import CheckpointWriteFailed, ConfigError
+from collage_train.errors import ConfigError
 from collage_train.export import export_from_engine
 from collage_train.fit_check import (
     check_state_fits,
@@ -454,14 +454,8 @@ class Trainer:
     def _stop(self, stop: StopAgreement) -> None:
         """The agreed stop: a failed background save ends the run with its error line; a
         signal with a checkpoint of this step, flushed before the process exits."""
-        if stop.failed:
-            self.saver.wait()
-            self.saver.raise_failure()
-            raise CheckpointWriteFailed(
-                "a checkpoint could not be written on another rank (its error line says "
-                "why); the newest complete checkpoint is intact: continue with "
-                "train.resume=true once the cause is fixed"
-            )
+        if stop.failed:  # raised on every rank together
+            self._finish_saving()
         self.save_checkpoint(background=self.cfg.train.async_checkpoint)
         self._finish_saving()
         elapsed = stop.elapsed()
@@ -474,9 +468,10 @@ class Trainer:
         )
 
     def _finish_saving(self) -> None:
-        """Wait for a checkpoint written in the background; stop on its failure."""
+        """Wait for a checkpoint written in the background; stop, on every rank, when it
+        failed on any."""
         self.saver.wait()
-        self.saver.raise_failure()
+        self.saver.stop_on_failure()
 
     def _notice(self, message: str) -> None:
         if self.engine.is_main:

@@ -6,6 +6,7 @@ the previous checkpoint."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -200,3 +201,36 @@ def test_the_planned_host_copy_is_what_a_background_save_holds(make_cfg, tmp_pat
     planned = checkpoint_copy_bytes(shape, setting)
     assert planned == pytest.approx(trainer.saver.host_staging_bytes, rel=0.02)
     assert "for the background checkpoint's copy of the state" in render(make_plan(cfg))
+
+
+def test_a_run_whose_background_write_fails_stops_with_one_line(
+    make_cfg, tmp_path, monkeypatch, capsys
+):
+    """The CLI: a write of step 2's checkpoint fails (an I/O error) while training goes
+    on; the run stops by the next checkpoint step at the latest with one ``error:`` line,
+    exit status 1, and step 2 never becomes a checkpoint."""
+    from collage_train import cli
+
+    run_dir = tmp_path / "run"
+    cfg = make_cfg("train.max_steps=10", "train.checkpoint_every=2", "train.eval_every=100")
+    write = checkpoint.write_checksummed
+
+    def broken_at_step_2(path, obj):
+        if ".step-2.tmp" in str(path):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return write(path, obj)
+
+    monkeypatch.setattr(checkpoint, "write_checksummed", broken_at_step_2)
+    assert cli.run(cfg, run_dir) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert "checkpoint of step 2 could not be written" in errors[0]
+    assert "Input/output error" in errors[0] and "train.resume=true" in errors[0]
+    steps = [
+        json.loads(line)["step"]
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in line
+    ]
+    assert max(steps) <= 4  # stopped at the next checkpoint step at the latest
+    assert checkpoint.list_checkpoints(run_dir) == []
