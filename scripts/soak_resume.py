@@ -18,7 +18,8 @@ and ``metrics.jsonl`` must hold every step once.
 Checkpoints are written in the background by default (``train.async_checkpoint``), so
 kills land in background writes too: a write cut short must never be resumed from. The
 comparison is bit for bit on CPU and with ``--deterministic``; a CUDA run without it is
-compared within ``--tolerance`` (docs/reproducibility.md). The result is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+compared within ``--tolerance`` (docs/reproducibility.md). The result is printed and
+appended to docs/RESULTS.md (``--no-append`` to skip).
 """
 
 from __future__ import annotations
