@@ -93,8 +93,31 @@ class CheckpointSaver:
         self.staging = HostStaging(engine.device) if background else None
         self.times = SaveTimes()
         self._thread: threading.Thread | None = None
+        self._preparing: threading.Thread | None = None
         self._failure: str | None = None
         self._error: BaseException | None = None
+
+    def prepare(self, client_state: dict[str, Any]) -> None:
+        """Allocate the background saves' host buffers in a thread now, so that the first
+        save copies into memory that is already there (allocating and faulting in a
+        checkpoint's worth of host memory takes seconds). Call it on every rank at the same
+        step (the engine may build its state collectively), once the optimizer holds its
+        state; the first save waits for it. Does nothing for foreground saves."""
+        if self.staging is None or self._preparing is not None:
+            return
+        engine, staging = self.engine, self.staging
+        if engine.is_main:
+            checkpoint.begin_checkpoint(self.run_dir, 0)  # scratch: the library may write
+        engine.barrier()
+        scratch = checkpoint.temporary_dir(self.run_dir, 0)
+        specs = staging.layout(engine.state_files(scratch, client_state, staged=True))
+        engine.barrier()
+        if engine.is_main:
+            checkpoint.remove_temporary_dirs(self.run_dir)
+        self._preparing = threading.Thread(
+            target=staging.allocate, args=(specs,), name="checkpoint-buffers", daemon=True
+        )
+        self._preparing.start()
 
     @property
     def host_staging_bytes(self) -> int:
@@ -120,6 +143,8 @@ class CheckpointSaver:
 
     def wait(self) -> None:
         """Wait for a save in flight to be written and committed (failures stay in ``failure``)."""
+        if self._preparing is not None:
+            self._preparing.join()
         if self._thread is not None:
             self._thread.join()
             self._thread = None

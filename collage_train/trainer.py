@@ -417,6 +417,8 @@ class Trainer:
                 first = self.step == start_step + 1  # settled alone: it pays for warm-up
                 if not (log or validate or save or first or stopping):
                     continue  # the host runs ahead; nothing waits for the device
+                if first and train.async_checkpoint:  # the optimizer holds its state now
+                    self.saver.prepare(self.state_dict())
                 self._settle(history[settled:], since=window_start)
                 settled = len(history)
                 if log or stopping:

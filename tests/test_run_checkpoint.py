@@ -194,8 +194,13 @@ def test_the_planned_host_copy_is_what_a_background_save_holds(make_cfg, tmp_pat
     cfg = make_cfg(f"precision={precision}")
     trainer = Trainer(cfg, tmp_path / "run")
     trainer.train_step()
+    trainer.saver.prepare(trainer.state_dict())  # what fit does after its first step
+    trainer.saver.wait()
+    prepared = trainer.saver.host_staging_bytes
     trainer.save_checkpoint(background=True)
     trainer.saver.wait()
+    assert trainer.saver.host_staging_bytes == prepared  # the save allocated nothing more
+    assert not list((tmp_path / "run" / "checkpoints").glob(".step-0*"))  # scratch removed
     shape = ModelShape.from_model(trainer.model, seq_len=cfg.data.seq_len)
     setting = planned_setting(cfg, trainer.strategy, 1, trainer.optimizer_kernel)
     planned = checkpoint_copy_bytes(shape, setting)

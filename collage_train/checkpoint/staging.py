@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 _PLAIN = (str, bytes, int, float, bool, type(None))
+# One host buffer: (file name, position in the file's state), shape, dtype.
+BufferSpec = tuple[tuple[str, int], torch.Size, torch.dtype]
 
 
 @dataclass
@@ -70,6 +72,24 @@ class HostStaging:
             event.record()
         return StagedState(staged, total, event)
 
+    def layout(self, files: dict[str, Any]) -> list[BufferSpec]:
+        """The buffers ``stage(files)`` will use, without copying anything."""
+        specs: list[BufferSpec] = []
+        for name, state in files.items():
+            copier = _FileCopier(self, name, specs=specs)
+            _map(state, copier)
+        return specs
+
+    def allocate(self, specs: list[BufferSpec]) -> None:
+        """Allocate (and touch, so the first save does not pay the page faults) the
+        buffers of ``layout``; safe in a thread while nothing is being staged."""
+        for key, shape, dtype in specs:
+            buf = self._buffers.get(key)
+            if buf is None or buf.shape != shape or buf.dtype != dtype:
+                buf = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+                buf.zero_()
+                self._buffers[key] = buf
+
     def _buffer(self, key: tuple[str, int], like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
@@ -82,17 +102,25 @@ class _FileCopier:
     """Copies the tensors of one file's state, in order, into the staging's buffers; a
     view met again is the same host tensor."""
 
-    def __init__(self, staging: HostStaging, name: str) -> None:
+    def __init__(
+        self, staging: HostStaging, name: str, specs: list[BufferSpec] | None = None
+    ) -> None:
         self.staging = staging
         self.name = name
         self.nbytes = 0
         self._index = 0
         self._seen: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._specs = specs  # set: only record which buffers a copy would use
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _view_key(tensor)
         if key in self._seen:
             return self._seen[key]
+        if self._specs is not None:
+            self._specs.append(((self.name, self._index), tensor.shape, tensor.dtype))
+            self._index += 1
+            self._seen[key] = tensor
+            return tensor
         buf = self.staging._buffer((self.name, self._index), tensor)
         self._index += 1
         with torch.no_grad():

@@ -70,3 +70,22 @@ def test_checksum_is_taken_from_the_bytes_written(tmp_path):
     data = (tmp_path / "sub" / "x.pt").read_bytes()
     assert entry == {"bytes": len(data), "crc32": zlib.crc32(data)}
     assert entry == checkpoint.checksum_file(tmp_path / "sub" / "x.pt")
+
+
+def test_buffers_allocated_ahead_are_the_ones_a_save_copies_into(device):
+    """``layout`` + ``allocate`` (what a run does in the background after its first step)
+    leave nothing for the first save to allocate."""
+    staging = HostStaging(device)
+    weight = torch.randn(64, 8, device=device)
+    files = {"m.pt": {"w": weight, "tied": weight, "v": torch.ones(3, device=device)}}
+    specs = staging.layout(files)
+    assert [(key, tuple(shape)) for key, shape, _ in specs] == [
+        (("m.pt", 0), (64, 8)),
+        (("m.pt", 1), (3,)),
+    ]
+    staging.allocate(specs)
+    allocated = {key: buf.data_ptr() for key, buf in staging._buffers.items()}
+    staged = staging.stage(files).files["m.pt"]
+    assert staged["w"].data_ptr() == allocated[("m.pt", 0)]
+    assert staged["v"].data_ptr() == allocated[("m.pt", 1)]
+    assert torch.equal(staged["w"], weight.cpu()) and staged["tied"] is staged["w"]
