@@ -23,15 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-from runs import REPO, append_results
+from runs import append_results, launch_worker_ranks
 
 GIB = 2**30
 
@@ -103,23 +98,8 @@ def worker(out: Path, overrides: list[str], saves: int) -> None:
 
 
 def launch(distributed: str, ranks: int, overrides: list[str], saves: int) -> list[dict]:
-    scratch = Path(tempfile.mkdtemp(prefix="bench_checkpoint_"))
-    out = scratch / "row.json"
-    script = Path(__file__).resolve()
-    args = ["--worker-out", str(out), "--saves", str(saves), "--"]
-    args += [*overrides, f"distributed={distributed}"]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    if ranks == 1:
-        command = [sys.executable, str(script), *args]
-    else:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
-        torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
-        command = [torchrun, "--nproc_per_node", str(ranks), str(script), *args]
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    rows = [json.loads(p.read_text()) for p in sorted(scratch.glob("row.json.rank*"))]
-    shutil.rmtree(scratch, ignore_errors=True)
-    if proc.returncode != 0 or len(rows) != ranks:
-        sys.exit(f"{distributed} on {ranks} rank(s) failed:\n{proc.stderr[-3000:]}")
+    args = ["--saves", str(saves), "--", *overrides, f"distributed={distributed}"]
+    rows = launch_worker_ranks(Path(__file__).resolve(), args, ranks, label=distributed)
     for row in rows:
         row["distributed"] = distributed
         steady = row["async_blocked_s"][1:] or row["async_blocked_s"]

@@ -21,14 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-from runs import REPO, append_results
+from runs import REPO, append_results, launch_worker_ranks
 
 GIB = 2**30
 
@@ -86,22 +82,8 @@ def worker(out: Path, overrides: list[str]) -> None:
 
 
 def launch(repo: Path, distributed: str, ranks: int, overrides: list[str]) -> list[dict]:
-    scratch = Path(tempfile.mkdtemp(prefix="bench_startup_"))
-    out = scratch / "row.json"
-    script = Path(__file__).resolve()
-    args = ["--worker-out", str(out), "--", *overrides, f"distributed={distributed}"]
-    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
-    if ranks == 1:
-        command = [sys.executable, str(script), *args]
-    else:
-        torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
-        command = [torchrun, "--nproc_per_node", str(ranks), str(script), *args]
-    proc = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
-    rows = [json.loads(p.read_text()) for p in sorted(scratch.glob("row.json.rank*"))]
-    shutil.rmtree(scratch, ignore_errors=True)
-    if proc.returncode != 0 or len(rows) != ranks:
-        sys.exit(f"{distributed} on {ranks} rank(s) failed:\n{proc.stderr[-3000:]}")
+    args = ["--", *overrides, f"distributed={distributed}"]
+    rows = launch_worker_ranks(Path(__file__).resolve(), args, ranks, repo=repo, label=distributed)
     for row in rows:
         row["distributed"] = distributed
     return rows

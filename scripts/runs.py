@@ -6,8 +6,10 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -33,6 +35,30 @@ def run_training(
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return summary, records
+
+
+def launch_worker_ranks(
+    script: Path, worker_args: list[str], ranks: int, *, repo: Path = REPO, label: str
+) -> list[dict]:
+    """Run ``script --worker-out OUT WORKER_ARGS`` as one process or ``ranks`` torchrun
+    ranks (OpenMP threads shared out), each writing its row to ``OUT.rankR``; return the
+    rows in rank order, or exit with the launch's error naming ``label``."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"{script.stem}_"))
+    out = scratch / "row.json"
+    args = ["--worker-out", str(out), *worker_args]
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
+    if ranks == 1:
+        command = [sys.executable, str(script), *args]
+    else:
+        torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+        command = [torchrun, "--nproc_per_node", str(ranks), str(script), *args]
+    proc = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
+    rows = [json.loads(p.read_text()) for p in sorted(scratch.glob("row.json.rank*"))]
+    shutil.rmtree(scratch, ignore_errors=True)
+    if proc.returncode != 0 or len(rows) != ranks:
+        sys.exit(f"{label} on {ranks} rank(s) failed:\n{proc.stderr[-3000:]}")
+    return rows
 
 
 def machine() -> str:

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from tiny_config import tiny_model_and_data
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -28,6 +27,7 @@ def test_both_modes_are_timed_save_by_save(corpus_dir, cache_dir, tmp_path):
     assert len(row["sync_s"]) == len(row["async_blocked_s"]) == len(row["async_written_s"]) == 2
     assert all(seconds > 0 for seconds in row["sync_s"] + row["async_written_s"])
     assert all(steps >= 0 for steps in row["steps_during_write"])
-    # the copy holds what the files hold: weights, dtheta, moments, dv (plus pickling)
-    assert row["host_staging_bytes"] == pytest.approx(row["checkpoint_bytes"], rel=0.05)
+    # the copy holds what the files hold (weights, dtheta, moments, dv); the files add
+    # their pickles and zip records, a few hundred bytes a tensor
+    assert row["host_staging_bytes"] < row["checkpoint_bytes"] < 1.15 * row["host_staging_bytes"]
     assert "| gpt_tiny | collage_plus | unsharded | 0 of 1 |" in proc.stdout
