@@ -82,8 +82,8 @@ class SaveTimes:
 class CheckpointSaver:
     """Writes a run's checkpoints, in the background when ``background`` (one at a time).
 
-    ``host_staging_bytes`` is what the background copies hold on the host once the first
-    save has run (the size of this rank's checkpointed state); nothing before.
+    ``host_staging_bytes`` is what the background copies hold on the host (the size of
+    this rank's checkpointed state) once ``prepare`` or the first save has allocated it.
     """
 
     def __init__(self, engine: Engine, run_dir: Path, *, background: bool) -> None:
