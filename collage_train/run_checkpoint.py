@@ -42,8 +42,9 @@ from collage_train.errors import (
     is_disk_full,
 )
 
-# How long rank 0's writer waits for the other ranks' manifest shares after its own.
-SHARE_WAIT_SECONDS = 3600.0
+# How long rank 0's writer waits for the other ranks' manifest shares after its own: at
+# least this, or ten times what its own part took (the ranks write parts of a size).
+SHARE_WAIT_MIN_SECONDS = 600.0
 _POLL_SECONDS = 0.05
 
 
@@ -268,6 +269,7 @@ class _SaveJob:
     staged: Any = None
 
     def run(self) -> None:
+        started = time.monotonic()
         try:
             if self.staged is not None:
                 self.staged.ready()  # the device-to-host copies have landed
@@ -282,8 +284,12 @@ class _SaveJob:
             checkpoint.write_share_failure(self.tmp, self.rank, first_line(err))
             raise
         if self.rank == 0:
+            own = time.monotonic() - started
             checkpoint.wait_for_shares(
-                self.tmp, self.world_size, timeout=SHARE_WAIT_SECONDS, poll=_POLL_SECONDS
+                self.tmp,
+                self.world_size,
+                timeout=max(SHARE_WAIT_MIN_SECONDS, 10 * own),
+                poll=_POLL_SECONDS,
             )
             checkpoint.commit_checkpoint(
                 self.run_dir,

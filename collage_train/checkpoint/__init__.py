@@ -215,7 +215,8 @@ def wait_for_shares(tmp: Path, world_size: int, *, timeout: float, poll: float) 
         if time.monotonic() > deadline:
             ranks = sorted(int(name[len(_SHARE) : -len(".json")]) for name in missing)
             raise CheckpointError(
-                f"ranks {ranks} did not finish writing their part within {timeout:.0f} s"
+                f"ranks {ranks} did not finish writing their part within {timeout:.0f} s "
+                f"(is {tmp.parent} on a file system every rank shares?)"
             )
         time.sleep(poll)
 
