@@ -129,8 +129,13 @@ def test_a_rank_that_fails_stops_rank_0_waiting_for_its_share(tmp_path):
     with pytest.raises(Exception, match="rank 1 could not write its part"):
         checkpoint.wait_for_shares(tmp, 2, timeout=30, poll=0.01)
     (tmp / ".failed-rank1").unlink()
+    # a share being written (not yet renamed into place) is not a finished rank
+    (tmp / ".manifest-rank1.json.part").write_text("")
     with pytest.raises(Exception, match=r"ranks \[1\] did not finish"):
         checkpoint.wait_for_shares(tmp, 2, timeout=0.05, poll=0.01)
+    checkpoint.write_manifest_share(tmp, 1, {"x.pt": {"bytes": 1, "crc32": 2}})
+    checkpoint.wait_for_shares(tmp, 2, timeout=1, poll=0.01)
+    assert sorted(p.name for p in tmp.iterdir()) == [".manifest-rank0.json", ".manifest-rank1.json"]
 
 
 def test_killed_during_a_background_save_resumes_from_the_previous_checkpoint(

@@ -149,9 +149,14 @@ def checksum_file(path: Path) -> dict[str, int]:
 
 def write_manifest_share(tmp: Path, rank: int, entries: dict[str, dict[str, int]]) -> None:
     """Write this rank's manifest share (relative name -> size and CRC-32) into ``tmp``,
-    for ``commit_checkpoint`` to gather into ``meta.json``; call it after its files."""
+    for ``commit_checkpoint`` to gather into ``meta.json``; call it after its files.
+
+    The share appears under its name whole (written aside, fsynced, renamed): rank 0
+    takes its presence as the sign that this rank is done (``wait_for_shares``)."""
     data = json.dumps(entries).encode()
-    _write_file(tmp / f"{_SHARE}{rank}.json", lambda handle: handle.write(data))
+    part = tmp / f"{_SHARE}{rank}.json.part"
+    _write_file(part, lambda handle: handle.write(data))
+    os.rename(part, tmp / f"{_SHARE}{rank}.json")
 
 
 def _crc32(path: Path) -> int:
@@ -192,7 +197,9 @@ def write_share_failure(tmp: Path, rank: int, reason: str) -> None:
     """Tell rank 0's ``wait_for_shares`` that this rank's share will not come, and why
     (best effort: the file system itself may be what failed)."""
     with contextlib.suppress(OSError):
-        (tmp / f"{_FAILED}{rank}").write_text(reason)
+        part = tmp / f"{_FAILED}{rank}.part"
+        part.write_text(reason)
+        os.rename(part, tmp / f"{_FAILED}{rank}")
 
 
 def wait_for_shares(tmp: Path, world_size: int, *, timeout: float, poll: float) -> None:
@@ -203,7 +210,9 @@ def wait_for_shares(tmp: Path, world_size: int, *, timeout: float, poll: float) 
     expected = {f"{_SHARE}{rank}.json" for rank in range(world_size)}
     while True:
         present = {path.name for path in tmp.iterdir()}
-        failed = sorted(name for name in present if name.startswith(_FAILED))
+        failed = sorted(
+            name for name in present if name.startswith(_FAILED) and not name.endswith(".part")
+        )
         if failed:
             reason = (tmp / failed[0]).read_text().strip()
             raise CheckpointError(
