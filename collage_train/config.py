@@ -198,6 +198,13 @@ class TrainConfig:
     # vocabulary; the plain loss where one block covers the micro-batch or the precision
     # replaces the LM head, i.e. Scalify) | off (the plain full-logits loss) | N tokens
     loss_chunk_tokens: str = "auto"
+    # Seconds without a completed optimizer step before this rank writes every thread's stack
+    # to hang-rank{R}-<time>.txt in the run directory and exits with status 3, for a
+    # scheduler to restart (collage_train/watchdog.py, docs/distributed.md). null: 10 x the
+    # longest of the first 8 steps after the first, at least 300 s; 0: off. Validation and
+    # checkpoint saves are not bounded by it; collectives get twice it (at least 5 minutes)
+    # instead of distributed.timeout_minutes while steps run
+    hang_timeout_s: int | None = None
 
 
 @dataclass

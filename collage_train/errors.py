@@ -2,7 +2,10 @@
 
 Exit status 2 means bad input (a setting, file or directory the user must change before
 trying again, as argparse and Hydra's usage errors do); 1 means a run that started and
-failed (diverged, out of memory, replicas out of step, disk full).
+failed (diverged, out of memory, replicas out of step, disk full); 3 means a rank hung:
+no optimizer step completed within ``train.hang_timeout_s`` (``collage_train.watchdog``
+wrote every thread's stack to the run directory). The run directory is intact after any
+of them; after 3 a scheduler may restart the job as it is, with ``train.resume=true``.
 """
 
 import errno
@@ -12,6 +15,7 @@ from safetensors import SafetensorError
 
 BAD_INPUT = 2
 RUN_FAILED = 1
+HUNG = 3
 
 # What loading a weights file can raise when the file is missing, damaged, foreign or
 # refused by a restricted unpickler (weights_only=True raises UnpicklingError).

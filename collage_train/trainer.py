@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from collage_train import init_from, report, resume, run_checkpoint
+from collage_train import init_from, report, resume, run_checkpoint, watchdog
 from collage_train.batch import accumulation_steps
 from collage_train.comm.settings import align_to_outer_steps
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm, probe_gflops
@@ -30,6 +30,7 @@ from collage_train.data import build_data
 from collage_train.data.progress import write_json_atomic
 from collage_train.data.transfer import to_device
 from collage_train.engine import build_engine
+from collage_train.engine.launch import launched_rank
 from collage_train.errors import ConfigError
 from collage_train.export import export_from_engine
 from collage_train.fit_check import (
@@ -71,6 +72,7 @@ class Trainer:
             raise ConfigError(
                 f"train.stop_at_step={train.stop_at_step} must lie in 1..{train.max_steps}"
             )
+        self.watchdog = watchdog.for_run(train, cfg.distributed, run_dir, launched_rank())
         self.strategy = strategy_for(cfg.precision)
         self.strategy.check_engine(cfg.distributed.name)
         self.engine = build_engine(cfg.distributed, cfg.comm, device=train.device)
@@ -404,12 +406,14 @@ class Trainer:
                 sink.log(record)
 
         window_start = time.perf_counter()
-        with StopRequest().installed() as request:
+        with StopRequest().installed() as request, self.watchdog.watching():
             # A signal on any rank, or a failed background save, stops every rank at the
-            # same step, at most two steps later, without waiting for the device.
+            # same step, at most two steps later, without waiting for the device. A rank
+            # with no step completed for train.hang_timeout_s exits (watchdog.py).
             stop = StopAgreement(request, self.engine.world_size, self.stop_group)
             while self.step < end:
                 history.append(self._step())
+                self.watchdog.beat(self.step)
                 stopping = stop.after_step(failed=self.saver.failure is not None)
                 log = self.step % self.cfg.logging.log_every == 0 or self.step == end
                 validate = self.step % train.eval_every == 0 or self.step == train.max_steps
@@ -426,13 +430,16 @@ class Trainer:
                     emit(last_record)
                     logged = len(history)
                 if stopping:
-                    self._stop(stop)
+                    with self.watchdog.paused():
+                        self._stop(stop)
                     return None
                 if validate:
-                    val = self.evaluate()
+                    with self.watchdog.paused():
+                        val = self.evaluate()
                     emit({"step": self.step, **val})
                 if save:
-                    self.save_checkpoint(background=train.async_checkpoint)
+                    with self.watchdog.paused():
+                        self.save_checkpoint(background=train.async_checkpoint)
                 window_start = time.perf_counter()
             stop.finish()
         self._finish_saving()

@@ -60,6 +60,9 @@ def init_process_group(timeout_minutes: int = 30, device_type: str | None = None
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(_free_port()),
         )  # fmt: skip
+    # torch's flight recorder: the last collectives, which the hang watchdog reports
+    # (collage_train/watchdog.py); TORCH_FR_BUFFER_SIZE=0 turns it off
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     timeout = timedelta(minutes=timeout_minutes)
     use_cuda = torch.cuda.is_available() if device_type is None else device_type == "cuda"
     if use_cuda:
