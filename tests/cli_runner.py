@@ -127,13 +127,22 @@ def _launch_env(ranks: int) -> dict[str, str]:
     }
 
 
-def start_torchrun(*args: str, ranks: int = 2) -> tuple[subprocess.Popen, int]:
-    """``torchrun --nproc_per_node RANKS -m collage_train ARGS`` started, not waited for
-    (text pipes); returns it and its port (``remove_shm_buffers(port)`` once it ended)."""
+def start_torchrun(
+    *args: str, ranks: int = 2, options: tuple[str, ...] = (), rendezvous: str = "static"
+) -> tuple[subprocess.Popen, int]:
+    """``torchrun --nproc_per_node RANKS OPTIONS -m collage_train ARGS`` started, not
+    waited for (text pipes); ``options`` are torchrun's own (``--max-restarts 1``).
+    ``rendezvous="c10d"`` rendezvouses as on a cluster (``--rdzv_backend c10d``), which
+    restarted workers need: the static one keeps its store, and the previous attempt's
+    keys in it, across restarts. Returns it and its port (``remove_shm_buffers(port)``
+    once it ended)."""
     skip_without_gpus(ranks)
     launcher = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     port = _free_port()
-    command = [launcher, "--master_port", str(port), "--nproc_per_node", str(ranks)]
+    where = ["--master_port", str(port)]
+    if rendezvous == "c10d":
+        where = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}"]
+    command = [launcher, *where, "--nproc_per_node", str(ranks), *options]
     proc = subprocess.Popen(
         [*command, "-m", "collage_train", *args],
         cwd=REPO,

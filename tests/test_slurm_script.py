@@ -118,6 +118,10 @@ while [ "${1#-}" != "$1" ]; do shift; done
 "$@" &
 wait $!
 """
+_SCONTROL = """#!/bin/sh
+if [ "$1" = requeue ]; then echo "$*" >> "$STUB_DIR/scontrol.calls"; exit 0; fi
+printf "gpu-a\\ngpu-b\\ngpu-c\\n"
+"""
 _LAUNCHER = """#!/usr/bin/env bash
 echo "launcher $$" >> "$STUB_DIR/pids"
 trap 'echo TERM >> "$STUB_DIR/launcher.signals"' TERM
@@ -179,7 +183,7 @@ def cluster(tmp_path):
         folder.mkdir(parents=True)
     (package / "collage_train" / "__main__.py").write_text(_RANK)
     for name, text in {
-        "scontrol": 'printf "gpu-a\\ngpu-b\\ngpu-c\\n"\n',
+        "scontrol": _SCONTROL,
         "srun": _SRUN,
         "torchrun": _LAUNCHER,
         "deepspeed": _LAUNCHER,
@@ -248,3 +252,47 @@ def test_without_a_signal_the_script_returns_the_launchers_status(cluster):
     assert proc.returncode == 7, stderr
     assert _read(cluster.stub / "rank.signals") == "0\n"
     assert " pkill " not in _read(cluster.stub / "srun.calls")
+
+
+@pytest.mark.parametrize(
+    ("status", "restart_count", "requeued"),
+    [
+        (3, "0", True),  # the hang watchdog's exit: a fault
+        (137, "1", True),  # a process killed by a signal (SIGKILL)
+        (3, "3", False),  # MAX_REQUEUES (3) requeues done already
+        (2, "0", False),  # bad input would be refused again
+        (1, "0", False),  # a failed run (out of memory, a diverged loss) would fail again
+        (0, "0", False),
+    ],
+)
+def test_a_fault_requeues_the_job_and_bad_input_does_not(cluster, status, restart_count, requeued):
+    proc = cluster(
+        "torchrun", RANK_EXIT=str(status), RANK_WAIT="0", SLURM_RESTART_COUNT=restart_count
+    )
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == status, stderr  # the launch's own status, requeued or not
+    calls = _read(cluster.stub / "scontrol.calls")
+    assert calls == ("requeue 4242\n" if requeued else ""), stderr
+    assert ("requeueing job 4242" in stderr) == requeued
+
+
+def test_a_stop_that_was_asked_for_is_not_requeued(cluster):
+    proc = cluster("torchrun", RANK_EXIT="137")  # the ranks die after Slurm's SIGTERM
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 137, stderr
+    assert _read(cluster.stub / "rank.signals") == "1\n"
+    assert _read(cluster.stub / "scontrol.calls") == ""
+
+
+def test_torchrun_restarts_failed_ranks_and_the_counts_are_checked(slurm):
+    words = slurm().stdout.split()
+    assert words[words.index("--max-restarts") + 1] == "3"
+    words = slurm(MAX_RESTARTS="0").stdout.split()
+    assert words[words.index("--max-restarts") + 1] == "0"
+    for name in ("MAX_RESTARTS", "MAX_REQUEUES"):
+        bad = slurm(**{name: "many"})
+        assert bad.returncode == 2 and bad.stdout == ""
+        assert bad.stderr.strip().splitlines() == [
+            f"error: {name} must be a whole number, got 'many'"
+        ]

@@ -64,13 +64,40 @@ def init_process_group(timeout_minutes: int = 30, device_type: str | None = None
     # (collage_train/watchdog.py); TORCH_FR_BUFFER_SIZE=0 turns it off
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     timeout = timedelta(minutes=timeout_minutes)
+    store = _restart_store(timeout)
     use_cuda = torch.cuda.is_available() if device_type is None else device_type == "cuda"
     if use_cuda:
         device = torch.device("cuda", local_rank())
         torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl", timeout=timeout, device_id=device)
+        dist.init_process_group(backend="nccl", timeout=timeout, device_id=device, **store)
     else:
-        dist.init_process_group(backend="gloo", timeout=timeout)
+        dist.init_process_group(backend="gloo", timeout=timeout, **store)
+
+
+def _restart_store(timeout: timedelta) -> dict[str, Any]:
+    """For workers torchrun restarted (``--max-restarts``): the launcher's store under a
+    prefix of this attempt, as ``init_process_group`` keyword arguments; else nothing.
+
+    torchrun's ranks share the store its agent hosts, and the agent keeps it across a
+    restart (the static rendezvous keeps the same store; c10d's keeps its server): the
+    restarted ranks would read the killed attempt's process-group keys (addresses of dead
+    processes) and hang or fail connecting to them (docs/preemption.md, "Automatic restart").
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        launched_world_size(),
+        is_master=False,
+        timeout=timeout,
+    )
+    return {
+        "store": dist.PrefixStore(f"collage_attempt_{attempt}", client),
+        "rank": launched_rank(),
+        "world_size": launched_world_size(),
+    }
 
 
 def check_process_group(device: torch.device) -> None:
