@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import json
 import os
-import pickle
 import sys
 import threading
 import time
@@ -78,12 +78,12 @@ def collectives_in_flight() -> str:
     if not dist.is_available() or not dist.is_initialized():
         return "no process group: no collective in flight"
     c10d = torch._C._distributed_c10d
-    names = ("_dump_nccl_trace", "_dump_fr_trace") if dist.get_backend() == "nccl" else ()
-    dump = next((getattr(c10d, n) for n in (*names, "_dump_fr_trace") if hasattr(c10d, n)), None)
+    names = ("_dump_nccl_trace_json", "_dump_fr_trace_json")  # JSON: nothing is unpickled
+    dump = next((getattr(c10d, n) for n in names if hasattr(c10d, n)), None)
     if dump is None:
         return f"not available: this torch has no flight recorder ({dist.get_backend()})"
     try:
-        trace = pickle.loads(dump(True, True, False))  # this process's own record
+        trace = json.loads(dump(True, False))  # this process's own record, every entry
     except Exception as err:  # a build without it, or a recorder that is off
         return f"not available on {dist.get_backend()} ({first_line(err)})"
     entries = trace.get("entries", [])
@@ -97,8 +97,6 @@ def collectives_in_flight() -> str:
             f"  {entry.get('profiling_name')} seq {entry.get('collective_seq_id')} "
             f"group {entry.get('process_group')} sizes {sizes} state {entry.get('state')}"
         )
-        for frame in entry.get("frames", [])[:12]:
-            lines.append(f"    {frame.get('name')} {frame.get('filename')}:{frame.get('line')}")
     return "\n".join(lines)
 
 
