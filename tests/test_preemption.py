@@ -12,44 +12,12 @@ import signal
 import time
 from pathlib import Path
 
-import torch
 from cli_runner import remove_shm_buffers, run_torchrun, start_torchrun, tiny_overrides
+from launched_runs import assert_same_checkpoint_tensors, rank_pids
 
 from collage_train import checkpoint
 
 STEPS = 12
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (a launcher's ranks)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def _tensors(obj) -> list[torch.Tensor]:
-    """Every tensor in a checkpoint file's contents, in a fixed order."""
-    if torch.is_tensor(obj):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for key in sorted(obj, key=str) for t in _tensors(obj[key])]
-    if isinstance(obj, list | tuple):
-        return [t for item in obj for t in _tensors(item)]
-    return []
-
-
-def _state(path: Path) -> dict[str, list[torch.Tensor]]:
-    return {
-        file.relative_to(path).as_posix(): _tensors(checkpoint.open_restricted(file))
-        for file in sorted(path.rglob("*.pt"))
-    }
 
 
 def test_sigterm_at_a_random_step_stops_within_two_steps_and_resumes_bitwise(
@@ -79,7 +47,7 @@ def test_sigterm_at_a_random_step_stops_within_two_steps_and_resumes_bitwise(
         while not (metrics.exists() and metrics.read_text().count('"loss"') >= at_step):
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.05)
-        ranks = _children(proc.pid)
+        ranks = rank_pids(proc.pid)
         assert len(ranks) == 2
         for pid in ranks:  # what Slurm's --signal and scripts/slurm_train.sbatch do
             os.kill(pid, signal.SIGTERM)
@@ -103,9 +71,4 @@ def test_sigterm_at_a_random_step_stops_within_two_steps_and_resumes_bitwise(
     resumed = run_torchrun(*overrides(run_dir), "train.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     final = f"checkpoints/step-{STEPS}"
-    mine, theirs = _state(run_dir / final), _state(tmp_path / "reference" / final)
-    assert mine.keys() == theirs.keys() and mine
-    for name in mine:
-        assert len(mine[name]) == len(theirs[name]), name
-        for a, b in zip(mine[name], theirs[name], strict=True):
-            assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert_same_checkpoint_tensors(run_dir / final, tmp_path / "reference" / final)

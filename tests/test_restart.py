@@ -13,9 +13,8 @@ import signal
 import time
 from pathlib import Path
 
-import torch
 from cli_runner import remove_shm_buffers, run_torchrun, start_torchrun, tiny_overrides
-from test_preemption import _children, _state
+from launched_runs import assert_same_checkpoint_tensors, rank_pids
 
 STEPS = 12
 KILL_AFTER = 6  # steps logged before one rank is killed
@@ -67,13 +66,13 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_job_ends_as_if_never_kil
         while not (metrics.exists() and len(_steps_logged(metrics)) >= KILL_AFTER):
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.05)
-        ranks = {_rank_of(pid): pid for pid in _children(proc.pid)}
+        ranks = {_rank_of(pid): pid for pid in rank_pids(proc.pid)}
         assert sorted(ranks) == [0, 1]
         os.kill(ranks[1], signal.SIGKILL)  # a fault: no handler, no checkpoint
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:  # a hung job: its ranks first, or they outlive it
-            for pid in _children(proc.pid):
+            for pid in rank_pids(proc.pid):
                 os.kill(pid, signal.SIGKILL)
             proc.kill()
         remove_shm_buffers(port)
@@ -85,12 +84,7 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_job_ends_as_if_never_kil
     assert int(resumed[0][0]) in (4, 8)
 
     final = f"checkpoints/step-{STEPS}"
-    mine, theirs = _state(run_dir / final), _state(tmp_path / "reference" / final)
-    assert mine.keys() == theirs.keys() and mine
-    for name in mine:
-        assert len(mine[name]) == len(theirs[name]), name
-        for a, b in zip(mine[name], theirs[name], strict=True):
-            assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert_same_checkpoint_tensors(run_dir / final, tmp_path / "reference" / final)
     # the records the killed attempt wrote past the checkpoint were dropped on resume
     assert _steps_logged(metrics) == list(range(1, STEPS + 1))
     assert _steps_logged(metrics) == _steps_logged(tmp_path / "reference" / "metrics.jsonl")
