@@ -192,7 +192,6 @@ class CheckpointSaver:
         final = checkpoint.checkpoint_dir(run_dir) / f"step-{step}"
         job = _SaveJob(
             tmp=tmp,
-            final=final,
             step=step,
             rank=engine.rank,
             world_size=engine.world_size,
@@ -256,7 +255,6 @@ class _SaveJob:
     manifest share; on rank 0, wait for every share and commit."""
 
     tmp: Path
-    final: Path
     step: int
     rank: int
     world_size: int

@@ -20,7 +20,7 @@ from collage_train.watchdog import HangWatchdog
 
 
 class _Exited(Exception):
-    pass
+    """Raised by the stand-in ``exit`` in place of ending the test process."""
 
 
 def _watchdog(tmp_path: Path, timeout_s: float | None, **kwargs) -> tuple[HangWatchdog, list]:

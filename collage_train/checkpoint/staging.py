@@ -84,16 +84,18 @@ class HostStaging:
         """Allocate (and touch, so the first save does not pay the page faults) the
         buffers of ``layout``; safe in a thread while nothing is being staged."""
         for key, shape, dtype in specs:
-            buf = self._buffers.get(key)
-            if buf is None or buf.shape != shape or buf.dtype != dtype:
-                buf = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
-                buf.zero_()
-                self._buffers[key] = buf
+            self._buffer(key, shape, dtype, touch=True)
 
-    def _buffer(self, key: tuple[str, int], like: torch.Tensor) -> torch.Tensor:
+    def _buffer(
+        self, key: tuple[str, int], shape: torch.Size, dtype: torch.dtype, *, touch: bool = False
+    ) -> torch.Tensor:
+        """The buffer kept under ``key``, (re)allocated when its shape or dtype changed;
+        ``touch``: fault a new one in now (a copy into it would anyway)."""
         buf = self._buffers.get(key)
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pin)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+            if touch:
+                buf.zero_()
             self._buffers[key] = buf
         return buf
 
@@ -121,7 +123,7 @@ class _FileCopier:
             self._index += 1
             self._seen[key] = tensor
             return tensor
-        buf = self.staging._buffer((self.name, self._index), tensor)
+        buf = self.staging._buffer((self.name, self._index), tensor.shape, tensor.dtype)
         self._index += 1
         with torch.no_grad():
             buf.copy_(tensor.detach(), non_blocking=self.staging.pin)
