@@ -1,0 +1,93 @@
+"""Random bits for stochastic rounding, as a pure function of where and when they are used.
+
+Stochastic rounding (SR) rounds x up with probability equal to its distance from the
+value below, so that E[SR(x)] = x: an update smaller than the spacing of the stored
+format is kept in expectation instead of lost (Ozkara et al., "Stochastic Rounding for
+LLM Training: Theory and Practice", AISTATS 2025). It needs one random number per element
+per step.
+
+Here that number is a hash of (seed, stream, step, element index), not a draw from a
+generator whose state moves: a counter-based generator in the manner of Philox
+(Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011). Therefore
+
+- a run resumed from a checkpoint draws the same bits as an uninterrupted one: the
+  generator's whole state is the seed, the step count and the tensor's stream, which the
+  checkpoint already holds;
+- a tensor stepped a chunk at a time draws the same bits as one stepped whole (the index
+  is the element's position in the tensor, ``offset`` + its position in the chunk);
+- the eager step, a fused CPU kernel and a GPU kernel can compute the very same bits
+  from integer arithmetic alone, so their results can be compared bit for bit.
+
+The hash is ``lowbias32`` (C. Wellons, "Hash function prospector", 2018: two
+multiply-xorshift rounds with full avalanche), applied twice with keys derived from
+seed, stream and step on the host. Element indices are taken modulo 2^32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+_MUL_A, _MUL_B = 0x7FEB352D, 0x846CA68B
+
+
+def mix32(x: int) -> int:
+    """``lowbias32`` of a Python integer (its low 32 bits)."""
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * _MUL_A) & MASK32
+    x ^= x >> 15
+    x = (x * _MUL_B) & MASK32
+    x ^= x >> 16
+    return x
+
+
+def _mix32_tensor(x: torch.Tensor) -> torch.Tensor:
+    """``lowbias32`` elementwise on int64 tensors holding 32-bit values (products wrap
+    modulo 2^64 and are masked back to 32 bits, so every device computes the same bits)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL_A) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MUL_B) & MASK32
+    return x ^ (x >> 16)
+
+
+def stream_keys(seed: int, stream: int, step: int) -> tuple[int, int]:
+    """The two 32-bit keys of (seed, stream, step), mixed on the host."""
+    first = mix32(mix32(mix32(seed) ^ stream) ^ step)
+    return first, mix32(first ^ 0x9E3779B9)
+
+
+def random_bits(
+    numel: int,
+    *,
+    seed: int,
+    stream: int,
+    step: int,
+    offset: int = 0,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """32 random bits (as int64 values in [0, 2^32)) for elements ``offset`` ..
+    ``offset + numel - 1`` of ``stream`` at ``step``: ``mix32(mix32(i ^ k1) ^ k2)``."""
+    first, second = stream_keys(seed, stream, step)
+    index = torch.arange(offset, offset + numel, dtype=torch.int64, device=device) & MASK32
+    return _mix32_tensor(_mix32_tensor(index ^ first) ^ second)
+
+
+def stochastic_round_to_bf16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` rounded to bf16 away from zero with probability (low 16 bits of x) /
+    2^16, using the top 16 of the 32 random ``bits`` (torchao's rule for
+    ``bf16_stochastic_round``). Values already representable in bf16 stay exact;
+    infinities and NaNs pass through as round-to-nearest gives them."""
+    raw = x.float().contiguous().view(torch.int32).to(torch.int64) & MASK32
+    fraction = raw & 0xFFFF
+    toward_zero = raw & 0xFFFF0000
+    rounded = torch.where((bits.view(x.shape) >> 16) < fraction, toward_zero + 0x10000, toward_zero)
+    signed = torch.where(rounded >= 1 << 31, rounded - (1 << 32), rounded).to(torch.int32)
+    result = signed.view(torch.float32).to(torch.bfloat16)
+    return torch.where(torch.isfinite(x), result, x.to(torch.bfloat16))
+
+
+def uniform(bits: torch.Tensor) -> torch.Tensor:
+    """fp32 uniforms in [0, 1) from the top 24 of 32 random bits (exact in fp32)."""
+    return (bits >> 8).to(torch.float32) * (1.0 / (1 << 24))
