@@ -1,19 +1,25 @@
-"""Quality study: every precision strategy x beta2 on the same tiny model, same data order.
+"""Quality study (the arena): every precision strategy x beta2 x model, same data order.
 
-For each strategy (fp32, mixed_fp32, split_fp32, bf16, collage_light, collage_plus, scalify,
-scalify_fp32_params: every configs/precision option) and each beta2 (0.95, 0.999) it trains
-``--model`` (default gpt_tiny; llama_tiny for the Llama family) on the embedded corpus, with
-an lr schedule that decays 100x (so that late updates fall below bf16's rounding), and
-reports the final validation loss, the mean normalised EDQ and the mean lost-update
-fraction over the run.
-With ``--seeds N`` every cell is trained with N seeds (train.seed = 1..N: initialisation
-and data order) and reported as the mean and the sample standard deviation, so that a
-difference between strategies can be told from seed noise.
+For each strategy (every configs/precision option: fp32, mixed_fp32, split_fp32,
+bf16_moments, bf16, bf16_sr, bf16_kahan, adamw_8bit, collage_light, collage_plus,
+collage_8bit, scalify, scalify_fp32_params), each beta2 (0.95, 0.999) and each
+``--models`` entry (default gpt_tiny; llama_tiny for the Llama family) it trains on the
+embedded corpus with an lr schedule that decays 100x (so that late updates fall below
+bf16's rounding), and reports the final validation loss, the mean normalised EDQ, the
+mean lost-update fraction, the measured state bytes per parameter and the median step
+time. With ``--seeds N`` every cell is trained with N seeds (train.seed = 1..N:
+initialisation and data order) and reported as the mean and the sample standard
+deviation, and, where fp32 is in the grid, as the mean and sd of the seed-by-seed
+difference from fp32's validation loss (the same seed is the same data order and
+initialisation, so the pairing removes most of the seed noise).
 
-    python scripts/quality_study.py                 # 300 steps a run, about an hour on 2 cores
-    python scripts/quality_study.py --steps 150     # a quicker look
-    python scripts/quality_study.py --model llama_tiny --seeds 3
+    python scripts/quality_study.py                 # 300 steps a run, hours on 2 cores
+    python scripts/quality_study.py --steps 100 --models gpt_tiny llama_tiny --seeds 3
+    python scripts/quality_study.py --steps 1000 --beta2 0.999 \
+        --precisions fp32 bf16 bf16_sr collage_8bit bf16_kahan adamw_8bit collage_light
 
+With ``--json PATH`` every finished run is written there at once and a study started
+again with the same file skips the runs it already holds, so a stopped study resumes.
 The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
 """
 
@@ -32,19 +38,29 @@ STRATEGIES = (
     "fp32",
     "mixed_fp32",
     "split_fp32",
+    "bf16_moments",
     "bf16",
+    "bf16_sr",
+    "bf16_kahan",
+    "adamw_8bit",
     "collage_light",
     "collage_plus",
+    "collage_8bit",
     "scalify",
     "scalify_fp32_params",
 )
 
 
 def study_run(
-    precision: str, beta2: float, args: argparse.Namespace, run_dir: Path, seed: int | None = None
+    precision: str,
+    beta2: float,
+    args: argparse.Namespace,
+    run_dir: Path,
+    seed: int | None = None,
+    model: str = "gpt_tiny",
 ) -> dict:
     overrides = [
-        f"model={args.model}",
+        f"model={model}",
         f"precision={precision}",
         f"optim.betas=[0.9,{beta2}]",
         f"optim.lr={args.lr}",
@@ -63,10 +79,14 @@ def study_run(
     summary, records = run_training(overrides, run_dir)
     descent = [r for r in records if "edq_normalized" in r]
     late = descent[len(descent) // 2 :]
+    step_times = sorted(r["step_time_s"] for r in records if "step_time_s" in r)
     return {
+        "model": model,
+        "steps": args.steps,
         "precision": precision,
         "beta2": beta2,
         "seed": seed,
+        "step_time_s": step_times[len(step_times) // 2] if step_times else None,
         "final_val_loss": summary["final_val_loss"],
         "final_train_loss": summary["final_train_loss"],
         "mean_edq_normalized": statistics.fmean(r["edq_normalized"] for r in descent),
@@ -74,22 +94,6 @@ def study_run(
         "late_lost_update_frac": statistics.fmean(r["lost_update_frac"] for r in late),
         "state_bytes_per_param": summary["state_bytes_per_param"],
     }
-
-
-def table(rows: list[dict]) -> str:
-    lines = [
-        "| precision | beta2 | final val loss | final train loss | mean EDQ (normalised) "
-        "| mean lost-update frac | lost frac, 2nd half | state B/param |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['precision']} | {r['beta2']} | {r['final_val_loss']:.4f} "
-            f"| {r['final_train_loss']:.4f} | {r['mean_edq_normalized']:.3f} "
-            f"| {r['mean_lost_update_frac']:.3f} | {r['late_lost_update_frac']:.3f} "
-            f"| {r['state_bytes_per_param']:g} |"
-        )
-    return "\n".join(lines)
 
 
 MEASURES = (
@@ -101,46 +105,65 @@ MEASURES = (
 )
 
 
-def aggregate(rows: list[dict]) -> list[dict]:
-    """One row per (precision, beta2): each measure's mean and sample standard deviation."""
-    cells: dict[tuple[str, float], list[dict]] = {}
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def aggregate(rows: list[dict], reference: str = "fp32") -> list[dict]:
+    """One row per (model, precision, beta2): each measure's mean and sample standard
+    deviation, and the mean and sd of the seed-by-seed difference of the final validation
+    loss from ``reference``'s run with the same model, beta2 and seed (``val_diff``;
+    None where the reference did not run)."""
+    cells: dict[tuple[str, str, float], list[dict]] = {}
     for row in rows:
-        cells.setdefault((row["precision"], row["beta2"]), []).append(row)
+        key = (row.get("model", "gpt_tiny"), row["precision"], row["beta2"])
+        cells.setdefault(key, []).append(row)
     out = []
-    for (precision, beta2), runs in cells.items():
-        cell = {"precision": precision, "beta2": beta2, "seeds": len(runs)}
+    for (model, precision, beta2), runs in cells.items():
+        cell = {"model": model, "precision": precision, "beta2": beta2, "seeds": len(runs)}
         for key in MEASURES:
-            values = [r[key] for r in runs]
-            cell[key] = statistics.fmean(values)
-            cell[f"{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
+            cell[key], cell[f"{key}_sd"] = _mean_sd([r[key] for r in runs])
         cell["state_bytes_per_param"] = runs[0]["state_bytes_per_param"]
+        times = [r["step_time_s"] for r in runs if r.get("step_time_s") is not None]
+        cell["step_time_s"] = statistics.median(times) if times else None
+        base = {r["seed"]: r["final_val_loss"] for r in cells.get((model, reference, beta2), [])}
+        diffs = [r["final_val_loss"] - base[r["seed"]] for r in runs if r["seed"] in base]
+        cell["val_diff"], cell["val_diff_sd"] = _mean_sd(diffs) if diffs else (None, None)
         out.append(cell)
     return out
 
 
 def seeds_table(cells: list[dict]) -> str:
-    """Mean +- sample standard deviation over seeds of each measure."""
+    """Mean +- sample standard deviation over seeds of each measure, the paired difference
+    from fp32 and the median step time."""
     lines = [
-        "| precision | beta2 | seeds | final val loss | final train loss | mean EDQ (normalised) "
-        "| mean lost-update frac | lost frac, 2nd half | state B/param |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | precision | beta2 | seeds | final val loss | val loss - fp32 (paired) "
+        "| final train loss | mean EDQ (normalised) | mean lost-update frac "
+        "| lost frac, 2nd half | state B/param | step time (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
+        diff = (
+            f"{c['val_diff']:+.4f} ± {c['val_diff_sd']:.4f}"
+            if c.get("val_diff") is not None
+            else "n/a"
+        )
+        step_time = f"{c['step_time_s']:.3f}" if c.get("step_time_s") is not None else "n/a"
         lines.append(
-            f"| {c['precision']} | {c['beta2']} | {c['seeds']} "
-            f"| {c['final_val_loss']:.4f} ± {c['final_val_loss_sd']:.4f} "
+            f"| {c['model']} | {c['precision']} | {c['beta2']} | {c['seeds']} "
+            f"| {c['final_val_loss']:.4f} ± {c['final_val_loss_sd']:.4f} | {diff} "
             f"| {c['final_train_loss']:.4f} ± {c['final_train_loss_sd']:.4f} "
             f"| {c['mean_edq_normalized']:.3f} ± {c['mean_edq_normalized_sd']:.3f} "
             f"| {c['mean_lost_update_frac']:.3f} ± {c['mean_lost_update_frac_sd']:.3f} "
             f"| {c['late_lost_update_frac']:.3f} ± {c['late_lost_update_frac_sd']:.3f} "
-            f"| {c['state_bytes_per_param']:g} |"
+            f"| {c['state_bytes_per_param']:g} | {step_time} |"
         )
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt_tiny")
+    parser.add_argument("--models", nargs="+", default=["gpt_tiny"])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=1e-3, help="peak lr; it decays to lr/100")
     parser.add_argument("--edq-every", type=int, default=10)
@@ -151,7 +174,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--seeds", type=int, default=1, help="seeds per cell (train.seed 1..N); mean +- sd"
     )
     parser.add_argument(
-        "--json", type=Path, help="also write the rows as JSON here (rewritten after every run)"
+        "--json",
+        type=Path,
+        help="also write the rows as JSON here (rewritten after every run); the runs it "
+        "already holds are not run again",
     )
     parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
@@ -161,28 +187,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
 
-    rows = []
+    rows = json.loads(args.json.read_text()) if args.json and args.json.exists() else []
+    done = {_run_key(r) for r in rows}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
-        for beta2 in args.beta2:
-            for precision in args.precisions:
-                for seed in range(1, args.seeds + 1) if args.seeds > 1 else [None]:
-                    print(
-                        f"{precision}, beta2 {beta2}, seed {seed}, {args.steps} steps ...",
-                        flush=True,
-                    )
-                    run_dir = Path(root) / f"{precision}-{beta2}-{seed}"
-                    rows.append(study_run(precision, beta2, args, run_dir, seed))
-                    if args.json:  # after every run: a stopped study keeps what it measured
-                        args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    result = table(rows) if args.seeds == 1 else seeds_table(aggregate(rows))
+        for model in args.models:
+            for beta2 in args.beta2:
+                for precision in args.precisions:
+                    for seed in range(1, args.seeds + 1) if args.seeds > 1 else [None]:
+                        key = (model, args.steps, precision, beta2, seed)
+                        if key in done:
+                            continue
+                        print(f"{model}, {precision}, beta2 {beta2}, seed {seed}, "
+                              f"{args.steps} steps ...", flush=True)  # fmt: skip
+                        run_dir = Path(root) / f"{model}-{precision}-{beta2}-{seed}"
+                        rows.append(study_run(precision, beta2, args, run_dir, seed, model))
+                        if args.json:  # after every run: a stopped study keeps what it measured
+                            args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    wanted = [r for r in rows if r.get("steps", args.steps) == args.steps]
+    result = seeds_table(aggregate(wanted))
     print(result)
     if not args.no_append:
         minutes = (time.perf_counter() - start) / 60
         append_results(
             "Quality study: precision strategies x beta2",
-            f"{args.model} on the embedded corpus, {args.steps} steps, peak lr {args.lr} "
-            f"decaying to {args.lr / 100} (cosine), "
+            f"{', '.join(args.models)} on the embedded corpus, {args.steps} steps, peak lr "
+            f"{args.lr} decaying to {args.lr / 100} (cosine), "
             + (
                 "same seed and data order for every run; "
                 if args.seeds == 1
@@ -192,6 +222,11 @@ def main() -> None:
             f"batches. Took {minutes:.0f} min.",
             result,
         )
+
+
+def _run_key(row: dict) -> tuple:
+    """What identifies one run of the grid (rows of older studies lack model and steps)."""
+    return (row.get("model"), row.get("steps"), row["precision"], row["beta2"], row["seed"])
 
 
 if __name__ == "__main__":
