@@ -1,0 +1,215 @@
+"""KahanAdamW: AdamW on bf16 weights with a bf16 Kahan compensation buffer.
+
+The numerics of torch-optimi 0.3.3's ``optimi.AdamW(..., kahan_sum=True)`` on bf16
+parameters (B. Warner, https://optimi.benjaminwarner.dev, "Low Precision Training with
+Kahan Summation"), as a ``TrackingOptimizer`` (chunked steps, EDQ, full-precision read
+and write, flat partitions): the compensated-summation rival of Collage-light.
+Everything is bf16: weight, gradient, m, v and the compensation c, 10 bytes/param.
+Per element, with ``fl`` a rounding to bf16 and every product and sum in fp32:
+
+- weight decay, optimi's decoupled convention (``decouple_lr=False``, its default):
+  ``theta <- fl(theta * (1 - lr * wd))``, the same ``-lr * wd * theta`` as our ``AdamW``;
+  it acts on the bf16 weight, outside the compensated sum, so it is rounded away whenever
+  ``lr * wd`` is below 2^-9 (optimi's fully decoupled ``decouple_lr=True``,
+  ``1 - (lr / max_lr) * wd``, is not what our AdamW does and is not offered);
+- debiased betas ``b_hat = (b^t - b) / (b^t - 1)``, from the integer step in float64 on
+  the host, exactly as optimi computes them: the moments are stored bias-corrected,
+  ``m <- lerp(m, g, 1 - b1_hat)`` and ``v <- fl(fl(v * b2_hat) + (1 - b2_hat) * g^2)``,
+  which equal Adam's ``m / (1 - b1^t)`` and ``v / (1 - b2^t)`` in exact arithmetic;
+- ``d = fl(fl(sqrt(v)) + fl(eps))``; ``c <- fl(c + (-lr * m) / d)`` (the update goes
+  into the compensation first);
+- ``theta' = fl(theta + c)``; ``c <- fl(c + fl(theta - theta'))``: c keeps what the weight
+  could not take, so the full-precision value is ``theta + c`` (a positive compensation,
+  not the textbook Kahan ``c`` that holds the negated error).
+
+Each line is the ATen kernel optimi's for-loop path calls (``lerp_``, ``addcmul_``,
+``addcdiv_``, ...), so a step is bitwise equal to that path on the same device, and to its
+foreach path where ``torch._foreach_mul_`` multiplies by the fp32 scalar as ``mul_`` does
+(torch 2.13's CPU ``_foreach_mul_`` rounds the scalar to bf16 first). On this project's
+CPUs ``lerp_`` and ``addcmul_`` contract to a fused multiply-add in their vector and scalar
+loops alike, which is what makes a chunked step bitwise equal to a whole one. It is not
+optimi's Triton kernel (its CUDA default), which keeps m, v and the intermediate values in
+fp32 registers between these roundings. See docs/strategies.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from collage_train.metrics.edq import FIELDS, edq_metrics, edq_partials
+from collage_train.optim.base import TrackingOptimizer
+
+__all__ = ["KahanAdamW", "debiased_beta"]
+
+
+def debiased_beta(beta: float, step: int) -> float:
+    """``beta * (1 - beta^(t-1)) / (1 - beta^t)`` in float64, evaluated as
+    ``(beta^t - beta) / (beta^t - 1)``: the expression optimi evaluates, hence the same
+    float64 value (0 at step 1, so m = g and v = g^2 after the first step)."""
+    power = beta**step
+    return (power - beta) / (power - 1.0)
+
+
+@dataclass(frozen=True)
+class KahanScalars:
+    """The host-side numbers of one step (Python floats: each kernel rounds them to fp32,
+    except the bf16 ``add_`` of ``eps``, which rounds it to bf16, as in optimi)."""
+
+    lr: float
+    beta1_comp: float  # 1 - b1_hat, the lerp weight
+    beta2_hat: float
+    beta2_comp: float  # 1 - b2_hat
+    eps: float
+    lr_wd: float  # lr * wd: the weight is multiplied by 1 - lr_wd (0: no weight decay)
+
+
+def step_scalars(group: dict[str, Any], step: int) -> KahanScalars:
+    """The scalars of integer step ``step`` (1 for the first) of a param group."""
+    beta1, beta2 = group["betas"]
+    lr, weight_decay = group["lr"], group["weight_decay"]
+    beta1_hat, beta2_hat = debiased_beta(beta1, step), debiased_beta(beta2, step)
+    return KahanScalars(
+        lr, 1.0 - beta1_hat, beta2_hat, 1.0 - beta2_hat, group["eps"], lr * weight_decay
+    )
+
+
+def kahan_piece_step(
+    weight: torch.Tensor,
+    comp: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    s: KahanScalars,
+    track: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One step of (a piece of) one tensor, in place; all five tensors bf16.
+
+    With ``track``, returns the weight before the step and the intended update in fp32
+    (``(-lr * m) / d`` as ``addcdiv_`` forms it, plus ``-lr * wd * theta``), for EDQ.
+    The one temporary is a bf16 tensor the size of the piece.
+    """
+    grad = grad.to(torch.bfloat16)
+    before = weight.clone() if track else None
+    if s.lr_wd != 0:
+        weight.mul_(1.0 - s.lr_wd)  # optimi's factor, also evaluated in float64
+    exp_avg.lerp_(grad, s.beta1_comp)
+    exp_avg_sq.mul_(s.beta2_hat).addcmul_(grad, grad, value=s.beta2_comp)
+    scratch = exp_avg_sq.sqrt().add_(s.eps)  # the denominator d
+    update = None
+    if track:
+        update = exp_avg.float().mul_(-s.lr).div_(scratch.float())
+        if s.lr_wd != 0:
+            update.add_(before.float(), alpha=-s.lr_wd)
+    comp.addcdiv_(exp_avg, scratch, value=-s.lr)
+    scratch.copy_(weight)
+    weight.add_(comp)
+    scratch.sub_(weight)  # theta - theta': what the weight took, negated
+    comp.add_(scratch)
+    return (before, update) if track else None
+
+
+class KahanAdamW(TrackingOptimizer):
+    """AdamW on bf16 parameters with bf16 m, v and a bf16 Kahan compensation (10 B/param).
+
+    A drop-in for ``torch.optim.AdamW`` on a bf16 model, stepping as
+    ``optimi.AdamW(params, lr, betas, weight_decay, eps, kahan_sum=True)`` does (module
+    docstring); ``step_chunk_numel`` bounds the elements a step works on at a time.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay)
+        self._require_bf16_params("keeps a bf16 Kahan compensation beside each weight")
+
+    def _state_for(self, param: torch.Tensor) -> dict[str, Any]:
+        state = self.state[param]
+        if not state:
+            state["step"] = 0
+            for key in ("exp_avg", "exp_avg_sq", "kahan_comp"):
+                state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state
+
+    def _full_precision(self, param: torch.Tensor) -> torch.Tensor:
+        """theta + c in fp32 (theta alone before the first step)."""
+        value = param.detach().to(torch.float32, copy=True)
+        comp = self.state[param].get("kahan_comp")
+        if comp is not None:
+            value += comp.float()
+        return value
+
+    def _load_full_precision(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """theta = bf16(value); c = bf16(value - theta) (so theta + c is value to ~2^-16)."""
+        theta = value.to(torch.bfloat16)
+        param.detach().copy_(theta)
+        self._state_for(param)["kahan_comp"].copy_(value - theta.float())
+
+    def edq_metrics(self) -> dict[str, float]:
+        """EDQ metrics of the last tracked step, with c reported as Collage's dtheta."""
+        if not self.last_edq:
+            return {}
+        total = sum(p.reshape(-1, len(FIELDS)).sum(dim=0) for p in self.last_edq.values())
+        return edq_metrics(total, with_dtheta=True)
+
+    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        for param in params:
+            state = self._state_for(param)
+            state["step"] += 1
+            if param.numel() == 0:
+                continue
+            tensors = [
+                param.detach(),
+                state["kahan_comp"],
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                param.grad,
+            ]
+            scalars = step_scalars(group, state["step"])
+            partials = self._step_in_chunks(tensors, scalars, self.edq_segments.get(param))
+            if self.track_edq:
+                self.last_edq[param] = partials
+
+    def _step_in_chunks(
+        self,
+        tensors: list[torch.Tensor],
+        scalars: KahanScalars,
+        segments: list[tuple[str, int, int]] | None,
+    ) -> torch.Tensor | None:
+        """One tensor's step, ``step_chunk_numel`` elements at a time (a non-contiguous
+        tensor in one piece); its EDQ partials when tracked, one row per segment of a flat
+        partition. EDQ's realised change is that of the bf16 weight; c is passed as the
+        low part (``dtheta``), as for Collage."""
+        track = self.track_edq
+        numel = tensors[0].numel()
+        if all(t.is_contiguous() for t in tensors):
+            flat = [t.view(-1) for t in tensors]
+            chunks = self._chunks(numel)
+        else:
+            flat, chunks = None, [(0, numel)]
+        ranges = segments if segments is not None else [("", 0, numel)]
+        sums = torch.zeros(len(ranges), len(FIELDS), device=tensors[0].device) if track else None
+        for start, stop in chunks:
+            piece = tensors if flat is None else [t[start:stop] for t in flat]
+            result = kahan_piece_step(*piece, scalars, track=track)
+            if result is None:
+                continue
+            before, update = (t.reshape(-1) for t in result)
+            after, comp = piece[0].reshape(-1), piece[1].reshape(-1)
+            for row, (_, first, last) in enumerate(ranges):
+                low, high = max(first, start) - start, min(last, stop) - start
+                if low < high:
+                    sums[row] += edq_partials(
+                        before[low:high], after[low:high], update[low:high], comp[low:high]
+                    )
+        if sums is None or segments is not None:
+            return sums
+        return sums[0]
