@@ -1,0 +1,203 @@
+"""BlockwiseAdamW: AdamW with 8-bit blockwise moments, the update of bitsandbytes' AdamW8bit.
+
+The first moment m is stored with the signed dynamic map, the second v with the unsigned
+one, each in blocks of ``block_size`` elements of the flattened parameter under an fp32
+absmax per block, both rounded to nearest (``optim.blockwise8``; Dettmers et al., ICLR
+2022). A step dequantises a range of whole blocks to fp32, runs the arithmetic of
+bitsandbytes 0.50.2's ``AdamW8bit`` on CPU (``backends/cpu/ops.py``, op for op)::
+
+    m = m * beta1 + (1 - beta1) * g
+    v = v * beta2 + (1 - beta2) * g * g
+    denom = sqrt(v) / sqrt(1 - beta2^t) + eps
+    p = p * (1 - lr * wd)                       (only when wd > 0)
+    p = p - lr / (1 - beta1^t) * m / denom
+
+and quantises m and v back; the parameter update uses the moments before quantisation.
+Bias corrections come from the integer step in float64 on the host, as bitsandbytes
+computes them.
+
+``master_dtype=torch.float32`` on bf16 parameters keeps an fp32 master copy that takes
+the update and is rounded into the parameter (the ``adamw_8bit`` strategy: 2 + 2 + 4 +
+1 + 1 bytes per parameter, plus 8 bytes of absmax per block). Under ZeRO the optimizer is
+handed fp32 flat partitions, which are their own masters; blocks then run over the flat
+partition and may straddle model tensors. Unlike bitsandbytes, tensors of fewer than
+4096 elements are quantised too (its ``min_8bit_size`` keeps them in fp32): a flat
+partition has no small tensors to single out.
+
+Rounding to nearest stores a v below 1.6e-7 of its block's absmax as 0. If that
+element's m is not 0 and its next gradient is exactly 0, that step divides m by eps
+alone: thousands of times lr for an element whose gradients are 1e-4 of its block's
+largest (bitsandbytes' exact rounding does the same; its CPU kernel's coarser table
+never stores a positive v below 1.5e-5 of absmax). ``keep_nonzero_v=True`` stores such a
+v as the map's smallest positive value instead (``blockwise8.quantize``), the rule of
+``Collage8bitAdamW``; the default keeps bitsandbytes' rounding bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from collage_train.metrics.edq import FIELDS, edq_partials
+from collage_train.optim.adamw import AdamW
+from collage_train.optim.blockwise8 import BLOCK_SIZE, QuantizedMoment
+
+MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (state name, signed map)
+
+
+class EdqSums:
+    """EDQ partial sums of one tensor stepped a chunk at a time: one row per
+    ``edq_segments`` range (a flat ZeRO partition) or one for the whole tensor."""
+
+    def __init__(
+        self,
+        segments: list[tuple[str, int, int]] | None,
+        numel: int,
+        view: torch.dtype | None,
+        device: torch.device,
+    ) -> None:
+        self.segmented = segments is not None
+        self.ranges = segments if segments is not None else [("", 0, numel)]
+        self.view = view
+        self.sums = torch.zeros(len(self.ranges), len(FIELDS), device=device)
+
+    def add(
+        self,
+        start: int,
+        before: torch.Tensor,
+        after: torch.Tensor,
+        update: torch.Tensor,
+        dtheta: torch.Tensor | None = None,
+    ) -> None:
+        """Partials of the chunk of flattened elements starting at ``start``."""
+        if self.view is not None and after.dtype != self.view:
+            before, after = before.to(self.view), after.to(self.view)
+        stop = start + after.numel()
+        for row, (_, first, last) in enumerate(self.ranges):
+            low, high = max(first, start) - start, min(last, stop) - start
+            if low < high:
+                low_part = dtheta[low:high] if dtheta is not None else None
+                self.sums[row] += edq_partials(
+                    before[low:high], after[low:high], update[low:high], low_part
+                )
+
+    def rows(self) -> torch.Tensor:
+        return self.sums if self.segmented else self.sums[0]
+
+
+def flat_view(tensor: torch.Tensor, pending: list[tuple[torch.Tensor, torch.Tensor]]):
+    """``tensor`` flattened: a view when contiguous, else a copy listed in ``pending`` to be
+    written back with ``write_back`` after the step."""
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    flat = tensor.contiguous().view(-1)
+    pending.append((tensor, flat))
+    return flat
+
+
+def write_back(pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for tensor, flat in pending:
+        tensor.copy_(flat.view(tensor.shape))
+
+
+def block_chunks(numel: int, chunk_numel: int, block_size: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges covering ``numel`` elements, each at most ``chunk_numel``
+    elements rounded down to whole blocks (one block at least)."""
+    chunk = max(block_size, chunk_numel // block_size * block_size)
+    return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
+
+
+class BlockwiseAdamW(AdamW):
+    """AdamW whose ``exp_avg`` / ``exp_avg_sq`` are 8-bit codes with an absmax per block.
+
+    State per parameter: ``step``; ``exp_avg``, ``exp_avg_sq`` (uint8, the parameter's
+    shape); ``exp_avg_absmax``, ``exp_avg_sq_absmax`` (fp32, one per block); ``master``
+    (fp32) when one is kept. Steps ``step_chunk_numel`` elements at a time, rounded down
+    to whole blocks, so that chunked and whole steps are the same bits.
+    """
+
+    unshaped_state = ("step", "exp_avg_absmax", "exp_avg_sq_absmax")
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        master_dtype: torch.dtype | None = None,
+        block_size: int = BLOCK_SIZE,
+        keep_nonzero_v: bool = False,
+    ) -> None:
+        if master_dtype not in (None, torch.float32):
+            raise ValueError(f"BlockwiseAdamW keeps an fp32 master or none, got {master_dtype}")
+        if int(block_size) < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size}")
+        super().__init__(params, lr, betas, eps, weight_decay, master_dtype)
+        self.block_size = int(block_size)
+        self.keep_nonzero_v = bool(keep_nonzero_v)
+
+    def _state_for(self, param: torch.Tensor) -> dict[str, Any]:
+        state = self.state[param]
+        if not state:
+            state["step"] = 0
+            if self._keeps_master(param):
+                state["master"] = torch.empty(
+                    param.shape, dtype=self.master_dtype, device=param.device
+                ).copy_(param.detach())
+            for name, _ in MOMENTS:
+                state.update(QuantizedMoment.new_state(name, param, self.block_size))
+        return state
+
+    def _chunks(self, numel: int) -> list[tuple[int, int]]:
+        return block_chunks(numel, self.step_chunk_numel, self.block_size)
+
+    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        for param in params:
+            self._step_param(group, param)
+
+    def _step_param(self, group: dict[str, Any], param: torch.Tensor) -> None:
+        state = self._state_for(param)
+        state["step"] += 1
+        step, (beta1, beta2) = state["step"], group["betas"]
+        lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
+        bias1, bias2_sqrt = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        weight = flat_view(param.detach(), pending)
+        master = state["master"].view(-1) if "master" in state else None
+        grad = param.grad.reshape(-1)
+        m_state, v_state = (QuantizedMoment.of(state, n, s, self.block_size) for n, s in MOMENTS)
+        edq = None
+        if self.track_edq:
+            segments = self.edq_segments.get(param)
+            edq = EdqSums(segments, weight.numel(), self.edq_view_dtype, weight.device)
+        for start, stop in self._chunks(weight.numel()):
+            g = grad[start:stop].float()
+            m, v = m_state.load(start, stop), v_state.load(start, stop)
+            m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            denom = (v.sqrt() / bias2_sqrt).add_(eps)
+            target = (master if master is not None else weight)[start:stop]
+            p = target if target.dtype == torch.float32 else target.float()
+            if edq is not None:
+                before = weight[start:stop].clone()
+                update = (m / denom) * (-lr / bias1)
+                if weight_decay > 0.0:
+                    update += p * (-lr * weight_decay)
+            if weight_decay > 0.0:
+                p.mul_(1.0 - lr * weight_decay)
+            p.addcdiv_(m, denom, value=-lr / bias1)
+            if p is not target:
+                target.copy_(p)
+            if master is not None:
+                weight[start:stop].copy_(p)
+            m_state.store(start, stop, m)
+            v_state.store(start, stop, v, keep_nonzero=self.keep_nonzero_v)
+            if edq is not None:
+                edq.add(start, before, weight[start:stop], update)
+        write_back(pending)
+        if edq is not None:
+            self.last_edq[param] = edq.rows()

@@ -1,0 +1,177 @@
+"""Collage8bitAdamW: Collage-light's compensated bf16 weight with 8-bit blockwise moments.
+
+The weight is Collage's multi-component float (theta, dtheta) in bf16, updated exactly as
+``CollageAdamW(mode="light")`` does it (``mcf.grow`` of the bf16 update, so updates far
+below theta's ulp are kept in dtheta; Yu et al., ICML 2024). The moments are 8-bit
+blockwise (``optim.blockwise8``; Dettmers et al., ICLR 2022): m with the signed dynamic
+map rounded to nearest, v with the unsigned map rounded *stochastically* between its two
+neighbouring values. Per element and step, in fp32::
+
+    m = m + (1 - beta1) * (g - m)
+    v = v * beta2 + (1 - beta2) * g * g
+    u = bf16((m / (sqrt(v) * r2 + eps)) * (-lr / (1 - beta1^t)) - lr * wd * theta)
+    (theta, dtheta) = Grow((theta, dtheta), u)
+    store m rounded to nearest, v stochastically rounded
+
+with r2 = 1 / sqrt(1 - beta2^t) (``step_math.step_scalars``: the integer step, float64 on
+the host). Why v is rounded stochastically: with beta2 = 0.999, v of an element whose
+gradient has gone to zero shrinks by 0.1 % a step, while neighbouring values of the map
+lie 0.7 % to 14 % apart in its top decade. Rounding to nearest puts such a v back on the
+value it came from every step, so it never decays; stochastic rounding keeps it equal to
+the exact recursion in expectation. m (beta1 = 0.9, 10 % a step) is rounded to nearest.
+A positive v is never stored as 0 but at least as the map's smallest positive value,
+3.25e-7 of its block's absmax (``keep_nonzero``): a v of 0 beside an m that is not would
+make a step with a zero gradient divide m by eps alone (``BlockwiseAdamW`` explains).
+
+The random number of element i of a tensor at step t is ``rounding_noise.random_bits``
+of (seed, the tensor's stream, t, i): a resumed run and a chunked step draw the same
+bits as an uninterrupted, whole one. ``state["stream"]`` is fixed when the state is
+created: (rank << 20) + the number of states this optimizer created before.
+
+State per parameter: ``step``, ``stream``, ``dtheta`` (bf16), ``exp_avg`` and
+``exp_avg_sq`` (uint8, the parameter's shape), ``exp_avg_absmax`` and
+``exp_avg_sq_absmax`` (fp32, one per block): 2 + 2 + 2 + 1 + 1 = 8 bytes per parameter
+with its gradient, plus 8 bytes per block of 256.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from collage_train.optim import rounding_noise
+from collage_train.optim.base import STEP_BYTES_PER_ELEMENT, TrackingOptimizer
+from collage_train.optim.blockwise8 import BLOCK_SIZE, QuantizedMoment
+from collage_train.optim.blockwise_adamw import (
+    MOMENTS,
+    EdqSums,
+    block_chunks,
+    flat_view,
+    write_back,
+)
+from collage_train.optim.collage import mcf
+from collage_train.optim.collage.step_math import step_scalars
+
+STREAM_RANK_SHIFT = 20
+# Bytes of temporaries per element of a chunk during the eager step (measured: the peak
+# RSS of one step over a single 4M-element chunk); the int64 hash of the rounding bits
+# is most of the excess over STEP_BYTES_PER_ELEMENT
+STEP_TRANSIENT_BYTES = 76
+
+
+class Collage8bitAdamW(TrackingOptimizer):
+    """AdamW on bf16 parameters: Collage-light weight, 8-bit blockwise moments.
+
+    Steps in chunks of whole blocks, the same bits as a whole step; a chunk holds
+    ``step_chunk_numel`` scaled by ``STEP_BYTES_PER_ELEMENT / STEP_TRANSIENT_BYTES``, so
+    that its temporaries fit the budget the trainer sized ``step_chunk_numel`` for.
+    """
+
+    unshaped_state = ("step", "exp_avg_absmax", "exp_avg_sq_absmax")
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        block_size: int = BLOCK_SIZE,
+        seed: int = 0,
+    ) -> None:
+        if int(block_size) < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size}")
+        super().__init__(params, lr, betas, eps, weight_decay)
+        self._require_bf16_params("keeps the weight as a bf16 (theta, dtheta) pair")
+        self.block_size = int(block_size)
+        self.seed = int(seed)
+        self._streams_created = 0
+
+    def _new_stream(self) -> int:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        stream = (rank << STREAM_RANK_SHIFT) + self._streams_created
+        self._streams_created += 1
+        return stream
+
+    def _state_for(self, param: torch.Tensor) -> dict[str, Any]:
+        state = self.state[param]
+        if not state:
+            state["step"] = 0
+            state["stream"] = self._new_stream()
+            state["dtheta"] = torch.zeros(param.shape, dtype=torch.bfloat16, device=param.device)
+            for name, _ in MOMENTS:
+                state.update(QuantizedMoment.new_state(name, param, self.block_size))
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the state; states created later get streams after the restored ones."""
+        super().load_state_dict(state_dict)
+        counts = [s["stream"] & ((1 << STREAM_RANK_SHIFT) - 1) for s in self.state.values()]
+        self._streams_created = max(counts, default=-1) + 1
+
+    def _full_precision(self, param: torch.Tensor) -> torch.Tensor:
+        """theta + dtheta in fp32 (theta alone before the first step)."""
+        value = param.detach().to(torch.float32, copy=True)
+        dtheta = self.state[param].get("dtheta")
+        if dtheta is not None:
+            value += dtheta.float()
+        return value
+
+    def _load_full_precision(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """theta = bf16(value); dtheta = bf16(value - theta)."""
+        theta = value.to(torch.bfloat16)
+        param.detach().copy_(theta)
+        self._state_for(param)["dtheta"].copy_(value - theta.float())
+
+    def _chunks(self, numel: int) -> list[tuple[int, int]]:
+        chunk = self.step_chunk_numel * STEP_BYTES_PER_ELEMENT // STEP_TRANSIENT_BYTES
+        return block_chunks(numel, chunk, self.block_size)
+
+    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        for param in params:
+            self._step_param(group, param)
+
+    def _step_param(self, group: dict[str, Any], param: torch.Tensor) -> None:
+        state = self._state_for(param)
+        state["step"] += 1
+        step, (beta1, beta2) = state["step"], group["betas"]
+        scalars = step_scalars(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step)
+        one_minus_beta1, _, _, _, inv_sqrt_bias2, eps, step_size, decay = scalars
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        theta = flat_view(param.detach(), pending)
+        dtheta = state["dtheta"].view(-1)
+        grad = param.grad.reshape(-1)
+        m_state, v_state = (QuantizedMoment.of(state, n, s, self.block_size) for n, s in MOMENTS)
+        edq = None
+        if self.track_edq:
+            segments = self.edq_segments.get(param)
+            edq = EdqSums(segments, theta.numel(), self.edq_view_dtype, theta.device)
+        for start, stop in self._chunks(theta.numel()):
+            g = grad[start:stop].float()
+            m = m_state.load(start, stop)
+            m = m + one_minus_beta1 * (g - m)
+            v = v_state.load(start, stop) * beta2 + (1.0 - beta2) * (g * g)
+            denom = v.sqrt() * inv_sqrt_bias2 + eps
+            old_theta, old_dtheta = theta[start:stop], dtheta[start:stop]
+            update = ((m / denom) * step_size + decay * old_theta.float()).to(torch.bfloat16)
+            new_theta, new_dtheta = mcf.grow(old_theta, old_dtheta, update)
+            m_state.store(start, stop, m)
+            bits = rounding_noise.random_bits(
+                stop - start,
+                seed=self.seed,
+                stream=state["stream"],
+                step=step,
+                offset=start,
+                device=theta.device,
+            )
+            v_state.store(start, stop, v, rounding_noise.uniform(bits), keep_nonzero=True)
+            if edq is not None:
+                edq.add(start, old_theta, new_theta, update, new_dtheta)
+            old_dtheta.copy_(new_dtheta)
+            old_theta.copy_(new_theta)
+        write_back(pending)
+        if edq is not None:
+            self.last_edq[param] = edq.rows()

@@ -1,0 +1,110 @@
+"""Step time per element of the 8-bit-moment optimizers against Collage's own steps.
+
+One bf16 tensor (16M elements by default) with a fixed gradient; the optimizers step in
+turn, round after round, so that a slow period of a shared host slows every row alike.
+Rows: Collage8bitAdamW and BlockwiseAdamW (fp32 master), both eager (no fused kernel
+yet), CollageAdamW "plus" with the fused kernel (``kernel="compiled"``: the C kernel on
+CPU, Triton on CUDA) and eagerly, and "light" eagerly. The last column is each row's
+best time over collage_plus (compiled)'s best: the issue asks for a fused 8-bit step
+when that ratio exceeds 2.
+
+    python scripts/bench_8bit_step.py --numel 16e6 --rounds 5
+
+The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from runs import append_results
+
+from collage_train.optim import CollageAdamW
+from collage_train.optim.blockwise_adamw import BlockwiseAdamW
+from collage_train.optim.collage.eight_bit import Collage8bitAdamW
+
+HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+BASELINE = "collage_plus (compiled)"
+ROWS: dict[str, Callable[[list], torch.optim.Optimizer]] = {
+    "collage_8bit (eager)": lambda p: Collage8bitAdamW(p, **HYPER),
+    "adamw_8bit (eager, fp32 master)": lambda p: BlockwiseAdamW(
+        p, master_dtype=torch.float32, **HYPER
+    ),
+    BASELINE: lambda p: CollageAdamW(p, mode="plus", kernel="compiled", **HYPER),
+    "collage_plus (eager)": lambda p: CollageAdamW(p, mode="plus", kernel="eager", **HYPER),
+    "collage_light (eager)": lambda p: CollageAdamW(p, mode="light", kernel="eager", **HYPER),
+}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=float, default=16e6)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    args = parser.parse_args()
+    numel = int(args.numel)
+    gen = torch.Generator().manual_seed(0)
+    start = (torch.randn(numel, generator=gen) * 0.02).to(args.device, torch.bfloat16)
+    grad = (torch.randn(numel, generator=gen) * 1e-3).to(args.device, torch.bfloat16)
+    optimizers = {}
+    for name, factory in ROWS.items():
+        param = torch.nn.Parameter(start.clone())
+        param.grad = grad.clone()
+        optimizers[name] = factory([param])
+        optimizers[name].step()  # state, kernel build and parity probe: not timed
+    times: dict[str, list[float]] = {name: [] for name in ROWS}
+    for _ in range(args.rounds):
+        for name, optimizer in optimizers.items():
+            sync(args.device)
+            begin = time.perf_counter()
+            optimizer.step()
+            sync(args.device)
+            times[name].append(time.perf_counter() - begin)
+    base = min(times[BASELINE])
+    rows = [
+        {
+            "name": name,
+            "ns_per_element": min(t) / numel * 1e9,
+            "ns_per_element_median": statistics.median(t) / numel * 1e9,
+            "x_collage_plus_compiled": min(t) / base,
+        }
+        for name, t in times.items()
+    ]
+    lines = [
+        "| optimizer | best ns/element | median ns/element | x collage_plus (compiled) |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['name']} | {r['ns_per_element']:.2f} | {r['ns_per_element_median']:.2f} | "
+        f"{r['x_collage_plus_compiled']:.1f} |"
+        for r in rows
+    ]
+    table = "\n".join(lines)
+    print(table)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    if not args.no_append:
+        append_results(
+            "8-bit-moment optimizer steps against Collage's",
+            f"One bf16 tensor of {numel / 1e6:.1f}M elements on {args.device}, default "
+            f"step chunks; {args.rounds} rounds, the rows stepping in turn; best and median "
+            "per row.",
+            table,
+        )
+
+
+if __name__ == "__main__":
+    main()
