@@ -131,11 +131,22 @@ STEP_TRANSIENT = {
     # 29 with fp16 parameters and an fp16 master copy; 26 with fp32 parameters).
     "scaled_adamw": (0.0, 31.0),
     "scaled_adamw_fp32": (0.0, 26.0),
+    # The rival strategies' eager steps, one tensor a chunk at a time, tracked (per chunk
+    # element, measured with LiveTensorBytes on tests/test_plan.py's tensors, 2026-11-26):
+    # fp32 copies of the moments and the update (bf16_moments, adamw_8bit: + dequantised
+    # codes and their map indices), the SR step's int64 random bits (bf16_sr, collage_8bit;
+    # on CPU they step at most 2^17 elements at a time), Kahan's bf16 scratch.
+    "adamw_bf16": (0.0, 36.7),
+    "adamw_blockwise8": (0.0, 34.0),
+    "collage_blockwise8": (0.0, 62.0),
+    "stochastic_rounding": (0.0, 44.7),
+    "kahan": (0.0, 19.0),
 }
 
 CHUNKED_KINDS = (
     "adamw_fp32", "adamw_master", "collage_none", "collage_light", "collage_plus", "fused",
-    "scaled_adamw", "scaled_adamw_fp32",
+    "scaled_adamw", "scaled_adamw_fp32", "adamw_bf16", "adamw_blockwise8",
+    "collage_blockwise8", "stochastic_rounding", "kahan",
 )  # fmt: skip
 # Under ZeRO, per element of a tracked chunk of a flat partition: Collage copies the bf16
 # weights before the step and keeps the bf16 update; AdamW (mixed_fp32's fp32 partition)
@@ -340,6 +351,10 @@ def step_transient_kind(setting: Setting) -> str:
     """Which optimizer implementation runs (the strategy's ``OptimizerSpec``), for
     ``STEP_TRANSIENT``."""
     strategy, spec = setting.strategy, setting.strategy.optimizer
+    if spec.moments != "native":
+        return f"{spec.kind}_{spec.moments}"
+    if spec.kind in ("stochastic_rounding", "kahan"):
+        return spec.kind
     if spec.kind == "collage":
         return "fused" if setting.fused_optimizer else f"collage_{spec.collage_mode}"
     if spec.kind == "scaled_adamw" and strategy.param_dtype == torch.float32:

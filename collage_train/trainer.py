@@ -110,6 +110,7 @@ class Trainer:
             decay_param_groups(self.model, cfg.optim.weight_decay),
             cfg.optim,
             kernel=self.optimizer_kernel,
+            seed=train.seed,
         )
         if cfg.model.init_from and cfg.distributed.name == "unsharded":  # masters: fp32 weights
             init_from.seed_masters(self.optimizer, self.model, self.strategy, cfg.model.init_from)
@@ -151,7 +152,7 @@ class Trainer:
         meta = build_meta_model(cfg.model, **shape)  # no memory: sizes and names only
         num_params = count_parameters(meta)
         self.optimizer_kernel = choose_kernel(
-            cfg.optim.kernel, device, num_params, self.strategy.optimizer.collage_mode
+            cfg.optim.kernel, device, num_params, self.strategy.optimizer.fused_mode
         )
         param_bytes = self.strategy.param_dtype.itemsize
         transient = (num_params if cfg.model.init_from else largest_unit_numel(meta)) * (

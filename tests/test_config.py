@@ -153,7 +153,7 @@ def test_hydra_errors_become_one_line():
         "train.max_stepz=3": "Could not override 'train.max_stepz'.; To append to your config "
         "use +train.max_stepz=3; Key 'max_stepz' not in 'TrainConfig'",
         "precision=fp4": "In 'config': Could not find 'precision/fp4'; options in 'precision': "
-        "bf16, collage_light, collage_plus, fp32, mixed_fp32",
+        "adamw_8bit, bf16, bf16_kahan, bf16_moments, bf16_sr, collage_8bit, collage_light",
     }
     for override, expected in cases.items():
         with pytest.raises(ConfigError) as refused:

@@ -35,14 +35,19 @@ class OptCfg:
 
 @pytest.mark.parametrize(
     "name,expected",
-    [("fp32", 16), ("mixed_fp32", 16), ("bf16", 8), ("collage_light", 10), ("collage_plus", 12)],
-)
+    [
+        ("fp32", 16), ("mixed_fp32", 16), ("bf16", 8), ("collage_light", 10), ("collage_plus", 12),
+        ("bf16_moments", 12), ("bf16_sr", 8), ("bf16_kahan", 10), ("adamw_8bit", 10 + 2 / 64),
+        ("collage_8bit", 8 + 2 / 64),
+    ],
+)  # fmt: skip
 def test_measured_state_bytes_match_expected(name, expected):
     strategy = get_strategy(name)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    # every tensor a whole number of the 8-bit strategies' blocks of 256
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
     model.to(strategy.param_dtype)
     opt = strategy.build_optimizer(decay_param_groups(model, 0.1), OptCfg)
-    model(torch.randn(4, 64, dtype=strategy.param_dtype)).sum().backward()
+    model(torch.randn(4, 256, dtype=strategy.param_dtype)).sum().backward()
     opt.step()
     params = sum(p.numel() for p in model.parameters())
     assert model_state_bytes(model, opt) / params == expected
@@ -56,10 +61,12 @@ def test_optimizer_state_components_are_what_the_optimizer_holds(name):
     opt = strategy.build_optimizer(decay_param_groups(layer, 0.1), OptCfg)
     layer(torch.randn(4, 64, dtype=strategy.param_dtype)).sum().backward()
     opt.step()
-    held = {
-        key: value.element_size()
+    held = {  # bytes per parameter of each state tensor: the 8-bit rows' block scales too,
+        # not Scalify's one scale per tensor (its records count per-parameter bytes only)
+        key: value.nbytes / layer.weight.numel()
         for key, value in opt.state[layer.weight].items()
-        if torch.is_tensor(value) and value.numel() == layer.weight.numel() and key != "master"
+        if torch.is_tensor(value) and value.numel() > 0 and key not in ("master", "step")
+        and not key.endswith("_scale")
     }
     assert held == dict(strategy.optimizer_state)
     master = strategy.master_dtype.itemsize if strategy.master_dtype is not None else 0
@@ -88,7 +95,15 @@ def test_strategy_is_a_frozen_record():
 def test_each_strategys_optimizer_spec_is_the_optimizer_it_builds(name):
     """The one declared record every consumer reads says what build_optimizer builds:
     its class, Collage's mode, and whether the state holds dtheta (EDQ's extra terms)."""
-    from collage_train.optim import AdamW, CollageAdamW, SplitMasterAdamW
+    from collage_train.optim import (
+        AdamW,
+        BlockwiseAdamW,
+        Collage8bitAdamW,
+        CollageAdamW,
+        KahanAdamW,
+        SplitMasterAdamW,
+        StochasticRoundingAdamW,
+    )
     from collage_train.scalify.adamw import ScaledAdamW
 
     strategy = get_strategy(name)
@@ -97,14 +112,20 @@ def test_each_strategys_optimizer_spec_is_the_optimizer_it_builds(name):
     model = strategy.prepare_model(model)
     opt = strategy.build_optimizer(decay_param_groups(model, 0.1), OptCfg)
     classes = {"adamw": AdamW, "split_master": SplitMasterAdamW, "collage": CollageAdamW,
-               "scaled_adamw": ScaledAdamW}  # fmt: skip
-    assert type(opt) is classes[spec.kind]
-    if spec.kind == "collage":
+               "scaled_adamw": ScaledAdamW, "stochastic_rounding": StochasticRoundingAdamW,
+               "kahan": KahanAdamW}  # fmt: skip
+    eight_bit = {"adamw": BlockwiseAdamW, "collage": Collage8bitAdamW}
+    expected = eight_bit[spec.kind] if spec.moments == "blockwise8" else classes[spec.kind]
+    assert type(opt) is expected
+    if spec.moments == "bf16":
+        assert opt.state_dict()["state"] == {} and opt.moment_dtype == torch.bfloat16
+    if spec.kind == "collage" and spec.moments == "native":
         assert opt.mode == spec.collage_mode
     values = torch.float32 if spec.kind == "scaled_adamw" else strategy.param_dtype  # hooks
     model(torch.ones(2, 4, dtype=values)).float().sum().backward()
     opt.step()
-    holds_dtheta = any("dtheta" in state for state in opt.state.values())
+    low_part = "kahan_comp" if spec.kind == "kahan" else "dtheta"
+    holds_dtheta = any(low_part in state for state in opt.state.values())
     assert holds_dtheta == spec.has_dtheta
 
 
@@ -117,3 +138,20 @@ def test_an_optimizer_spec_that_contradicts_itself_is_refused():
         OptimizerSpec("adamw", "plus")
     with pytest.raises(ValueError, match="not one of"):
         OptimizerSpec("lion")
+
+
+def test_readme_table_declares_every_strategy_with_its_bytes_per_param():
+    """README's strategy table has one row per registered strategy, and its bytes/param
+    column is the record's (to the two decimals it shows: the 8-bit rows' block scales)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = {}
+    for line in readme.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            rows[cells[0].split("`")[1]] = cells[3]
+    assert set(available()) <= set(rows)
+    for name in available():
+        declared = float(rows[name])
+        assert declared == round(get_strategy(name).expected_state_bytes_per_param, 2), name

@@ -7,6 +7,12 @@ Serves the fp32 and mixed_fp32 strategies:
 - ``master_dtype=torch.float32`` on bf16 parameters: the optimizer keeps an fp32
   master copy and fp32 moments, applies the update there and rounds the result into
   the bf16 parameter (the usual mixed-precision baseline).
+- ``moment_dtype=torch.bfloat16`` beside an fp32 master (or fp32 parameters): the moments
+  are stored in bf16, rounded to nearest after each update, while the update itself is
+  computed from their fp32 values before that rounding (the ``bf16_moments`` strategy:
+  bf16 optimizer states as in DeepSpeed's ``bf16_optimizer_states`` and Transformer
+  Engine's ``FusedAdam(exp_avg_dtype=torch.bfloat16)``). It steps one tensor a chunk at
+  a time, so the fp32 copies of the moments exist for one chunk only.
 
 Bias corrections come from an integer step count and are computed on the host in
 float64; all elementwise work uses multi-tensor ``torch._foreach_*`` kernels. The
@@ -41,9 +47,11 @@ class AdamW(TrackingOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         master_dtype: torch.dtype | None = None,
+        moment_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay)
         self.master_dtype = master_dtype
+        self.moment_dtype = moment_dtype
 
     def _keeps_master(self, param: torch.Tensor) -> bool:
         return self.master_dtype is not None and param.dtype != self.master_dtype
@@ -56,8 +64,9 @@ class AdamW(TrackingOptimizer):
                 target = target.to(self.master_dtype, copy=True)
                 state["master"] = target
             state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(target, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(target, memory_format=torch.preserve_format)
+            moments = {"dtype": self.moment_dtype or target.dtype}
+            state["exp_avg"] = torch.zeros_like(target, **moments)
+            state["exp_avg_sq"] = torch.zeros_like(target, **moments)
         return state
 
     @staticmethod
@@ -119,6 +128,9 @@ class AdamW(TrackingOptimizer):
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         for s in states:
             s["step"] += 1
+        if self.moment_dtype is not None:
+            self._step_in_chunks(group, params, states, targets)
+            return
 
         torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
@@ -133,3 +145,41 @@ class AdamW(TrackingOptimizer):
         torch._foreach_add_(targets, updates)
         self._store_masters(params, states, targets)
         self._record_edq(params, before, updates)
+
+    def _step_in_chunks(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        states: list[dict[str, Any]],
+        targets: list[torch.Tensor],
+    ) -> None:
+        """The AdamW step of ``_step_group`` one tensor and ``step_chunk_numel`` elements at
+        a time, with moments stored in ``moment_dtype`` and computed in the target's dtype.
+
+        Elementwise the same operations in the same order as the ``_foreach`` path, so with
+        moments in the target's own dtype the two give the same bits (tested); the fp32
+        copies of the moments and the update exist for one chunk at a time.
+        """
+        beta1, beta2 = group["betas"]
+        lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
+        for param, state, target in zip(params, states, targets, strict=True):
+            t = state["step"]
+            sqrt_bias2, step_size = math.sqrt(1.0 - beta2**t), -lr / (1.0 - beta1**t)
+            grad, m_low, v_low = (
+                x.reshape(-1) for x in (param.grad, state["exp_avg"], state["exp_avg_sq"])
+            )
+            flat_weight, flat_target = param.detach().view(-1), target.detach().view(-1)
+            sums = self._edq_sums(param) if self.track_edq else None
+            for start, stop in self._chunks(target.numel()):
+                g = grad[start:stop].to(target.dtype)
+                m = m_low[start:stop].to(target.dtype, copy=True).lerp_(g, 1.0 - beta1)
+                v = v_low[start:stop].to(target.dtype, copy=True).mul_(beta2)
+                v.addcmul_(g, g, value=1.0 - beta2)
+                m_low[start:stop].copy_(m)
+                v_low[start:stop].copy_(v)
+                update = m.div_(v.sqrt_().div_(sqrt_bias2).add_(eps)).mul_(step_size)
+                if weight_decay != 0.0:
+                    update.add_(flat_target[start:stop], alpha=-lr * weight_decay)
+                self._apply_chunk(param, flat_weight, flat_target, update, start, sums)
+            if sums is not None:
+                self._keep_edq_sums(param, sums)

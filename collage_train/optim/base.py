@@ -221,25 +221,48 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
                     weight.copy_(target)
                 self._record_edq([param], [before], [update])
                 continue
-            segments = self.edq_segments.get(param)
-            ranges = segments if segments is not None else [("", 0, weight.numel())]
-            sums = torch.zeros(len(ranges), len(FIELDS), device=weight.device)
+            sums = self._edq_sums(param)
             flat_w, flat_t, flat_u = weight.view(-1), target.view(-1), update.view(-1)
             for start, stop in self._chunks(weight.numel()):
-                old = flat_w[start:stop].clone()
-                flat_t[start:stop].add_(flat_u[start:stop])
-                if target is not param:
-                    flat_w[start:stop].copy_(flat_t[start:stop])
-                new = flat_w[start:stop]
-                if self.edq_view_dtype is not None and new.dtype != self.edq_view_dtype:
-                    old, new = old.to(self.edq_view_dtype), new.to(self.edq_view_dtype)
-                for row, (_, first, last) in enumerate(ranges):
-                    low, high = max(first, start) - start, min(last, stop) - start
-                    if low < high:
-                        sums[row] += edq_partials(
-                            old[low:high], new[low:high], flat_u[start + low : start + high]
-                        )
-            self.last_edq[param] = sums if segments is not None else sums[0]
+                self._apply_chunk(param, flat_w, flat_t, flat_u[start:stop], start, sums)
+            self._keep_edq_sums(param, sums)
+
+    def _edq_sums(self, param: torch.Tensor) -> torch.Tensor:
+        """Zeroed EDQ partial sums for ``param``: one row per ``edq_segments`` range."""
+        rows = len(self.edq_segments.get(param, [None]))
+        return torch.zeros(rows, len(FIELDS), device=param.device)
+
+    def _keep_edq_sums(self, param: torch.Tensor, sums: torch.Tensor) -> None:
+        """Record the sums of ``_edq_sums`` as ``param``'s partials of the last step."""
+        self.last_edq[param] = sums if param in self.edq_segments else sums[0]
+
+    def _apply_chunk(
+        self,
+        param: torch.Tensor,
+        flat_weight: torch.Tensor,
+        flat_target: torch.Tensor,
+        update: torch.Tensor,
+        start: int,
+        sums: torch.Tensor | None,
+    ) -> None:
+        """``target[start:start + len(update)] += update``, the weight refreshed from it
+        where the target is a master, and (``sums`` given) the chunk's EDQ partials added
+        to ``sums``, row by ``edq_segments`` range."""
+        stop = start + update.numel()
+        old = flat_weight[start:stop].clone() if sums is not None else None
+        flat_target[start:stop].add_(update)
+        if flat_target.data_ptr() != flat_weight.data_ptr():
+            flat_weight[start:stop].copy_(flat_target[start:stop])
+        if sums is None:
+            return
+        new = flat_weight[start:stop]
+        if self.edq_view_dtype is not None and new.dtype != self.edq_view_dtype:
+            old, new = old.to(self.edq_view_dtype), new.to(self.edq_view_dtype)
+        ranges = self.edq_segments.get(param, [("", 0, flat_weight.numel())])
+        for row, (_, first, last) in enumerate(ranges):
+            low, high = max(first, start) - start, min(last, stop) - start
+            if low < high:
+                sums[row] += edq_partials(old[low:high], new[low:high], update[low:high])
 
     def _chunks(self, numel: int) -> list[tuple[int, int]]:
         """``[start, stop)`` ranges of at most ``step_chunk_numel`` elements covering ``numel``."""

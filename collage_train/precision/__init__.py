@@ -5,7 +5,12 @@ up and ``available`` lists them.
 """
 
 from collage_train.precision import (  # noqa: F401  (registration)
+    adamw_8bit,
     bf16,
+    bf16_kahan,
+    bf16_moments,
+    bf16_sr,
+    collage_8bit,
     collage_light,
     collage_plus,
     fp32,

@@ -9,8 +9,11 @@ import torch
 
 from collage_train.errors import ConfigError
 
-OPTIMIZER_KINDS = ("adamw", "split_master", "collage", "scaled_adamw")
+OPTIMIZER_KINDS = (
+    "adamw", "split_master", "collage", "scaled_adamw", "stochastic_rounding", "kahan",
+)  # fmt: skip
 COLLAGE_MODES = ("none", "light", "plus")
+MOMENT_FORMS = ("native", "bf16", "blockwise8")
 
 
 @dataclass(frozen=True)
@@ -25,23 +28,44 @@ class OptimizerSpec:
             master as the bf16 weight plus a 16-bit remainder), ``collage``
             (``CollageAdamW``: every state bf16) or ``scaled_adamw`` (Scalify's
             ``ScaledAdamW``, built by its own strategy).
+            Two more kinds step bf16 weights without a master: ``stochastic_rounding``
+            (``StochasticRoundingAdamW``: the update is rounded into the weight
+            stochastically) and ``kahan`` (``KahanAdamW``: a bf16 Kahan compensation buffer).
         collage_mode: for ``collage`` only: ``none``, ``light`` (+ dtheta) or ``plus``
             (+ dtheta and dv).
+        moments: how AdamW's moments are held: ``native`` (the optimizer's own dtype:
+            the master's, or bf16 for the all-bf16 kinds), ``bf16`` (bf16 beside an fp32
+            master: ``kind="adamw"`` only) or ``blockwise8`` (8-bit codes with an fp32
+            scale per block of 256: ``kind="adamw"``, or ``collage`` in mode ``light``).
     """
 
     kind: str = "adamw"
     collage_mode: str | None = None
+    moments: str = "native"
 
     def __post_init__(self) -> None:
         if self.kind not in OPTIMIZER_KINDS:
             raise ValueError(f"optimizer kind {self.kind!r} is not one of {OPTIMIZER_KINDS}")
         if (self.kind == "collage") != (self.collage_mode in COLLAGE_MODES):
             raise ValueError(f"collage_mode {self.collage_mode!r} does not fit kind {self.kind}")
+        allowed = {
+            "adamw": ("native", "bf16", "blockwise8"),
+            "collage": ("native", "blockwise8") if self.collage_mode == "light" else ("native",),
+        }.get(self.kind, ("native",))
+        if self.moments not in allowed:
+            raise ValueError(f"moments {self.moments!r} does not fit kind {self.kind}")
+
+    @property
+    def fused_mode(self) -> str | None:
+        """The Collage mode whose fused kernel (``optim.kernel``) can run this step, or None
+        where the step runs eagerly only."""
+        return self.collage_mode if self.kind == "collage" and self.moments == "native" else None
 
     @property
     def has_dtheta(self) -> bool:
-        """Whether the state holds dtheta, the weight's lost low part (EDQ's dtheta terms)."""
-        return self.collage_mode in ("light", "plus")
+        """Whether the state holds dtheta, the weight's lost low part (EDQ's dtheta terms):
+        Collage's in modes light and plus, the Kahan compensation."""
+        return self.collage_mode in ("light", "plus") or self.kind == "kahan"
 
 
 @dataclass(frozen=True)
@@ -80,7 +104,7 @@ class PrecisionStrategy:
     master_dtype: torch.dtype | None
     expected_state_bytes_per_param: float
     checkpoint_holds: tuple[str, ...]
-    optimizer_state: tuple[tuple[str, int], ...] = ()
+    optimizer_state: tuple[tuple[str, float], ...] = ()
     not_under_zero: str | None = None  # why distributed=zero* is refused; None: it runs
     reshards: bool = True  # whether a checkpoint resumes on another engine or rank count
     optimizer: OptimizerSpec = OptimizerSpec()
@@ -124,15 +148,29 @@ class PrecisionStrategy:
         return {}
 
     def build_optimizer(
-        self, param_groups: list[dict[str, Any]], optim_cfg: Any, kernel: str = "eager"
+        self,
+        param_groups: list[dict[str, Any]],
+        optim_cfg: Any,
+        kernel: str = "eager",
+        seed: int = 0,
     ) -> torch.optim.Optimizer:
         """The optimizer for parameters already cast to ``param_dtype``.
 
-        ``kernel`` ("eager" or "compiled") picks the implementation of the Collage step.
+        ``kernel`` ("eager" or "compiled") picks the implementation of the Collage step;
+        ``seed`` keys the stochastic rounding of the strategies that round stochastically
+        (``optim.rounding_noise``).
         """
         # Imported here: importing a strategy record should not load the optimizers and
         # their kernels (the planner and the config check read the records alone).
-        from collage_train.optim import AdamW, CollageAdamW, SplitMasterAdamW
+        from collage_train.optim import (
+            AdamW,
+            BlockwiseAdamW,
+            Collage8bitAdamW,
+            CollageAdamW,
+            KahanAdamW,
+            SplitMasterAdamW,
+            StochasticRoundingAdamW,
+        )
 
         hyperparameters = {
             "lr": optim_cfg.lr,
@@ -141,13 +179,25 @@ class PrecisionStrategy:
             "weight_decay": optim_cfg.weight_decay,
         }
         spec = self.optimizer
+        if spec.kind == "collage" and spec.moments == "blockwise8":
+            return Collage8bitAdamW(param_groups, seed=seed, **hyperparameters)
+        if spec.kind == "stochastic_rounding":
+            return StochasticRoundingAdamW(param_groups, seed=seed, **hyperparameters)
+        if spec.kind == "kahan":
+            return KahanAdamW(param_groups, **hyperparameters)
+        if spec.moments == "blockwise8":
+            return BlockwiseAdamW(param_groups, master_dtype=self.master_dtype, **hyperparameters)
         if spec.kind == "collage":
             return CollageAdamW(
                 param_groups, mode=spec.collage_mode, kernel=kernel, **hyperparameters
             )
         if spec.kind == "split_master":
             return SplitMasterAdamW(param_groups, **hyperparameters)
-        return AdamW(param_groups, master_dtype=self.master_dtype, **hyperparameters)
+        moment_dtype = torch.bfloat16 if spec.moments == "bf16" else None
+        return AdamW(
+            param_groups, master_dtype=self.master_dtype, moment_dtype=moment_dtype,
+            **hyperparameters,
+        )  # fmt: skip
 
 
 SCALIFY_OPTIONS = ("matmul", "master", "optimizer_state", "rescale")
