@@ -36,7 +36,10 @@ from collage_train.metrics.live_memory import LiveTensorBytes
 from collage_train.precision import get_strategy
 from collage_train.trainer import Trainer
 
-STRATEGIES = ("mixed_fp32", "split_fp32", "bf16", "collage_light", "collage_plus")
+STRATEGIES = (
+    "mixed_fp32", "split_fp32", "bf16_moments", "bf16", "bf16_sr", "bf16_kahan", "adamw_8bit",
+    "collage_light", "collage_plus", "collage_8bit",
+)  # fmt: skip
 
 
 def compose_run(args: argparse.Namespace, precision: str, checkpointing: bool) -> object:

@@ -36,9 +36,14 @@ from runs import append_results, run_training
 
 STRATEGIES = (
     "mixed_fp32",
+    "bf16_moments",
     "bf16",
+    "bf16_sr",
+    "bf16_kahan",
+    "adamw_8bit",
     "collage_light",
     "collage_plus",
+    "collage_8bit",
     "scalify",
     "scalify_fp32_params",
 )
