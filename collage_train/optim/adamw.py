@@ -180,6 +180,6 @@ class AdamW(TrackingOptimizer):
                 update = m.div_(v.sqrt_().div_(sqrt_bias2).add_(eps)).mul_(step_size)
                 if weight_decay != 0.0:
                     update.add_(flat_target[start:stop], alpha=-lr * weight_decay)
-                self._apply_chunk(param, flat_weight, flat_target, update, start, sums)
+                self._apply_chunk(flat_weight, flat_target, update, start, sums)
             if sums is not None:
-                self._keep_edq_sums(param, sums)
+                self.last_edq[param] = sums.rows()

@@ -38,6 +38,46 @@ class FlatPieces:
     whole: PieceTotals | None = None
 
 
+class EdqSums:
+    """EDQ partial sums of one tensor stepped a chunk at a time: one row per
+    ``edq_segments`` range (a flat ZeRO partition) or one for the whole tensor."""
+
+    def __init__(
+        self,
+        segments: list[tuple[str, int, int]] | None,
+        numel: int,
+        view: torch.dtype | None,
+        device: torch.device,
+    ) -> None:
+        self.segmented = segments is not None
+        self.ranges = segments if segments is not None else [("", 0, numel)]
+        self.view = view
+        self.sums = torch.zeros(len(self.ranges), len(FIELDS), device=device)
+
+    def add(
+        self,
+        start: int,
+        before: torch.Tensor,
+        after: torch.Tensor,
+        update: torch.Tensor,
+        dtheta: torch.Tensor | None = None,
+    ) -> None:
+        """Partials of the chunk of flattened elements starting at ``start``."""
+        if self.view is not None and after.dtype != self.view:
+            before, after = before.to(self.view), after.to(self.view)
+        stop = start + after.numel()
+        for row, (_, first, last) in enumerate(self.ranges):
+            low, high = max(first, start) - start, min(last, stop) - start
+            if low < high:
+                low_part = dtheta[low:high] if dtheta is not None else None
+                self.sums[row] += edq_partials(
+                    before[low:high], after[low:high], update[low:high], low_part
+                )
+
+    def rows(self) -> torch.Tensor:
+        return self.sums if self.segmented else self.sums[0]
+
+
 def chunk_numel_for(state_bytes: float) -> int:
     """Elements stepped (or tracked) at a time so that a step's transients stay within
     2% of ``state_bytes`` (the model state this rank holds), kept within [2^14, 2^22]."""
@@ -66,6 +106,9 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
     _track_edq: bool = False
     edq_view_dtype: torch.dtype | None = None
     unshaped_state: tuple[str, ...] = ("step",)  # state entries not shaped like the param
+    # The state entry holding a bf16 weight's low part (the full-precision value is the
+    # weight plus it: Collage's dtheta, a Kahan compensation), or None.
+    low_part: str | None = None
 
     @property
     def track_edq(self) -> bool:
@@ -127,12 +170,27 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
         self._load_full_precision(param, value.to(param.device, torch.float32))
 
     def _full_precision(self, param: torch.Tensor) -> torch.Tensor:
-        """The parameter is the whole value (fp32 weights, or bf16 with nothing beside it)."""
-        return param.detach().to(torch.float32, copy=True)
+        """The weight plus its low part where the state holds one (``low_part``), in fp32;
+        the weight alone otherwise (fp32 weights, or bf16 with nothing beside it)."""
+        value = param.detach().to(torch.float32, copy=True)
+        low = self.state[param].get(self.low_part) if self.low_part else None
+        if low is not None:
+            value += low.float()
+        return value
 
     def _load_full_precision(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        """Round ``value`` into the parameter (round to nearest even for bf16)."""
+        """Round ``value`` into the parameter (round to nearest even for bf16) and, where
+        the state holds a low part, keep ``value`` minus that rounding in it."""
         param.detach().copy_(value)
+        if self.low_part is None:
+            return
+        low = self._state_for(param).get(self.low_part)
+        if low is not None:
+            low.copy_(value - param.detach().float())
+
+    def _state_for(self, param: torch.Tensor) -> dict[str, Any]:
+        """The parameter's state, created at its first use (``low_part`` optimizers)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no low part")
 
     def _require_bf16_params(self, why: str) -> None:
         """Refuse parameters that are not bf16, saying why this optimizer needs them."""
@@ -224,45 +282,31 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
             sums = self._edq_sums(param)
             flat_w, flat_t, flat_u = weight.view(-1), target.view(-1), update.view(-1)
             for start, stop in self._chunks(weight.numel()):
-                self._apply_chunk(param, flat_w, flat_t, flat_u[start:stop], start, sums)
-            self._keep_edq_sums(param, sums)
+                self._apply_chunk(flat_w, flat_t, flat_u[start:stop], start, sums)
+            self.last_edq[param] = sums.rows()
 
-    def _edq_sums(self, param: torch.Tensor) -> torch.Tensor:
-        """Zeroed EDQ partial sums for ``param``: one row per ``edq_segments`` range."""
-        rows = len(self.edq_segments.get(param, [None]))
-        return torch.zeros(rows, len(FIELDS), device=param.device)
+    def _edq_sums(self, param: torch.Tensor) -> EdqSums:
+        """Zeroed EDQ partial sums for ``param``, measured in ``edq_view_dtype``."""
+        segments = self.edq_segments.get(param)
+        return EdqSums(segments, param.numel(), self.edq_view_dtype, param.device)
 
-    def _keep_edq_sums(self, param: torch.Tensor, sums: torch.Tensor) -> None:
-        """Record the sums of ``_edq_sums`` as ``param``'s partials of the last step."""
-        self.last_edq[param] = sums if param in self.edq_segments else sums[0]
-
+    @staticmethod
     def _apply_chunk(
-        self,
-        param: torch.Tensor,
         flat_weight: torch.Tensor,
         flat_target: torch.Tensor,
         update: torch.Tensor,
         start: int,
-        sums: torch.Tensor | None,
+        sums: EdqSums | None,
     ) -> None:
         """``target[start:start + len(update)] += update``, the weight refreshed from it
-        where the target is a master, and (``sums`` given) the chunk's EDQ partials added
-        to ``sums``, row by ``edq_segments`` range."""
+        where the target is a master, and (``sums`` given) the chunk's EDQ partials added."""
         stop = start + update.numel()
         old = flat_weight[start:stop].clone() if sums is not None else None
         flat_target[start:stop].add_(update)
         if flat_target.data_ptr() != flat_weight.data_ptr():
             flat_weight[start:stop].copy_(flat_target[start:stop])
-        if sums is None:
-            return
-        new = flat_weight[start:stop]
-        if self.edq_view_dtype is not None and new.dtype != self.edq_view_dtype:
-            old, new = old.to(self.edq_view_dtype), new.to(self.edq_view_dtype)
-        ranges = self.edq_segments.get(param, [("", 0, flat_weight.numel())])
-        for row, (_, first, last) in enumerate(ranges):
-            low, high = max(first, start) - start, min(last, stop) - start
-            if low < high:
-                sums[row] += edq_partials(old[low:high], new[low:high], update[low:high])
+        if sums is not None:
+            sums.add(start, old, flat_weight[start:stop], update)
 
     def _chunks(self, numel: int) -> list[tuple[int, int]]:
         """``[start, stop)`` ranges of at most ``step_chunk_numel`` elements covering ``numel``."""

@@ -41,51 +41,11 @@ from typing import Any
 
 import torch
 
-from collage_train.metrics.edq import FIELDS, edq_partials
 from collage_train.optim.adamw import AdamW
+from collage_train.optim.base import EdqSums
 from collage_train.optim.blockwise8 import BLOCK_SIZE, QuantizedMoment
 
 MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (state name, signed map)
-
-
-class EdqSums:
-    """EDQ partial sums of one tensor stepped a chunk at a time: one row per
-    ``edq_segments`` range (a flat ZeRO partition) or one for the whole tensor."""
-
-    def __init__(
-        self,
-        segments: list[tuple[str, int, int]] | None,
-        numel: int,
-        view: torch.dtype | None,
-        device: torch.device,
-    ) -> None:
-        self.segmented = segments is not None
-        self.ranges = segments if segments is not None else [("", 0, numel)]
-        self.view = view
-        self.sums = torch.zeros(len(self.ranges), len(FIELDS), device=device)
-
-    def add(
-        self,
-        start: int,
-        before: torch.Tensor,
-        after: torch.Tensor,
-        update: torch.Tensor,
-        dtheta: torch.Tensor | None = None,
-    ) -> None:
-        """Partials of the chunk of flattened elements starting at ``start``."""
-        if self.view is not None and after.dtype != self.view:
-            before, after = before.to(self.view), after.to(self.view)
-        stop = start + after.numel()
-        for row, (_, first, last) in enumerate(self.ranges):
-            low, high = max(first, start) - start, min(last, stop) - start
-            if low < high:
-                low_part = dtheta[low:high] if dtheta is not None else None
-                self.sums[row] += edq_partials(
-                    before[low:high], after[low:high], update[low:high], low_part
-                )
-
-    def rows(self) -> torch.Tensor:
-        return self.sums if self.segmented else self.sums[0]
 
 
 def flat_view(tensor: torch.Tensor, pending: list[tuple[torch.Tensor, torch.Tensor]]):

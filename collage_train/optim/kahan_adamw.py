@@ -120,6 +120,8 @@ class KahanAdamW(TrackingOptimizer):
     docstring); ``step_chunk_numel`` bounds the elements a step works on at a time.
     """
 
+    low_part = "kahan_comp"  # the full-precision value is theta + c
+
     def __init__(
         self,
         params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
@@ -138,20 +140,6 @@ class KahanAdamW(TrackingOptimizer):
             for key in ("exp_avg", "exp_avg_sq", "kahan_comp"):
                 state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
-
-    def _full_precision(self, param: torch.Tensor) -> torch.Tensor:
-        """theta + c in fp32 (theta alone before the first step)."""
-        value = param.detach().to(torch.float32, copy=True)
-        comp = self.state[param].get("kahan_comp")
-        if comp is not None:
-            value += comp.float()
-        return value
-
-    def _load_full_precision(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        """theta = bf16(value); c = bf16(value - theta) (so theta + c is value to ~2^-16)."""
-        theta = value.to(torch.bfloat16)
-        param.detach().copy_(theta)
-        self._state_for(param)["kahan_comp"].copy_(value - theta.float())
 
     def edq_metrics(self) -> dict[str, float]:
         """EDQ metrics of the last tracked step, with c reported as Collage's dtheta."""

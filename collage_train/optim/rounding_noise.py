@@ -91,3 +91,27 @@ def stochastic_round_to_bf16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tenso
 def uniform(bits: torch.Tensor) -> torch.Tensor:
     """fp32 uniforms in [0, 1) from the top 24 of 32 random bits (exact in fp32)."""
     return (bits >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+STREAM_RANK_SHIFT = 20  # stream = (rank << 20) + the tensor's creation counter on that rank
+
+
+class StreamCounter:
+    """Hands each tensor state an optimizer creates its stream: (rank << 20) + the number
+    of states this rank created before it, fixed in the state (so a resumed run keeps it;
+    ``resume_after`` makes states created after a restore follow the restored ones)."""
+
+    def __init__(self) -> None:
+        self.created = 0
+
+    def next(self) -> int:
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        stream = (rank << STREAM_RANK_SHIFT) + self.created
+        self.created += 1
+        return stream
+
+    def resume_after(self, streams: list[int]) -> None:
+        """Continue counting after the restored ``streams``."""
+        counts = [stream & ((1 << STREAM_RANK_SHIFT) - 1) for stream in streams]
+        self.created = max(counts, default=-1) + 1

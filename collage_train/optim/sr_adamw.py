@@ -41,16 +41,10 @@ from collage_train.optim.base import TrackingOptimizer
 # (numel, stream, step, offset, device) -> int64 tensor of 32-bit values, one per element
 BitsSource = Callable[[int, int, int, int, torch.device], torch.Tensor]
 
-STREAM_RANK_SHIFT = 20  # stream = (rank << 20) + the tensor's creation counter on that rank
 # On CPU a step works on at most this many elements at a time whatever step_chunk_numel
 # says: the hash's int64 temporaries then stay in cache (about 3x faster than 2^22 on a
 # 2-core EPYC); the result is the same bits for any chunking.
 CPU_PIECE_NUMEL = 1 << 17
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def sr_adamw_piece(
@@ -114,14 +108,13 @@ class StochasticRoundingAdamW(TrackingOptimizer):
         super().__init__(params, lr, betas, eps, weight_decay)
         self._require_bf16_params("rounds its bf16 weights stochastically")
         self.seed = int(seed)
-        self._streams_created = 0
+        self.streams = rounding_noise.StreamCounter()
 
     def _state_for(self, param: torch.Tensor) -> dict[str, Any]:
         state = self.state[param]
         if not state:
             state["step"] = 0
-            state["stream"] = (_rank() << STREAM_RANK_SHIFT) + self._streams_created
-            self._streams_created += 1
+            state["stream"] = self.streams.next()
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
@@ -129,9 +122,7 @@ class StochasticRoundingAdamW(TrackingOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore state; tensors created later get streams after every restored one."""
         super().load_state_dict(state_dict)
-        low = (1 << STREAM_RANK_SHIFT) - 1
-        streams = [s["stream"] & low for s in self.state.values() if "stream" in s]
-        self._streams_created = max(streams, default=-1) + 1
+        self.streams.resume_after([s["stream"] for s in self.state.values() if "stream" in s])
 
     def _bits(self, numel: int, stream: int, step: int, offset: int, device: torch.device):
         if self.bits_source is not None:

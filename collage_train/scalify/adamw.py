@@ -40,8 +40,7 @@ from typing import Any
 
 import torch
 
-from collage_train.metrics.edq import FIELDS, edq_partials
-from collage_train.optim.base import TrackingOptimizer
+from collage_train.optim.base import EdqSums, TrackingOptimizer
 from collage_train.scalify.params import (
     holds_exactly,
     is_scaled,
@@ -410,7 +409,7 @@ class ScaledAdamW(TrackingOptimizer):
             if edq is not None:
                 after_scales = {**old_scales, **new_scales}
                 after = self._model_chunk(kind, flat_param, after_scales, layout, lo, hi)
-                edq.add(before, after, update, lo, hi)
+                edq.add(lo, before, after, update)
         _write_back(pending)
         for name in moments:
             self._note_rescale(old_scales[name], new_scales[name])
@@ -447,9 +446,9 @@ class ScaledAdamW(TrackingOptimizer):
         chunk = flat_param[lo:hi]
         return chunk.to(torch.float32, copy=True) if copy else chunk
 
-    def _edq_rows(self, param: torch.Tensor) -> EdqRows:
+    def _edq_rows(self, param: torch.Tensor) -> EdqSums:
         segments = self.edq_segments.get(param)
-        return EdqRows(segments, param.numel(), self.edq_view_dtype, param.device)
+        return EdqSums(segments, param.numel(), self.edq_view_dtype, param.device)
 
 
 def _flat(tensor: torch.Tensor, pending: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -492,33 +491,3 @@ def _scaled_chunk(value: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tenso
     range as ``store_scaled`` does, and the value it stands for."""
     data = (value / scale).clamp_(-FP16_MAX, FP16_MAX).to(STATE_DTYPE)
     return data, data.to(torch.float32) * scale
-
-
-class EdqRows:
-    """EDQ partial sums of one tensor, accumulated chunk by chunk: one row per layer-group
-    segment (a flat ZeRO partition) or one for the whole tensor, as ``_record_edq``."""
-
-    def __init__(
-        self,
-        segments: list[tuple[str, int, int]] | None,
-        numel: int,
-        view: torch.dtype | None,
-        device: torch.device,
-    ) -> None:
-        self.segmented = segments is not None
-        self.ranges = segments if segments is not None else [("", 0, numel)]
-        self.view = view
-        self.sums = torch.zeros(len(self.ranges), len(FIELDS), device=device)
-
-    def add(
-        self, before: torch.Tensor, after: torch.Tensor, update: torch.Tensor, lo: int, hi: int
-    ) -> None:
-        if self.view is not None and after.dtype != self.view:
-            before, after = before.to(self.view), after.to(self.view)
-        for row, (_, first, last) in enumerate(self.ranges):
-            low, high = max(first, lo) - lo, min(last, hi) - lo
-            if low < high:
-                self.sums[row] += edq_partials(before[low:high], after[low:high], update[low:high])
-
-    def rows(self) -> torch.Tensor:
-        return self.sums if self.segmented else self.sums[0]

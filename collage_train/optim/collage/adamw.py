@@ -56,6 +56,8 @@ class CollageAdamW(TrackingOptimizer):
     the state: tensors are stepped that many elements at a time (``_step_in_chunks``).
     """
 
+    low_part = "dtheta"  # modes light and plus: the weight is theta + dtheta
+
     def __init__(
         self,
         params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
@@ -87,21 +89,6 @@ class CollageAdamW(TrackingOptimizer):
             if self.mode == "plus":
                 state["dv"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
-
-    def _full_precision(self, param: torch.Tensor) -> torch.Tensor:
-        """theta + dtheta in fp32 (theta alone in mode "none" or before the first step)."""
-        value = param.detach().to(torch.float32, copy=True)
-        dtheta = self.state[param].get("dtheta")
-        if dtheta is not None:
-            value += dtheta.float()
-        return value
-
-    def _load_full_precision(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        """theta = bf16(value); dtheta = bf16(value - theta) in modes "light" and "plus"."""
-        theta = value.to(torch.bfloat16)
-        param.detach().copy_(theta)
-        if self.mode != "none":
-            self._state_for(param)["dtheta"].copy_(value - theta.float())
 
     def _runs_fused(self, tensors: list[torch.Tensor | None]) -> bool:
         """Whether this tensor's step runs as the fused kernel (Triton on CUDA, inductor on CPU)."""

@@ -40,14 +40,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from collage_train.optim import rounding_noise
-from collage_train.optim.base import STEP_BYTES_PER_ELEMENT, TrackingOptimizer
+from collage_train.optim.base import STEP_BYTES_PER_ELEMENT, EdqSums, TrackingOptimizer
 from collage_train.optim.blockwise8 import BLOCK_SIZE, QuantizedMoment
 from collage_train.optim.blockwise_adamw import (
     MOMENTS,
-    EdqSums,
     block_chunks,
     flat_view,
     write_back,
@@ -55,7 +53,6 @@ from collage_train.optim.blockwise_adamw import (
 from collage_train.optim.collage import mcf
 from collage_train.optim.collage.step_math import step_scalars
 
-STREAM_RANK_SHIFT = 20
 # Bytes of temporaries per element of a chunk during the eager step (measured: the peak
 # RSS of one step over a single 4M-element chunk); the int64 hash of the rounding bits
 # is most of the excess over STEP_BYTES_PER_ELEMENT
@@ -71,6 +68,7 @@ class Collage8bitAdamW(TrackingOptimizer):
     """
 
     unshaped_state = ("step", "exp_avg_absmax", "exp_avg_sq_absmax")
+    low_part = "dtheta"
 
     def __init__(
         self,
@@ -88,19 +86,13 @@ class Collage8bitAdamW(TrackingOptimizer):
         self._require_bf16_params("keeps the weight as a bf16 (theta, dtheta) pair")
         self.block_size = int(block_size)
         self.seed = int(seed)
-        self._streams_created = 0
-
-    def _new_stream(self) -> int:
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        stream = (rank << STREAM_RANK_SHIFT) + self._streams_created
-        self._streams_created += 1
-        return stream
+        self.streams = rounding_noise.StreamCounter()
 
     def _state_for(self, param: torch.Tensor) -> dict[str, Any]:
         state = self.state[param]
         if not state:
             state["step"] = 0
-            state["stream"] = self._new_stream()
+            state["stream"] = self.streams.next()
             state["dtheta"] = torch.zeros(param.shape, dtype=torch.bfloat16, device=param.device)
             for name, _ in MOMENTS:
                 state.update(QuantizedMoment.new_state(name, param, self.block_size))
@@ -109,22 +101,7 @@ class Collage8bitAdamW(TrackingOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the state; states created later get streams after the restored ones."""
         super().load_state_dict(state_dict)
-        counts = [s["stream"] & ((1 << STREAM_RANK_SHIFT) - 1) for s in self.state.values()]
-        self._streams_created = max(counts, default=-1) + 1
-
-    def _full_precision(self, param: torch.Tensor) -> torch.Tensor:
-        """theta + dtheta in fp32 (theta alone before the first step)."""
-        value = param.detach().to(torch.float32, copy=True)
-        dtheta = self.state[param].get("dtheta")
-        if dtheta is not None:
-            value += dtheta.float()
-        return value
-
-    def _load_full_precision(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        """theta = bf16(value); dtheta = bf16(value - theta)."""
-        theta = value.to(torch.bfloat16)
-        param.detach().copy_(theta)
-        self._state_for(param)["dtheta"].copy_(value - theta.float())
+        self.streams.resume_after([s["stream"] for s in self.state.values() if "stream" in s])
 
     def _chunks(self, numel: int) -> list[tuple[int, int]]:
         chunk = self.step_chunk_numel * STEP_BYTES_PER_ELEMENT // STEP_TRANSIENT_BYTES
