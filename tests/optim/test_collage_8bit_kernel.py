@@ -8,17 +8,21 @@ choice (parity probe, build failures)."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from collage_train.errors import ConfigError
+from collage_train.memory_plan import Setting, step_transient_kind
 from collage_train.metrics.edq import partials_close
+from collage_train.metrics.live_memory import LiveTensorBytes
 from collage_train.optim import blockwise8, rounding_noise
 from collage_train.optim.collage import cpu_kernel, eight_bit_kernel, kernels
 from collage_train.optim.collage.eight_bit import Collage8bitAdamW, sqrt_rn
 from collage_train.optim.collage.kernels import EIGHT_BIT_MODE, choose_kernel
+from collage_train.precision import get_strategy
 
 pytestmark = pytest.mark.skipif(
     cpu_kernel.c_compiler() is None, reason="needs a C compiler (gcc or clang)"
@@ -78,8 +82,8 @@ def start_weights(numel: int, seed: int) -> torch.Tensor:
     return (torch.randn(numel, generator=gen) * 0.05).bfloat16()
 
 
-# 3 * 2**16 + 5: split into thread ranges, a partial last block
-@pytest.mark.parametrize("numel", [1, 7, 255, 256, 513, 4099, 3 * 2**16 + 5])
+# 2**16 + 261: split into thread ranges, a partial last block
+@pytest.mark.parametrize("numel", [1, 7, 255, 256, 513, 4099, 2**16 + 261])
 def test_fused_step_is_bitwise_the_eager_step(numel):
     start, grads = start_weights(numel, numel), gradients(numel, 5, seed=numel)
     track = lambda step: step % 2 == 1  # noqa: E731
@@ -284,3 +288,32 @@ def test_the_eager_square_root_is_correctly_rounded():
     values = values.view(torch.float32)
     expected = torch.from_numpy(np.sqrt(values.numpy()))
     assert torch.equal(sqrt_rn(values).view(torch.int32), expected.view(torch.int32))
+
+
+def test_the_strategy_record_and_the_planner_know_the_fused_step():
+    """collage_8bit's fused_mode is the 8-bit kernel's; the planner counts the fused
+    step's temporaries as the Collage kernels' (none), the eager step's as its own row;
+    a tracked fused step allocates no tensor the size of the parameter."""
+    strategy = get_strategy("collage_8bit")
+    assert strategy.optimizer.fused_mode == EIGHT_BIT_MODE
+    assert step_transient_kind(Setting(strategy, 0, fused_optimizer=True)) == "fused"
+    assert step_transient_kind(Setting(strategy, 0, fused_optimizer=False)) == (
+        "collage_blockwise8"
+    )
+    numel = 2**16 + 100
+    param = torch.nn.Parameter(start_weights(numel, 1))
+    opt = strategy.build_optimizer(
+        [{"params": [param]}],
+        SimpleNamespace(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
+        kernel="compiled",
+    )
+    assert opt.kernel == "compiled"
+    param.grad = gradients(numel, 1, seed=2)[0]
+    opt.step()  # the state
+    with LiveTensorBytes() as live:
+        live.track_training_state([param], opt)
+        live.track([param.grad])
+        before = live.current
+        opt.track_edq = True
+        opt.step()
+    assert live.peak - before < numel  # under one byte per element

@@ -44,7 +44,7 @@ _PROBE_NUMEL = 4099
 _PROBE_STEPS = 6
 # The 8-bit step's probe: thread ranges and a partial last block (a 1-ulp difference in
 # one operation shows in about one element in 1e6 steps: many elements, a few steps).
-_EIGHT_BIT_PROBE_NUMEL = 3 * 2**16 + 5
+_EIGHT_BIT_PROBE_NUMEL = 2**16 + 100
 
 log = logging.getLogger(__name__)
 
