@@ -351,12 +351,14 @@ def step_transient_kind(setting: Setting) -> str:
     """Which optimizer implementation runs (the strategy's ``OptimizerSpec``), for
     ``STEP_TRANSIENT``."""
     strategy, spec = setting.strategy, setting.strategy.optimizer
+    if spec.fused_mode is not None and setting.fused_optimizer:
+        return "fused"  # CollageAdamW's kernels, Collage8bitAdamW's (CPU)
     if spec.moments != "native":
         return f"{spec.kind}_{spec.moments}"
     if spec.kind in ("stochastic_rounding", "kahan"):
         return spec.kind
     if spec.kind == "collage":
-        return "fused" if setting.fused_optimizer else f"collage_{spec.collage_mode}"
+        return f"collage_{spec.collage_mode}"
     if spec.kind == "scaled_adamw" and strategy.param_dtype == torch.float32:
         return "scaled_adamw_fp32"
     if spec.kind in ("split_master", "scaled_adamw"):

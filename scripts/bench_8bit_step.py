@@ -2,11 +2,12 @@
 
 One bf16 tensor (16M elements by default) with a fixed gradient; the optimizers step in
 turn, round after round, so that a slow period of a shared host slows every row alike.
-Rows: Collage8bitAdamW and BlockwiseAdamW (fp32 master), both eager (no fused kernel
-yet), CollageAdamW "plus" with the fused kernel (``kernel="compiled"``: the C kernel on
-CPU, Triton on CUDA) and eagerly, and "light" eagerly. The last column is each row's
-best time over collage_plus (compiled)'s best: the issue asks for a fused 8-bit step
-when that ratio exceeds 2.
+Rows: Collage8bitAdamW fused (``kernel="compiled"``: the C kernel of
+``optim.collage.eight_bit_kernel``, CPU only; on CUDA the row runs eagerly) and eagerly,
+BlockwiseAdamW (fp32 master, eager), CollageAdamW "plus" with the fused kernel (the C
+kernel on CPU, Triton on CUDA) and eagerly, and "light" eagerly. The last column is each
+row's best time over collage_plus (compiled)'s best: the issue asks for a fused 8-bit
+step when the eager one's ratio exceeds 2.
 
     python scripts/bench_8bit_step.py --numel 16e6 --rounds 5
 
@@ -32,7 +33,8 @@ from collage_train.optim.collage.eight_bit import Collage8bitAdamW
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 BASELINE = "collage_plus (compiled)"
 ROWS: dict[str, Callable[[list], torch.optim.Optimizer]] = {
-    "collage_8bit (eager)": lambda p: Collage8bitAdamW(p, **HYPER),
+    "collage_8bit (compiled)": lambda p: Collage8bitAdamW(p, kernel="compiled", **HYPER),
+    "collage_8bit (eager)": lambda p: Collage8bitAdamW(p, kernel="eager", **HYPER),
     "adamw_8bit (eager, fp32 master)": lambda p: BlockwiseAdamW(
         p, master_dtype=torch.float32, **HYPER
     ),

@@ -58,8 +58,11 @@ class OptimizerSpec:
     @property
     def fused_mode(self) -> str | None:
         """The Collage mode whose fused kernel (``optim.kernel``) can run this step, or None
-        where the step runs eagerly only."""
-        return self.collage_mode if self.kind == "collage" and self.moments == "native" else None
+        where the step runs eagerly only: ``none``/``light``/``plus`` for CollageAdamW,
+        ``light_blockwise8`` (``kernels.EIGHT_BIT_MODE``) for Collage8bitAdamW."""
+        if self.kind != "collage":
+            return None
+        return self.collage_mode if self.moments == "native" else "light_blockwise8"
 
     @property
     def has_dtheta(self) -> bool:
@@ -180,7 +183,7 @@ class PrecisionStrategy:
         }
         spec = self.optimizer
         if spec.kind == "collage" and spec.moments == "blockwise8":
-            return Collage8bitAdamW(param_groups, seed=seed, **hyperparameters)
+            return Collage8bitAdamW(param_groups, seed=seed, kernel=kernel, **hyperparameters)
         if spec.kind == "stochastic_rounding":
             return StochasticRoundingAdamW(param_groups, seed=seed, **hyperparameters)
         if spec.kind == "kahan":

@@ -135,27 +135,34 @@ def cache_dir() -> Path:
 @functools.cache
 def load_library() -> ctypes.CDLL:
     """Build (once per machine) and load the kernel; KernelBuildError when that fails."""
+    library = build_library(_SOURCE)
+    _declare(library)
+    return library
+
+
+def build_library(source_name: str) -> ctypes.CDLL:
+    """Compile ``source_name`` (a C file of this package) with this module's flags into the
+    cache, once per source, compiler and processor, and load it; KernelBuildError when
+    that fails. The kernels of this package all build this way."""
     compiler = c_compiler()
     if compiler is None:
         raise KernelBuildError("no C compiler found (set CC, or install gcc or clang)")
-    source = resources.files("collage_train.optim.collage").joinpath(_SOURCE).read_bytes()
+    source = resources.files("collage_train.optim.collage").joinpath(source_name).read_bytes()
     flags = _flags()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
         b"\0".join(s.encode() for s in (version, *flags, _processor_identity())) + source
     ).hexdigest()[:20]
-    target = cache_dir() / f"cpu_kernel-{key}.so"
+    target = cache_dir() / f"{Path(source_name).stem}-{key}.so"
     if not target.exists():
         try:
-            _build(compiler, flags, source, target)
+            _build(compiler, flags, source, target, source_name)
         except OSError as error:
             raise KernelBuildError(f"could not build into {target.parent}: {error}") from error
     try:
-        library = ctypes.CDLL(str(target))
+        return ctypes.CDLL(str(target))
     except OSError as error:
         raise KernelBuildError(f"could not load {target}: {error}") from error
-    _declare(library)
-    return library
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -172,11 +179,14 @@ def _declare(library: ctypes.CDLL) -> None:
     ]
 
 
-def _build(compiler: str, flags: list[str], source: bytes, target: Path) -> None:
-    """Compile ``source`` into ``target`` through a private temporary directory."""
+def _build(
+    compiler: str, flags: list[str], source: bytes, target: Path, name: str = _SOURCE
+) -> None:
+    """Compile ``source`` (file ``name``) into ``target`` through a private temporary
+    directory."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / _SOURCE
+        src = Path(tmp) / name
         src.write_bytes(source)
         built = Path(tmp) / target.name
         result = subprocess.run(
@@ -184,7 +194,7 @@ def _build(compiler: str, flags: list[str], source: bytes, target: Path) -> None
         )
         if result.returncode != 0:
             first = (result.stderr.strip().splitlines() or ["no output"])[0]
-            raise KernelBuildError(f"{Path(compiler).name} failed on {_SOURCE}: {first}")
+            raise KernelBuildError(f"{Path(compiler).name} failed on {name}: {first}")
         os.replace(built, target)  # atomic: concurrent ranks never load a partial file
 
 

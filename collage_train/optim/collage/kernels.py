@@ -10,7 +10,9 @@ Any failure of the probe (a build error, a Triton compile or launch error, a dri
 error) makes ``auto`` fall back to the eager step with one warning line; ``compiled``
 insists, and fails with one error line where the check, the build or the launch fails;
 ``eager`` forces the reference.
-Strategies without a Collage step (fp32 masters) always run eagerly.
+Strategies without a Collage step (fp32 masters) always run eagerly. The 8-bit-moment
+Collage step (``Collage8bitAdamW``, mode ``EIGHT_BIT_MODE``) has a fused kernel on CPU
+only (``eight_bit_kernel``); elsewhere ``auto`` runs it eagerly and ``compiled`` refuses.
 """
 
 from __future__ import annotations
@@ -33,11 +35,16 @@ from collage_train.optim.collage.step_math import (
 )
 
 KERNEL_SETTINGS = ("auto", "compiled", "eager")
+# The fused-step "mode" of Collage8bitAdamW (OptimizerSpec.fused_mode of collage_8bit)
+EIGHT_BIT_MODE = "light_blockwise8"
 AUTO_COMPILE_MIN_PARAMS = 20_000_000
 # The parity probe: a size that is no multiple of any vector or block width, enough
 # steps for the bias corrections and the compensation terms to matter.
 _PROBE_NUMEL = 4099
 _PROBE_STEPS = 6
+# The 8-bit step's probe: thread ranges and a partial last block (a 1-ulp difference in
+# one operation shows in about one element in 1e6 steps: many elements, a few steps).
+_EIGHT_BIT_PROBE_NUMEL = 2**16 + 100
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +67,8 @@ def compiled_matches_eager(mode: str, device_type: str) -> bool:
     sums, and compares parameters, every state component (bitwise) and the sums (to
     fp32 rounding). The compilation it triggers is the one training would do anyway.
     """
+    if mode == EIGHT_BIT_MODE:
+        return _eight_bit_matches_eager(device_type)
     gen = torch.Generator().manual_seed(0)
 
     def bf16(scale: float) -> torch.Tensor:
@@ -89,6 +98,42 @@ def compiled_matches_eager(mode: str, device_type: str) -> bool:
     )
 
 
+def _eight_bit_matches_eager(device_type: str) -> bool:
+    """``compiled_matches_eager`` for ``Collage8bitAdamW``: the fused and the eager step
+    of the same state, a partial last block and a block of zero gradients included,
+    with and without EDQ sums; weights, dtheta, codes and absmax compared bitwise."""
+    from collage_train.optim.collage.eight_bit import Collage8bitAdamW
+
+    gen = torch.Generator().manual_seed(0)
+    numel = _EIGHT_BIT_PROBE_NUMEL
+    start = (torch.randn(numel, generator=gen) * 0.05).to(device_type, torch.bfloat16)
+    grads = []
+    for _ in range(_PROBE_STEPS):  # magnitudes over six decades: v below the smallest code
+        scale = 10.0 ** torch.randint(-6, 1, (numel,), generator=gen).float()
+        grads.append(torch.randn(numel, generator=gen) * scale)
+        grads[-1][256:512] = 0.0
+    params = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    optimizers = [
+        Collage8bitAdamW([p], lr=3e-3, weight_decay=0.1, seed=7, kernel=kernel)
+        for p, kernel in zip(params, ("eager", "compiled"), strict=True)
+    ]
+    for t, grad in enumerate(grads, start=1):
+        sums = []
+        for param, optimizer in zip(params, optimizers, strict=True):
+            param.grad = grad.to(device_type, torch.bfloat16)
+            optimizer.track_edq = t % 2 == 0
+            optimizer.step()
+            sums.append(optimizer.last_edq.get(param))
+        if t % 2 == 0 and not partials_close(sums[0], sums[1]):
+            return False
+    states = [optimizer.state[param] for param, optimizer in zip(params, optimizers, strict=True)]
+    pairs = [(params[0].detach(), params[1].detach())]
+    pairs += [
+        (value, states[1][name]) for name, value in states[0].items() if torch.is_tensor(value)
+    ]
+    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)
+
+
 def choose_kernel(setting: str, device: torch.device, num_params: int, mode: str | None) -> str:
     """``eager`` or ``compiled`` for ``optim.kernel=setting`` and Collage ``mode``.
 
@@ -103,6 +148,13 @@ def choose_kernel(setting: str, device: torch.device, num_params: int, mode: str
         return "eager"
     if setting == "auto" and num_params < AUTO_COMPILE_MIN_PARAMS:
         return "eager"
+    if mode == EIGHT_BIT_MODE and device.type != "cpu":
+        if setting == "auto":
+            return "eager"
+        raise ConfigError(
+            f"optim.kernel=compiled: the 8-bit Collage step has a fused kernel on CPU only, "
+            f"not on {device.type}; use optim.kernel=eager or auto"
+        )
     if not compiler_available(device):
         if setting == "auto":
             return "eager"
@@ -114,6 +166,8 @@ def choose_kernel(setting: str, device: torch.device, num_params: int, mode: str
             "optim.kernel=eager"
         )
     fused = {"cuda": "the Triton kernel", "cpu": "the C kernel"}.get(device.type, "TorchInductor")
+    if mode == EIGHT_BIT_MODE:
+        fused = "the 8-bit C kernel"
     try:
         if compiled_matches_eager(mode, device.type):
             return "compiled"
