@@ -335,3 +335,23 @@ def test_the_strategy_record_and_the_planner_know_the_fused_step():
         opt.track_edq = True
         opt.step()
     assert live.peak - before < numel  # under one byte per element
+
+
+@pytest.mark.parametrize("theta_scale", [1.0, 1e-36])
+def test_subnormal_gradients_moments_and_weights_are_bitwise_too(theta_scale):
+    """Gradients from 1e-38 to 1e4 (bf16 subnormals), a block of 1e-22..1e-19 (its v and
+    absmax fp32 subnormals) and, in the second case, weights near bf16's smallest normal."""
+    numel = 5000
+    gen = torch.Generator().manual_seed(12)
+    grads = []
+    for _ in range(4):
+        exponent = torch.randint(-38, 5, (numel,), generator=gen).double()
+        exponent[512:768] = torch.randint(-22, -18, (256,), generator=gen).double()
+        grad = torch.randn(numel, generator=gen, dtype=torch.float64) * 10.0**exponent
+        grads.append(grad.to(torch.bfloat16))
+    start = (start_weights(numel, 13).float() * theta_scale).bfloat16()
+    track = lambda step: step % 2 == 0  # noqa: E731
+    fused = run("compiled", start, grads, track)
+    assert_bitwise_equal(fused, run("eager", start, grads, track))
+    absmax = fused[1].state[fused[0]]["exp_avg_sq_absmax"]
+    assert 0.0 < float(absmax[2]) < torch.finfo(torch.float32).tiny  # a subnormal block
