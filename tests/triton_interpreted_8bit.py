@@ -39,23 +39,25 @@ def _nearest_even_cast(self, src, dst_type):
 
 
 def gradients(numel: int, seed: int) -> list[torch.Tensor]:
-    """Six decades of magnitudes (v below the smallest code), zeros, a zero block."""
+    """Magnitudes from 1e-38 to 1e1 (v below the smallest code, bf16 subnormals), zeros, a
+    zero block and a block of 1e-22..1e-19 (fp32-subnormal v and absmax)."""
     gen = torch.Generator().manual_seed(seed)
     grads = []
     for _ in range(STEPS):
-        scale = 10.0 ** torch.randint(-6, 1, (numel,), generator=gen).float()
-        grad = torch.randn(numel, generator=gen) * scale
+        exponent = torch.randint(-38, 2, (numel,), generator=gen).double()
+        exponent[512:768] = torch.randint(-22, -18, exponent[512:768].shape, generator=gen)
+        grad = torch.randn(numel, generator=gen, dtype=torch.float64) * 10.0**exponent
         grad[torch.rand(numel, generator=gen) < 0.05] = 0.0
         grad[256:512] = 0.0
         grads.append(grad.bfloat16())
     return grads
 
 
-def check(numel: int, bit_rounding: bool) -> None:
+def check(numel: int, bit_rounding: bool, block_size: int = 256) -> None:
     gen = torch.Generator().manual_seed(numel)
     start = (torch.randn(numel, generator=gen) * 0.05).bfloat16()
     eager_param, fused_param = (torch.nn.Parameter(start.clone()) for _ in range(2))
-    hyper = {"lr": 1e-3, "weight_decay": 0.1, "seed": 11}
+    hyper = {"lr": 1e-3, "weight_decay": 0.1, "seed": 11, "block_size": block_size}
     eager = Collage8bitAdamW([eager_param], kernel="eager", **hyper)
     holder = Collage8bitAdamW([fused_param], kernel="eager", **hyper)  # state layout only
     state = holder._state_for(fused_param)
@@ -77,14 +79,14 @@ def check(numel: int, bit_rounding: bool) -> None:
             state["exp_avg_sq"],
             state["exp_avg_sq_absmax"],
             (one_minus_beta1, beta2, 1.0 - beta2, inv_sqrt_bias2, eps, step_size, decay),
-            block_size=256,
+            block_size=block_size,
             seed=11,
             stream=state["stream"],
             step=t,
             track=track,
             bit_rounding=bit_rounding,
         )
-        where = f"{numel} elements, step {t}, bit_rounding={bit_rounding}"
+        where = f"{numel} elements, blocks of {block_size}, step {t}, R={bit_rounding}"
         if track:
             assert partials_close(sums, eager.last_edq[eager_param]), where
         pairs = [("theta", eager_param.detach(), fused_param.detach())]
@@ -98,6 +100,7 @@ def check(numel: int, bit_rounding: bool) -> None:
 def main() -> None:
     for numel in SIZES:
         check(numel, bit_rounding=True)
+    check(64 * ROWS + 30, bit_rounding=True, block_size=64)
     try:
         check(256 * ROWS + 300, bit_rounding=False)
     except AssertionError:
@@ -107,6 +110,7 @@ def main() -> None:
     interpreter.InterpreterBuilder.cast_impl = _nearest_even_cast
     for numel in SIZES:
         check(numel, bit_rounding=False)
+    check(64 * ROWS + 30, bit_rounding=False, block_size=64)
     print("bitwise equal: interpreter branch, and GPU branch with round-to-nearest-even casts")
 
 
