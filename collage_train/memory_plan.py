@@ -352,7 +352,7 @@ def step_transient_kind(setting: Setting) -> str:
     ``STEP_TRANSIENT``."""
     strategy, spec = setting.strategy, setting.strategy.optimizer
     if spec.fused_mode is not None and setting.fused_optimizer:
-        return "fused"  # CollageAdamW's kernels, Collage8bitAdamW's (CPU)
+        return "fused"  # the kernels of CollageAdamW and Collage8bitAdamW
     if spec.moments != "native":
         return f"{spec.kind}_{spec.moments}"
     if spec.kind in ("stochastic_rounding", "kahan"):

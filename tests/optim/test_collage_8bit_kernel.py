@@ -46,7 +46,7 @@ def gradients(numel: int, steps: int, seed: int) -> list[torch.Tensor]:
 
 
 def run(kernel: str, start: torch.Tensor, grads, track, chunk=None, segments=None, **kw):
-    param = torch.nn.Parameter(start.clone())
+    param = torch.nn.Parameter(start.clone().to(kw.pop("device", "cpu")))
     opt = Collage8bitAdamW([param], lr=1e-3, weight_decay=0.1, seed=11, kernel=kernel, **kw)
     if chunk is not None:
         opt.step_chunk_numel = chunk
@@ -54,7 +54,7 @@ def run(kernel: str, start: torch.Tensor, grads, track, chunk=None, segments=Non
         opt.edq_segments[param] = segments
     sums = []
     for step, grad in enumerate(grads):
-        param.grad = grad.clone().view(param.shape)
+        param.grad = grad.to(param.device).view(param.shape)
         opt.track_edq = track(step)
         opt.step()
         sums.append(opt.last_edq.pop(param, None))
@@ -82,13 +82,31 @@ def start_weights(numel: int, seed: int) -> torch.Tensor:
     return (torch.randn(numel, generator=gen) * 0.05).bfloat16()
 
 
-# 2**16 + 261: split into thread ranges, a partial last block
+CUDA = pytest.param(
+    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+)
+
+
+# 2**16 + 261: split into thread ranges (CPU), a partial last block
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("numel", [1, 7, 255, 256, 513, 4099, 2**16 + 261])
-def test_fused_step_is_bitwise_the_eager_step(numel):
+def test_fused_step_is_bitwise_the_eager_step(numel, device, monkeypatch):
+    """The C kernel on CPU, the Triton kernel on a GPU (each counted: no silent eager)."""
+    module, name = (
+        (eight_bit_kernel, "eight_bit_step")
+        if device == "cpu"
+        else (
+            pytest.importorskip("collage_train.optim.collage.eight_bit_triton"),
+            "triton_eight_bit_step",
+        )
+    )
+    calls, kernel = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or kernel(*a, **k))
     start, grads = start_weights(numel, numel), gradients(numel, 5, seed=numel)
     track = lambda step: step % 2 == 1  # noqa: E731
-    fused = run("compiled", start, grads, track)
-    assert_bitwise_equal(fused, run("eager", start, grads, track))
+    fused = run("compiled", start, grads, track, device=device)
+    assert len(calls) == 5
+    assert_bitwise_equal(fused, run("eager", start, grads, track, device=device))
     if numel >= 512:  # the zero block: m and v 0, absmax 0 (a whole block)
         state = fused[1].state[fused[0]]
         assert float(state["exp_avg_absmax"][1]) == float(state["exp_avg_sq_absmax"][1]) == 0.0
@@ -266,10 +284,10 @@ def test_a_build_failure_falls_back_on_auto_and_is_one_error_line_on_compiled(
 
 
 def test_other_devices_have_no_fused_8bit_step():
-    meta = torch.device("cuda")
-    assert choose_kernel("auto", meta, 10**9, EIGHT_BIT_MODE) == "eager"
-    with pytest.raises(ConfigError, match="fused kernel on CPU only, not on cuda"):
-        choose_kernel("compiled", meta, 10**9, EIGHT_BIT_MODE)
+    mps = torch.device("mps")
+    assert choose_kernel("auto", mps, 10**9, EIGHT_BIT_MODE) == "eager"
+    with pytest.raises(ConfigError, match="fused kernels for CPU and CUDA only, not mps"):
+        choose_kernel("compiled", mps, 10**9, EIGHT_BIT_MODE)
 
 
 def test_a_bad_kernel_setting_is_refused():
@@ -317,3 +335,23 @@ def test_the_strategy_record_and_the_planner_know_the_fused_step():
         opt.track_edq = True
         opt.step()
     assert live.peak - before < numel  # under one byte per element
+
+
+@pytest.mark.parametrize("theta_scale", [1.0, 1e-36])
+def test_subnormal_gradients_moments_and_weights_are_bitwise_too(theta_scale):
+    """Gradients from 1e-38 to 1e4 (bf16 subnormals), a block of 1e-22..1e-19 (its v and
+    absmax fp32 subnormals) and, in the second case, weights near bf16's smallest normal."""
+    numel = 5000
+    gen = torch.Generator().manual_seed(12)
+    grads = []
+    for _ in range(4):
+        exponent = torch.randint(-38, 5, (numel,), generator=gen).double()
+        exponent[512:768] = torch.randint(-22, -18, (256,), generator=gen).double()
+        grad = torch.randn(numel, generator=gen, dtype=torch.float64) * 10.0**exponent
+        grads.append(grad.to(torch.bfloat16))
+    start = (start_weights(numel, 13).float() * theta_scale).bfloat16()
+    track = lambda step: step % 2 == 0  # noqa: E731
+    fused = run("compiled", start, grads, track)
+    assert_bitwise_equal(fused, run("eager", start, grads, track))
+    absmax = fused[1].state[fused[0]]["exp_avg_sq_absmax"]
+    assert 0.0 < float(absmax[2]) < torch.finfo(torch.float32).tiny  # a subnormal block

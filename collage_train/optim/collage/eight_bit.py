@@ -28,13 +28,16 @@ of (seed, the tensor's stream, t, i): a resumed run and a chunked step draw the 
 bits as an uninterrupted, whole one. ``state["stream"]`` is fixed when the state is
 created: (rank << 20) + the number of states this optimizer created before.
 
-``kernel="compiled"`` runs the step as one fused pass per tensor on CPU (the C kernel of
-``eight_bit_kernel``: no temporaries, the same bits as ``kernel="eager"``); the default,
-``"auto"``, decides at the first step as the trainer's ``optim.kernel=auto`` does
-(``kernels.choose_kernel``: the fused kernel for models of 20M parameters and more once
-its parity probe passes, the eager step otherwise, with one warning line). Other devices,
-blocks longer than ``eight_bit_kernel.MAX_BLOCK`` and ``edq_view_dtype`` other than bf16
-step eagerly.
+``kernel="compiled"`` runs the step as one fused pass per tensor (no temporaries, the
+same bits as ``kernel="eager"``): the C kernel of ``eight_bit_kernel`` on CPU, the Triton
+kernel of ``eight_bit_triton`` on CUDA (checked in Triton's interpreter and compiled for
+sm_80/sm_90 without a GPU; at start-up the parity probe runs it on the GPU). The
+default, ``"auto"``, decides at the first step as the trainer's ``optim.kernel=auto``
+does (``kernels.choose_kernel``: the fused kernel for models of 20M parameters and more
+once its parity probe passes, the eager step otherwise, with one warning line). Other
+devices, blocks longer than ``eight_bit_kernel.MAX_BLOCK`` (CPU) or not a power of two
+(CUDA), EDQ of a flat partition on CUDA and ``edq_view_dtype`` other than bf16 step
+eagerly.
 
 State per parameter: ``step``, ``stream``, ``dtheta`` (bf16), ``exp_avg`` and
 ``exp_avg_sq`` (uint8, the parameter's shape), ``exp_avg_absmax`` and
@@ -85,9 +88,11 @@ def sqrt_rn(values: torch.Tensor) -> torch.Tensor:
 class Collage8bitAdamW(TrackingOptimizer):
     """AdamW on bf16 parameters: Collage-light weight, 8-bit blockwise moments.
 
-    Steps in chunks of whole blocks, the same bits as a whole step; a chunk holds
-    ``step_chunk_numel`` scaled by ``STEP_BYTES_PER_ELEMENT / STEP_TRANSIENT_BYTES``, so
-    that its temporaries fit the budget the trainer sized ``step_chunk_numel`` for.
+    The eager step works in chunks of whole blocks, the same bits as a whole step; a
+    chunk holds ``step_chunk_numel`` scaled by ``STEP_BYTES_PER_ELEMENT /
+    STEP_TRANSIENT_BYTES``, so that its temporaries fit the budget the trainer sized
+    ``step_chunk_numel`` for. The fused kernels step a whole tensor at once: they
+    allocate nothing the size of it.
     """
 
     unshaped_state = ("step", "exp_avg_absmax", "exp_avg_sq_absmax")
@@ -145,15 +150,24 @@ class Collage8bitAdamW(TrackingOptimizer):
         numel = sum(p.numel() for p in params)
         self.kernel = choose_kernel("auto", device, numel, EIGHT_BIT_MODE)
 
-    def _runs_fused(self, param: torch.Tensor) -> bool:
-        """Whether this parameter's step runs as the fused CPU kernel."""
-        return (
-            self.kernel == "compiled"
-            and param.device.type == "cpu"
-            and param.grad.dtype == torch.bfloat16
-            and self.block_size <= eight_bit_kernel.MAX_BLOCK
-            and self.edq_view_dtype in (None, torch.bfloat16)
-        )
+    def _fused_kind(self, param: torch.Tensor) -> str | None:
+        """Which fused kernel steps this parameter now: ``cpu`` (the C kernel), ``cuda``
+        (the Triton kernel: power-of-two blocks, EDQ of a flat partition eagerly), or None
+        (the eager step)."""
+        if (
+            self.kernel != "compiled"
+            or param.grad.dtype != torch.bfloat16
+            or self.edq_view_dtype not in (None, torch.bfloat16)
+        ):
+            return None
+        device = param.device.type
+        if device == "cpu" and self.block_size <= eight_bit_kernel.MAX_BLOCK:
+            return "cpu"
+        power_of_two = self.block_size & (self.block_size - 1) == 0
+        segmented = self.track_edq and param in self.edq_segments
+        if device == "cuda" and power_of_two and not segmented:
+            return "cuda"
+        return None
 
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         self._resolve_kernel()
@@ -170,30 +184,41 @@ class Collage8bitAdamW(TrackingOptimizer):
         theta = flat_view(param.detach(), pending)
         dtheta = state["dtheta"].view(-1)
         grad = param.grad.reshape(-1)
-        if self._runs_fused(param):
+        fused = self._fused_kind(param)
+        if fused is not None:
+            moments = (state["exp_avg"].view(-1), state["exp_avg_absmax"])
+            moments += (state["exp_avg_sq"].view(-1), state["exp_avg_sq_absmax"])
+            scalars = (one_minus_beta1, beta2, 1.0 - beta2, inv_sqrt_bias2, eps, step_size, decay)
+            keys = {"block_size": self.block_size, "seed": self.seed, "stream": state["stream"]}
             segments = self.edq_segments.get(param)
-            bounds = [(first, last) for _, first, last in segments or [("", 0, theta.numel())]]
-            tensors = eight_bit_kernel.EightBitState(
-                theta,
-                dtheta,
-                state["exp_avg"].view(-1),
-                state["exp_avg_absmax"],
-                state["exp_avg_sq"].view(-1),
-                state["exp_avg_sq_absmax"],
-                grad.contiguous(),
-            )
-            sums = eight_bit_kernel.eight_bit_step(
-                tensors,
-                (one_minus_beta1, beta2, 1.0 - beta2, inv_sqrt_bias2, eps, step_size, decay),
-                block_size=self.block_size,
-                seed=self.seed,
-                stream=state["stream"],
-                step=step,
-                segments=bounds if self.track_edq else None,
-            )
+            if fused == "cpu":
+                bounds = [(first, last) for _, first, last in segments or [("", 0, theta.numel())]]
+                tensors = eight_bit_kernel.EightBitState(theta, dtheta, *moments, grad.contiguous())
+                sums = eight_bit_kernel.eight_bit_step(
+                    tensors,
+                    scalars,
+                    step=step,
+                    segments=bounds if self.track_edq else None,
+                    **keys,
+                )
+                if sums is not None and segments is None:
+                    sums = sums[0]
+            else:
+                from collage_train.optim.collage.eight_bit_triton import triton_eight_bit_step
+
+                sums = triton_eight_bit_step(
+                    theta,
+                    dtheta,
+                    grad.contiguous(),
+                    *moments,
+                    scalars,
+                    step=step,
+                    track=self.track_edq,
+                    **keys,
+                )
             write_back(pending)
             if sums is not None:
-                self.last_edq[param] = sums if segments is not None else sums[0]
+                self.last_edq[param] = sums
             return
         m_state, v_state = (QuantizedMoment.of(state, n, s, self.block_size) for n, s in MOMENTS)
         edq = None

@@ -6,8 +6,9 @@
  * nearest-even on the bits (rb). One pass over each block of `block` elements:
  *
  *   1. dequantise m and v (code * absmax, one fp32 product each), update them, form the
- *      bf16 update and grow (theta, dtheta) with it (mcf.grow, every rounding done),
- *      keep the new m and v in block-local fp32 buffers and their largest magnitudes;
+ *      bf16 update and grow (theta, dtheta) with it (mcf.grow; TwoSum's last four
+ *      roundings, exact for bf16 operands, left out as in cpu_kernel.c), keep the new m
+ *      and v in block-local fp32 buffers and their largest magnitudes;
  *   2. quantise the block with its new absmax (blockwise8.quantize): a whole block
  *      multiplies by the fp32 reciprocal of max(absmax, 1e-38), a shorter last block
  *      divides by it and stores it; m rounds to the nearest code (ties to the lower), v

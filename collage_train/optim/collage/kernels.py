@@ -11,8 +11,9 @@ error) makes ``auto`` fall back to the eager step with one warning line; ``compi
 insists, and fails with one error line where the check, the build or the launch fails;
 ``eager`` forces the reference.
 Strategies without a Collage step (fp32 masters) always run eagerly. The 8-bit-moment
-Collage step (``Collage8bitAdamW``, mode ``EIGHT_BIT_MODE``) has a fused kernel on CPU
-only (``eight_bit_kernel``); elsewhere ``auto`` runs it eagerly and ``compiled`` refuses.
+Collage step (``Collage8bitAdamW``, mode ``EIGHT_BIT_MODE``) has fused kernels on CPU
+(``eight_bit_kernel``) and CUDA (``eight_bit_triton``); elsewhere ``auto`` runs it
+eagerly and ``compiled`` refuses.
 """
 
 from __future__ import annotations
@@ -148,12 +149,12 @@ def choose_kernel(setting: str, device: torch.device, num_params: int, mode: str
         return "eager"
     if setting == "auto" and num_params < AUTO_COMPILE_MIN_PARAMS:
         return "eager"
-    if mode == EIGHT_BIT_MODE and device.type != "cpu":
+    if mode == EIGHT_BIT_MODE and device.type not in ("cpu", "cuda"):
         if setting == "auto":
             return "eager"
         raise ConfigError(
-            f"optim.kernel=compiled: the 8-bit Collage step has a fused kernel on CPU only, "
-            f"not on {device.type}; use optim.kernel=eager or auto"
+            f"optim.kernel=compiled: the 8-bit Collage step has fused kernels for CPU and "
+            f"CUDA only, not {device.type}; use optim.kernel=eager or auto"
         )
     if not compiler_available(device):
         if setting == "auto":
@@ -167,7 +168,7 @@ def choose_kernel(setting: str, device: torch.device, num_params: int, mode: str
         )
     fused = {"cuda": "the Triton kernel", "cpu": "the C kernel"}.get(device.type, "TorchInductor")
     if mode == EIGHT_BIT_MODE:
-        fused = "the 8-bit C kernel"
+        fused = "the 8-bit Triton kernel" if device.type == "cuda" else "the 8-bit C kernel"
     try:
         if compiled_matches_eager(mode, device.type):
             return "compiled"
