@@ -293,6 +293,7 @@ def test_bad_input_is_one_error_line_and_leaves_the_source(make_cfg, tmp_path, c
         (path, "taken", ["--to", "zero2", "--world-size", "2"], "already exists"),
         (scalify_path, "new", ["--to", "zero3", "--world-size", "1"], "resumes only on the engine"),
         (scalify_path, "new", ["--to", "unsharded"], "resumes only on the engine"),
+        (scalify_path, "new", [], "resumes only on the engine"),  # --to universal too
     ]
     shard = path / "optimizer.pt"
     data = bytearray(shard.read_bytes())
