@@ -328,14 +328,16 @@ RESUMED_BITWISE = ("bf16_sr", "collage_8bit")
 
 @pytest.mark.parametrize("precision", RIVALS)
 def test_rival_strategy_under_zero2_matches_its_single_process_run(
-    runs, corpus_dir, cache_dir, tmp_path, precision
+    runs, corpus_dir, cache_dir, tmp_path, capsys, precision
 ):
     """Each rival strategy on 2 ZeRO-2 ranks: the loss of every step within RTOL (1e-3
     relative) of one process's. Not bitwise: the ranks step flat partitions, so the 8-bit
     blocks of 256 and the stochastic-rounding streams and element indices are cut
     elsewhere than per parameter (measured: at most 7e-5 relative over the 8 steps); a
     wrong reduction moves the loss by more than 1e-2. Each rank holds the state bytes the
-    planner (engine.zero_memory) gives, up to a block scale per partly filled block."""
+    planner (engine.zero_memory) gives, up to a block scale per partly filled block.
+    bf16_sr and collage_8bit resume bit for bit; collage_8bit's checkpoint, whose block
+    scales belong to the ranks' partitions, is refused elsewhere in one line."""
     single_dir, _ = runs("unsharded", precision)
     zero_dir, _ = runs("zero2", precision)
     zero, single = train_records(zero_dir), train_records(single_dir)
@@ -370,6 +372,13 @@ def test_rival_strategy_under_zero2_matches_its_single_process_run(
         (line,) = refused.error_lines
         assert "resumes only with the engine and number of processes" in line, line
         assert "per block of 256 elements" in line, line
+        capsys.readouterr()
+        for layout in ("universal", "unsharded"):  # nor converted to another layout
+            out = tmp_path / layout
+            assert convert_main(["convert", str(run_dir), str(out), "--to", layout]) == 2
+            (line,) = capsys.readouterr().err.splitlines()
+            assert line.startswith("error:") and "per block of 256 elements" in line, line
+            assert not out.exists()
         assert files_of(run_dir / "checkpoints") == saved
     resumed = run_deepspeed(*args, "distributed=zero2", "train.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
