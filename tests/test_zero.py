@@ -463,7 +463,7 @@ def files_of(path: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("precision", ["collage_plus", "mixed_fp32", "bf16_sr"])
 def test_zero2_on_two_ranks_resumes_on_one_process(
-    runs, corpus_dir, cache_dir, tmp_path, precision
+    runs, corpus_dir, cache_dir, tmp_path, capsys, precision
 ):
     """In process (no launch): the state of each parameter is the ranks' partitions of
     DeepSpeed's flat groups, concatenated, bit for bit; the loss curve goes on as one
@@ -473,8 +473,12 @@ def test_zero2_on_two_ranks_resumes_on_one_process(
     args = [a for a in tiny_overrides(corpus_dir, cache_dir, tmp_path) if "hydra" not in a]
     cfg = compose_tiny(corpus_dir, cache_dir, *args, f"precision={precision}")
     trainer = Trainer(cfg, tmp_path)
+    capsys.readouterr()
     trainer.resume_from(step_4)
     assert trainer.step == 4
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("elastic")]
+    # a stochastic-rounding stream named a tensor of the writer's layout: drawn anew
+    assert ("stochastic-rounding streams" in line) == (precision == "bf16_sr"), line
     named = dict(trainer.model.named_parameters())
     shapes = checkpoint.open_restricted(step_4 / "mp_rank_00_model_states.pt")["param_shapes"]
     shards = optimizer_shards(zero_dir, 4)
