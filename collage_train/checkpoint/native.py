@@ -283,13 +283,16 @@ def describe(out: Path) -> str:
     meta = checkpoint.read_meta(out)
     engine, world = meta["distributed"], meta["world_size"]
     source = meta["converted_from"]
-    lost = (
-        "per-rank RNG streams (every rank continues from rank 0's generator)"
-        if max(int(source["world_size"]), world) > 1
-        else "nothing"
-    )
+    lost = []
+    if max(int(source["world_size"]), world) > 1:
+        lost.append("per-rank RNG streams (every rank continues from rank 0's generator)")
+    precision = meta.get("config", {}).get("precision")
+    if precision and strategy_for(OmegaConf.create(precision)).optimizer.kind == (
+        "stochastic_rounding"
+    ):  # a stream names a tensor of the writer's layout (optim.rounding_noise)
+        lost.append("stochastic-rounding streams (each tensor there draws a new one)")
     return (
         f"wrote {out} (distributed={engine} on {world} rank(s), the engine's own layout: it "
         f"resumes there without resharding); carried over: {', '.join(meta.get('holds', []))}, "
-        f"step, data position, rank 0's RNG; not carried over: {lost}"
+        f"step, data position, rank 0's RNG; not carried over: {'; '.join(lost) or 'nothing'}"
     )
