@@ -30,6 +30,7 @@ from collage_train.comm.settings import comm_name, uses_replicas
 from collage_train.config import RENAMED_CHOICES, current_choice
 from collage_train.errors import CheckpointError, ConfigError
 from collage_train.precision import strategy_for
+from collage_train.precision.base import NOT_RESHARDED
 
 # Layouts an elastic resume reads per parameter on any engine and number of ranks.
 RESHARDABLE = ("unsharded", *ZERO_ENGINES, UNIVERSAL)
@@ -195,7 +196,7 @@ def _check_reshard(
         raise ConfigError(
             f"{path} was written by distributed={layout} on {saved_world} rank(s); "
             f"precision={cfg.precision.name} resumes only with the engine and number of "
-            "processes that wrote it"
+            f"processes that wrote it ({NOT_RESHARDED})"
         )
     train = cfg.train
     try:

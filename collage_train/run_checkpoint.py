@@ -41,6 +41,7 @@ from collage_train.errors import (
     first_line,
     is_disk_full,
 )
+from collage_train.optim.rounding_noise import StreamCounter
 
 # How long rank 0's writer waits for the other ranks' manifest shares after its own: at
 # least this, or ten times what its own part took (the ranks write parts of a size).
@@ -337,16 +338,17 @@ def _restore_resharded(
     client_state["loader"] = {**loader, "world_size": engine.world_size}
     if engine.is_main:
         kept = ", ".join(sorted(state.read(named[0][0], 0, 1)))
-        lost = (
-            "per-rank RNG streams (every rank continues from rank 0's generator)"
-            if max(state.world_size, engine.world_size) > 1
-            else "nothing"
-        )
+        lost = []
+        if max(state.world_size, engine.world_size) > 1:
+            lost.append("per-rank RNG streams (every rank continues from rank 0's generator)")
+        if isinstance(getattr(getattr(engine, "optimizer", None), "streams", None), StreamCounter):
+            # a stream names a tensor of the writer's layout (optim.rounding_noise)
+            lost.append("stochastic-rounding streams (each tensor here draws a new one)")
         print(
             f"elastic resume: {path.name} was written by {state.layout} on "
             f"{state.world_size} rank(s), continuing with distributed={distributed} on "
             f"{engine.world_size}; carried over: {kept}, step, data position, rank 0's RNG; "
-            f"not carried over: {lost}",
+            f"not carried over: {'; '.join(lost) or 'nothing'}",
             flush=True,
         )
     return client_state

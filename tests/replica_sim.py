@@ -22,6 +22,7 @@ from collage_train import trainer as trainer_module
 from collage_train.comm.outer import OuterState, apply_payloads_, make_payload
 from collage_train.comm.settings import outer_settings
 from collage_train.engine import SingleProcessEngine
+from collage_train.optim.rounding_noise import STREAM_RANK_SHIFT
 from collage_train.trainer import Trainer
 
 
@@ -41,6 +42,9 @@ def simulate_replicas(cfg: DictConfig, replicas: int, work_dir: Path) -> Simulat
         engine = SingleProcessEngine(device=torch_device(), rank=rank, world_size=replicas)
         with mock.patch.object(trainer_module, "build_engine", lambda *_, e=engine, **__: e):
             trainers.append(Trainer(cfg, work_dir / f"replica-{rank}"))
+        streams = getattr(trainers[-1].optimizer, "streams", None)
+        if streams is not None:  # stochastic rounding: rank r's streams, as launched
+            streams.created = rank << STREAM_RANK_SHIFT
     settings = outer_settings(cfg.comm)
     states = [OuterState.start(settings, t.optimizer.full_precision_weights()) for t in trainers]
     shared, losses = [], []

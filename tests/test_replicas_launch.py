@@ -228,13 +228,19 @@ def test_resuming_replicas_with_another_world_size_is_refused(
     ]
 
 
+@pytest.mark.parametrize(
+    ("precision", "comm"),
+    # collage_8bit: 8-bit moments and a stochastically rounded v, each rank on its streams
+    [("collage_plus", "sparseloco"), ("collage_8bit", "diloco")],
+)
 def test_collage_replicas_merge_theta_plus_dtheta_like_the_simulation(
-    corpus_dir, cache_dir, tmp_path
+    corpus_dir, cache_dir, tmp_path, precision, comm
 ):
-    """collage_plus: the pseudo-gradient comes from theta + dtheta, on both sides alike."""
+    """Collage: the pseudo-gradient comes from theta + dtheta, on both sides alike."""
     outer_steps = 3
     extra = (
-        "precision=collage_plus",
+        f"precision={precision}",
+        f"comm={comm}",
         f"train.max_steps={H * outer_steps}",
         f"train.eval_every={H * outer_steps}",
     )

@@ -50,6 +50,7 @@ from collage_train.config import current_choice
 from collage_train.errors import CheckpointError, ConfigError
 from collage_train.optim.param_groups import decay_param_groups
 from collage_train.precision import PrecisionStrategy, strategy_for
+from collage_train.precision.base import NOT_RESHARDED
 
 ENGINES = ("unsharded", *ZERO_ENGINES)
 # zero_optimization settings that put elements elsewhere in DeepSpeed's flat partitions
@@ -67,6 +68,20 @@ class Target:
     def stage(self) -> int:
         """The ZeRO stage; 0 for one process."""
         return int(self.engine[-1]) if self.engine in ZERO_ENGINES else 0
+
+
+def check_reshards(meta: dict[str, Any]) -> None:
+    """Refuse, in one line, to convert a checkpoint whose strategy does not reshard (its
+    optimizer state is cut by the writer's layout); resume.py refuses to reshard it too."""
+    config = meta.get("config")
+    if not isinstance(config, dict) or "precision" not in config:
+        return  # nothing says which strategy wrote it: read per element as before
+    strategy = strategy_for(OmegaConf.create(config["precision"]))
+    if not strategy.reshards:
+        raise ConfigError(
+            f"precision={strategy.name} resumes only on the engine and processes that wrote "
+            f"it ({NOT_RESHARDED}): not converted"
+        )
 
 
 def check_target(meta: dict[str, Any], engine: str, world_size: int | None) -> Target:
@@ -93,13 +108,7 @@ def check_target(meta: dict[str, Any], engine: str, world_size: int | None) -> T
             f"the checkpoint was written by comm={comm} replicas, each with a state of its own; "
             "it resumes only with the replicas that wrote it"
         )
-    strategy = strategy_for(OmegaConf.create(config["precision"]))
-    if not strategy.reshards:  # resume.py refuses to reshard it too
-        raise ConfigError(
-            f"precision={strategy.name} resumes only on the engine and processes that wrote "
-            "it (its scales are kept per tensor, or per piece of a ZeRO partition): not "
-            "converted"
-        )
+    check_reshards(meta)
     global_batch = int(config["train"]["global_batch_size"])
     micro_batch = int(config["train"]["micro_batch_size"])
     if global_batch % (micro_batch * world_size):
@@ -274,13 +283,16 @@ def describe(out: Path) -> str:
     meta = checkpoint.read_meta(out)
     engine, world = meta["distributed"], meta["world_size"]
     source = meta["converted_from"]
-    lost = (
-        "per-rank RNG streams (every rank continues from rank 0's generator)"
-        if max(int(source["world_size"]), world) > 1
-        else "nothing"
-    )
+    lost = []
+    if max(int(source["world_size"]), world) > 1:
+        lost.append("per-rank RNG streams (every rank continues from rank 0's generator)")
+    precision = meta.get("config", {}).get("precision")
+    if precision and strategy_for(OmegaConf.create(precision)).optimizer.kind == (
+        "stochastic_rounding"
+    ):  # a stream names a tensor of the writer's layout (optim.rounding_noise)
+        lost.append("stochastic-rounding streams (each tensor there draws a new one)")
     return (
         f"wrote {out} (distributed={engine} on {world} rank(s), the engine's own layout: it "
         f"resumes there without resharding); carried over: {', '.join(meta.get('holds', []))}, "
-        f"step, data position, rank 0's RNG; not carried over: {lost}"
+        f"step, data position, rank 0's RNG; not carried over: {'; '.join(lost) or 'nothing'}"
     )

@@ -114,9 +114,12 @@ class StochasticRoundingAdamW(TrackingOptimizer):
         state = self.state[param]
         if not state:
             state["step"] = 0
-            state["stream"] = self.streams.next()
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if "stream" not in state:
+            # New, or restored by an elastic resume, which carries the moments and the step
+            # but not the writer's streams: those named the tensors of its own layout.
+            state["stream"] = self.streams.next()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

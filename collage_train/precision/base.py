@@ -14,6 +14,11 @@ OPTIMIZER_KINDS = (
 )  # fmt: skip
 COLLAGE_MODES = ("none", "light", "plus")
 MOMENT_FORMS = ("native", "bf16", "blockwise8")
+# Why a strategy with ``reshards=False`` is refused on another layout (resume, conversion).
+NOT_RESHARDED = (
+    "its optimizer state holds scales per tensor it steps, which under ZeRO is this "
+    "rank's partition: per tensor or piece (Scalify), per block of 256 elements (8-bit moments)"
+)
 
 
 @dataclass(frozen=True)

@@ -204,8 +204,13 @@ class ScalifyStrategy(PrecisionStrategy):
         return metrics
 
     def build_optimizer(
-        self, param_groups: list[dict[str, Any]], optim_cfg: Any, kernel: str = "eager"
+        self,
+        param_groups: list[dict[str, Any]],
+        optim_cfg: Any,
+        kernel: str = "eager",
+        seed: int = 0,
     ) -> torch.optim.Optimizer:
+        """Scalify's ``ScaledAdamW``; it rounds to nearest, so ``seed`` is not used."""
         from collage_train.scalify.adamw import ScaledAdamW
 
         return ScaledAdamW(

@@ -267,6 +267,26 @@ def test_resume_from_state_dict_continues_bitwise(device):
     assert resumed.state[extra]["stream"] == 2
 
 
+def test_a_state_restored_without_streams_gets_fresh_ones(device):
+    """An elastic resume fills each tensor's moments and step from the rank-independent
+    state but no stream (streams named the writer's tensors): the step draws new ones, in
+    order, and keeps the restored moments and step."""
+    shapes = [(300,), (8, 8)]
+    first_p = _params(shapes, 6, device)
+    first, _ = _run(first_p, [_grads(shapes, 40, device)])
+    params = [torch.nn.Parameter(p.detach().clone()) for p in first_p]
+    opt = StochasticRoundingAdamW(params, lr=1e-2, betas=BETAS, weight_decay=0.1)
+    for p, old in zip(params, first_p, strict=True):  # as ZeroEngine/SingleProcessEngine.load_full
+        kept = first.state[old]
+        opt.state[p] = {k: v.clone() if torch.is_tensor(v) else v
+                        for k, v in kept.items() if k != "stream"}  # fmt: skip
+    for p, g in zip(params, _grads(shapes, 41, device), strict=True):
+        p.grad = g
+    opt.step()
+    assert [opt.state[p]["stream"] for p in params] == [0, 1]
+    assert [opt.state[p]["step"] for p in params] == [2, 2]
+
+
 def test_seeds_and_streams_give_different_bits(device):
     """Same values, same gradients: the rounding pattern changes with the seed and
     between tensors (streams), and repeats for the same seed."""
