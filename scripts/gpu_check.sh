@@ -5,7 +5,8 @@
 #
 # 1. the CUDA tests (the Triton kernel's bitwise parity with the eager step, float8
 #    _scaled_mm against its emulation, ...), 2. the optimizer benchmark with its
-#    memory-bandwidth floor ratios, 3. a 1-GPU ZeRO-2 run launched with `deepspeed`,
+#    memory-bandwidth floor ratios (and eight_bit_step: collage_8bit's Triton step,
+#    scripts/bench_8bit_step.py), 3. a 1-GPU ZeRO-2 run launched with `deepspeed`,
 #    4. a Scalify fp8 run, 5. a short gpt_125m training benchmark of mixed_fp32 against
 #    collage_plus (steps 1-5: under 10 minutes on one H100), then start-up (startup: launch
 #    to first step and peak host RSS of gpt_1.3b, scripts/bench_startup.py; fit_refusal:
@@ -98,6 +99,10 @@ quiet=(logging.console=plain logging.wandb.mode=disabled logging.plots=false)
 step cuda_tests "$python" -m pytest -q -rs -p no:cacheprovider --device cuda -k "cuda or gpu" tests/
 step optimizer_bench "$python" scripts/bench_optimizer.py --steps 10 --no-append \
     --json "$out/optimizer.json"
+# collage_8bit's Triton step against collage_plus's and the eager 8-bit steps (its parity
+# with the eager step is in cuda_tests and the trainer's start-up probe)
+step eight_bit_step "$python" scripts/bench_8bit_step.py --device cuda --rounds 5 --no-append \
+    --json "$out/eight_bit_step.json"
 step zero2_1gpu deepspeed --num_gpus 1 --no_local_rank --module collage_train \
     model=gpt_125m precision=collage_plus distributed=zero2 train.max_steps=30 \
     train.eval_every=30 "hydra.run.dir=$out/zero2" "${quiet[@]}"
