@@ -14,7 +14,7 @@ from transformers import (
 from zero_rank import one_zero_rank
 
 from collage_train.cli import run
-from collage_train.precision import available
+from collage_train.precision import available, get_strategy
 from collage_train.scalify.params import is_scaled
 from collage_train.scalify.scale import store_scaled
 from collage_train.trainer import Trainer
@@ -89,7 +89,10 @@ def test_every_strategy_starts_from_the_exported_weights(exported, make_cfg_modu
         assert type(trainer.model).__name__ == "LlamaForCausalLM"
         assert trainer.data.tokenizer.vocab_size == tokenizer.vocab_size == 512
         fp32 = AutoModelForCausalLM.from_pretrained(directory).state_dict()
-        if name in ("mixed_fp32", "split_fp32"):  # the master is the fp32 weights, exactly
+        strategy = get_strategy(name)
+        # fp32 masters (mixed_fp32, bf16_moments, adamw_8bit; split_fp32's remainder) are the
+        # fp32 weights, exactly
+        if strategy.master_dtype is not None or strategy.optimizer.kind == "split_master":
             masters = trainer.optimizer.full_precision_weights()
             named = dict(trainer.model.named_parameters())
             by_id = {id(p): n for n, p in named.items()}
