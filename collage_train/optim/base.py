@@ -78,6 +78,23 @@ class EdqSums:
         return self.sums if self.segmented else self.sums[0]
 
 
+def flat_view(tensor: torch.Tensor, pending: list[tuple[torch.Tensor, torch.Tensor]]):
+    """``tensor`` as 1-D, in the order of its elements: a view when it is contiguous; else a
+    contiguous copy, listed in ``pending`` to be written back (``write_back``) after the
+    step (a transposed weight or gradient: the copy is the size of that tensor only)."""
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    flat = tensor.contiguous().view(-1)
+    pending.append((tensor, flat))
+    return flat
+
+
+def write_back(pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each ``flat_view`` copy back into the tensor it was taken from."""
+    for tensor, flat in pending:
+        tensor.copy_(flat.view(tensor.shape))
+
+
 def chunk_numel_for(state_bytes: float) -> int:
     """Elements stepped (or tracked) at a time so that a step's transients stay within
     2% of ``state_bytes`` (the model state this rank holds), kept within [2^14, 2^22]."""

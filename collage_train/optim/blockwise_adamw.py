@@ -42,25 +42,10 @@ from typing import Any
 import torch
 
 from collage_train.optim.adamw import AdamW
-from collage_train.optim.base import EdqSums
+from collage_train.optim.base import EdqSums, flat_view, write_back
 from collage_train.optim.blockwise8 import BLOCK_SIZE, QuantizedMoment
 
 MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (state name, signed map)
-
-
-def flat_view(tensor: torch.Tensor, pending: list[tuple[torch.Tensor, torch.Tensor]]):
-    """``tensor`` flattened: a view when contiguous, else a copy listed in ``pending`` to be
-    written back with ``write_back`` after the step."""
-    if tensor.is_contiguous():
-        return tensor.view(-1)
-    flat = tensor.contiguous().view(-1)
-    pending.append((tensor, flat))
-    return flat
-
-
-def write_back(pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for tensor, flat in pending:
-        tensor.copy_(flat.view(tensor.shape))
 
 
 def block_chunks(numel: int, chunk_numel: int, block_size: int) -> list[tuple[int, int]]:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from collage_train.optim.base import EdqSums, TrackingOptimizer
+from collage_train.optim.base import EdqSums, TrackingOptimizer, flat_view, write_back
 from collage_train.scalify.params import (
     holds_exactly,
     is_scaled,
@@ -218,7 +218,7 @@ class ScaledAdamW(TrackingOptimizer):
         scale per piece), a chunk at a time (``_set_master`` without a whole fp32 copy)."""
         layout = PieceChunks(param.numel(), self.flat_pieces.get(param), param.device)
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        flat_param, chunks = _flat(param.detach(), pending), self._chunks(param.numel())
+        flat_param, chunks = flat_view(param.detach(), pending), self._chunks(param.numel())
         sums = layout.zero_sums()
         for lo, hi in chunks:
             layout.add_squares(sums, flat_param[lo:hi], lo, hi)
@@ -226,7 +226,7 @@ class ScaledAdamW(TrackingOptimizer):
         for lo, hi in chunks:
             _, rounded = _scaled_chunk(flat_param[lo:hi], layout.scale_of(scale, lo, hi))
             flat_param[lo:hi].copy_(rounded)
-        _write_back(pending)
+        write_back(pending)
         state["master_scale"] = scale
 
     def _set_master(self, state: dict[str, Any], param: torch.Tensor, value: torch.Tensor) -> None:
@@ -321,11 +321,11 @@ class ScaledAdamW(TrackingOptimizer):
         kind = self._weight_kind(state, param)
         layout = PieceChunks(param.numel(), self.flat_pieces.get(param), param.device)
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # written back at the end
-        flat_param = _flat(param.detach(), pending)
+        flat_param = flat_view(param.detach(), pending)
         grad, grad_scale = param.grad.reshape(-1), getattr(param.grad, SCALE_ATTR, None)
-        moments = {name: _flat(state[name], pending) for name in ("exp_avg", "exp_avg_sq")}
+        moments = {name: flat_view(state[name], pending) for name in ("exp_avg", "exp_avg_sq")}
         old_scales = {name: state[f"{name}_scale"] for name in ("exp_avg", "exp_avg_sq")}
-        master = _flat(state["master"], pending) if "master" in state else None
+        master = flat_view(state["master"], pending) if "master" in state else None
         if kind == "scaled":
             old_scales["weight"] = getattr(param, SCALE_ATTR)
         elif kind == "scaled_copy":
@@ -410,7 +410,7 @@ class ScaledAdamW(TrackingOptimizer):
                 after_scales = {**old_scales, **new_scales}
                 after = self._model_chunk(kind, flat_param, after_scales, layout, lo, hi)
                 edq.add(lo, before, after, update)
-        _write_back(pending)
+        write_back(pending)
         for name in moments:
             self._note_rescale(old_scales[name], new_scales[name])
             state[f"{name}_scale"] = new_scales[name]
@@ -449,22 +449,6 @@ class ScaledAdamW(TrackingOptimizer):
     def _edq_rows(self, param: torch.Tensor) -> EdqSums:
         segments = self.edq_segments.get(param)
         return EdqSums(segments, param.numel(), self.edq_view_dtype, param.device)
-
-
-def _flat(tensor: torch.Tensor, pending: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """``tensor`` as 1-D, in the order of its elements: a view when it is contiguous; else a
-    contiguous copy, listed in ``pending`` to be written back (``_write_back``) after the
-    step (a transposed weight or gradient: the copy is the size of that tensor only)."""
-    if tensor.is_contiguous():
-        return tensor.view(-1)
-    flat = tensor.contiguous().view(-1)
-    pending.append((tensor, flat))
-    return flat
-
-
-def _write_back(pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for tensor, flat in pending:
-        tensor.copy_(flat.view(tensor.shape))
 
 
 def _store_chunk(

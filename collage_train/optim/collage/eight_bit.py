@@ -53,14 +53,15 @@ from typing import Any
 import torch
 
 from collage_train.optim import rounding_noise
-from collage_train.optim.base import STEP_BYTES_PER_ELEMENT, EdqSums, TrackingOptimizer
-from collage_train.optim.blockwise8 import BLOCK_SIZE, QuantizedMoment
-from collage_train.optim.blockwise_adamw import (
-    MOMENTS,
-    block_chunks,
+from collage_train.optim.base import (
+    STEP_BYTES_PER_ELEMENT,
+    EdqSums,
+    TrackingOptimizer,
     flat_view,
     write_back,
 )
+from collage_train.optim.blockwise8 import BLOCK_SIZE, QuantizedMoment
+from collage_train.optim.blockwise_adamw import MOMENTS, block_chunks
 from collage_train.optim.collage import eight_bit_kernel, mcf
 from collage_train.optim.collage.kernels import EIGHT_BIT_MODE, choose_kernel
 from collage_train.optim.collage.step_math import step_scalars
