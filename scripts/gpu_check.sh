@@ -8,7 +8,8 @@
 #    memory-bandwidth floor ratios (and eight_bit_step: collage_8bit's Triton step,
 #    scripts/bench_8bit_step.py), 3. a 1-GPU ZeRO-2 run launched with `deepspeed`,
 #    4. a Scalify fp8 run, 5. a short gpt_125m training benchmark of mixed_fp32 against
-#    collage_plus (steps 1-5: under 10 minutes on one H100), then start-up (startup: launch
+#    collage_plus and the 8-byte collage_8bit and bf16_sr (steps 1-5: under 10 minutes on
+#    one H100), then start-up (startup: launch
 #    to first step and peak host RSS of gpt_1.3b, scripts/bench_startup.py; fit_refusal:
 #    the whole-step memory check refuses gpt_6.7b collage_plus on one 80 GB GPU in one line,
 #    exit status 2), 6. the LM loss with full
@@ -42,6 +43,8 @@
 # adds them to what OUT_DIR holds already, so the whole check fits in several shorter
 # commands: e.g. `scripts/gpu_check.sh out cuda_tests optimizer_bench zero2_1gpu
 # scalify_fp8 train_bench`, then `scripts/gpu_check.sh out throughput_eager`, ...
+# STEP_TIMEOUT=SECONDS caps each command step (a step out of time is recorded with exit
+# status 124 and the script goes on), so a lease of a few minutes still records every step.
 # Needs the project installed (`pip install -e ".[dev]"`); on a machine without network,
 # WHEELS=DIR installs it from a folder of wheels first.
 set -uo pipefail
@@ -74,7 +77,11 @@ step() {  # step NAME COMMAND...: run it, log it, record its status and time
     fi
     echo "== $name: $*"
     start=$(date +%s%N)
-    "$@" > "$out/$name.log" 2>&1
+    if [[ -n "${STEP_TIMEOUT:-}" ]] && ! declare -F "$1" > /dev/null; then
+        timeout -k 10 "$STEP_TIMEOUT" "$@" > "$out/$name.log" 2>&1  # 124: out of time
+    else
+        "$@" > "$out/$name.log" 2>&1
+    fi
     status=$?
     ms=$(( ($(date +%s%N) - start) / 1000000 ))
     printf '{"step": "%s", "exit_status": %d, "seconds": %d.%03d, "log": "%s"}\n' \
@@ -110,7 +117,7 @@ step scalify_fp8 "$python" -m collage_train model=gpt_125m precision=scalify \
     precision.matmul=fp8 train.max_steps=30 train.eval_every=30 "hydra.run.dir=$out/scalify" \
     "${quiet[@]}"
 step train_bench "$python" scripts/bench_train.py --model gpt_125m \
-    --strategies mixed_fp32 collage_plus --steps 20 --no-search --no-append \
+    --strategies mixed_fp32 collage_plus collage_8bit bf16_sr --steps 20 --no-search --no-append \
     --json "$out/train.json"
 step startup "$python" scripts/bench_startup.py --model gpt_1.3b --precision collage_plus \
     --setting unsharded:1 zero3:1 --no-append --json "$out/startup.json"
@@ -211,6 +218,13 @@ if multi_gpu zero_stages; then
 fi
 if multi_gpu elastic_resume; then
     step elastic_resume elastic_resume
+fi
+
+# The runs' checkpoints and exports (GBs for gpt_125m) stay only with KEEP_CHECKPOINTS=1,
+# so that OUT_DIR is small enough to carry back from a lent machine.
+if [[ "${KEEP_CHECKPOINTS:-0}" != 1 ]]; then
+    find "$out" -mindepth 2 -maxdepth 2 -type d \( -name checkpoints -o -name hf \) \
+        -exec rm -rf {} +
 fi
 
 "$python" - "$out" "$gpus" <<'EOF'

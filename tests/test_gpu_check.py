@@ -81,13 +81,18 @@ def test_the_summary_step_gathers_every_step(tmp_path):
     (out / "elastic_resume.json").write_text('{"rows": [{"max_rel_diff": 0.001}]}')
     script = tmp_path / "tail.py"
     script.write_text(GPU_STAND_INS + summary_tail())
+    # a stand-in nvidia-smi ahead of any real one (GPU machines have it in /usr/bin)
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "nvidia-smi").write_text("#!/bin/sh\necho 580.159.04\n")
+    (fake_bin / "nvidia-smi").chmod(0o755)
     done = subprocess.run(
         [sys.executable, str(script), str(out), "1"],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},  # no nvidia-smi
+        env={**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{fake_bin}:/usr/bin:/bin"},
     )
     assert done.returncode == 1, done.stderr[-2000:]  # a step failed
     assert "failed steps: zero2_1gpu" in done.stdout
@@ -106,7 +111,7 @@ def test_the_summary_step_gathers_every_step(tmp_path):
     assert environment["peak_tflops"] == 989.0 and environment["peak_tflops_card"] == "H100 SXM"
     assert (environment["cudnn"], environment["nccl"]) == (90100, "2.21.5")
     assert environment["torch"] == torch.__version__ and environment["cuda"] == torch.version.cuda
-    assert environment["driver"].startswith("nvidia-smi failed")  # none on this machine
+    assert environment["driver"] == "580.159.04"  # the stand-in's answer
     assert environment["deepspeed"] == metadata.version("deepspeed")
     assert set(environment) >= {"triton", "transformers"}
     assert result["cuda_suite"] == {
@@ -144,13 +149,14 @@ for arg in "$@"; do
     esac
 done
 [[ -d "$dir/hf" ]] && echo "the resumed copy still has hf/" >&2 && exit 7
+[[ -n "${FAKE_SLEEP:-}" ]] && sleep "$FAKE_SLEEP"
 mkdir -p "$dir/checkpoints/step-10" "$dir/checkpoints/step-20" "$dir/hf"
 echo '{}' > "$dir/summary.json"
 """
 
 
 def run_with_stand_ins(tmp_path, gpus: int, *steps: str, bench_checkpoint: bool = True,
-                       suite_limit: int = 570):  # fmt: skip
+                       suite_limit: int = 570, **extra_env: str):  # fmt: skip
     """The real script, copied into a bare checkout, run with the stand-ins above."""
     repo, bin_dir = tmp_path / "repo", tmp_path / "bin"
     (repo / "scripts").mkdir(parents=True)
@@ -172,6 +178,7 @@ def run_with_stand_ins(tmp_path, gpus: int, *steps: str, bench_checkpoint: bool 
         "FAKE_GPUS": str(gpus),
         "CALLS": str(calls),
         "SUITE_LIMIT": str(suite_limit),
+        **extra_env,
     }
     out = tmp_path / "out"
     done = subprocess.run(
@@ -280,3 +287,23 @@ def test_every_throughput_step_is_gathered():
     for name in names:
         assert f"step {name} " in text and f'"$out/{name}.json"' in text
         assert f'"{name}.json"' in tail
+
+
+def test_runs_leave_no_checkpoints_behind_unless_asked(tmp_path):
+    """OUT_DIR must be small enough to carry back from a lent machine."""
+    done, records, _, out = run_with_stand_ins(tmp_path / "a", 1, "zero2_1gpu")
+    assert done.returncode == 0 and records["zero2_1gpu"]["exit_status"] == 0
+    assert (out / "zero2" / "summary.json").is_file()
+    assert not (out / "zero2" / "checkpoints").exists() and not (out / "zero2" / "hf").exists()
+    _, _, _, kept = run_with_stand_ins(tmp_path / "b", 1, "zero2_1gpu", KEEP_CHECKPOINTS="1")
+    assert (kept / "zero2" / "checkpoints" / "step-20").is_dir()
+
+
+def test_a_step_out_of_time_is_recorded_and_the_next_runs(tmp_path):
+    done, records, calls, _ = run_with_stand_ins(
+        tmp_path, 1, "zero2_1gpu", "checkpoint_save", STEP_TIMEOUT="2", FAKE_SLEEP="60"
+    )
+    assert records["zero2_1gpu"]["exit_status"] == 124
+    assert records["zero2_1gpu"]["seconds"] < 30
+    assert records["checkpoint_save"]["exit_status"] == 0
+    assert done.returncode == 1 and "failed steps: zero2_1gpu" in done.stdout

@@ -10,6 +10,7 @@ import torch
 from collage_train.scalify.float8 import (
     FLOAT8_BACKWARD,
     FLOAT8_FORWARD,
+    HARDWARE_ACCUMULATION_RTOL,
     float8_matmul,
     float8_max,
     hardware_scaled_mm_available,
@@ -161,8 +162,11 @@ def test_gpu_path_matches_the_emulation(dtypes):
     got = scaled_mm(a8_gpu, b8_gpu, sa.cuda(), sb.cuda(), torch.float32).cpu()
     if torch.cuda.get_device_capability() >= (8, 9) and dtypes != (E5M2, E5M2):
         assert hardware_scaled_mm_available(a8_gpu, b8_gpu)
-    # a wrong layout or scale would be off by far more than the order of the sums
-    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+    # Hopper's float8 tensor cores accumulate with fewer bits than fp32: on an H100 the
+    # results differed from the fp32 emulation by up to 2e-4 relative (docs/RESULTS.md,
+    # 2026-11-26). A wrong layout or scale would be off by O(1).
+    bound = HARDWARE_ACCUMULATION_RTOL
+    assert torch.allclose(got, expected, rtol=bound, atol=bound * expected.abs().max().item())
 
 
 def test_the_gpu_branch_passes_torchs_own_argument_checks_for_a_tiny_model(monkeypatch):

@@ -9,7 +9,13 @@ import torch
 from tiny_config import tiny_transformer
 from transformers.pytorch_utils import Conv1D
 
-from collage_train.scalify.float8 import FLOAT8_BACKWARD, FLOAT8_FORWARD, scaled_mm, to_float8
+from collage_train.scalify.float8 import (
+    FLOAT8_BACKWARD,
+    FLOAT8_FORWARD,
+    HARDWARE_ACCUMULATION_RTOL,
+    scaled_mm,
+    to_float8,
+)
 from collage_train.scalify.modules import (
     ScaledLinear,
     ScaledMatmul,
@@ -103,12 +109,17 @@ def test_float8_matmul_on_gpu_matches_the_cpu_emulation():
     x, w, grad_out = torch.randn(64, 96), torch.randn(96, 32) * 0.02, torch.randn(64, 32)
     results = []
     for device in ("cpu", "cuda"):
-        xd, wd = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+        # fresh leaves on each device (x.to("cpu") would be x itself, left requiring grad)
+        xd = x.detach().clone().to(device).requires_grad_()
+        wd = w.detach().clone().to(device).requires_grad_()
         out = ScaledMatmul.apply(xd, wd, "float8")
         out.backward(grad_out.to(device))
         results.append([t.detach().cpu() for t in (out, xd.grad, wd.grad)])
     for cpu, gpu in zip(*results, strict=True):
-        assert torch.allclose(gpu, cpu, rtol=1e-4, atol=1e-5 * cpu.abs().max().item())
+        # Hopper's float8 tensor cores accumulate with fewer bits than fp32 (docs/RESULTS.md,
+        # the H100 check of 2026-11-26: 2e-4 relative); a wrong layout or scale is off by O(1)
+        bound = HARDWARE_ACCUMULATION_RTOL
+        assert torch.allclose(gpu, cpu, rtol=bound, atol=bound * cpu.abs().max().item())
 
 
 def test_float8_model_with_scaled_fp16_optimizer_trains_like_fp32():
