@@ -187,18 +187,19 @@ def summary_table(runs: list[Run]) -> str:
         return format(value, spec) if isinstance(value, int | float) else "-"
 
     lines = [
-        "| run | final train loss | final val loss | tokens/s | peak memory (MiB) | "
-        "state bytes/param |",
-        "|---|---|---|---|---|---|",
+        "| run | final train loss | final val loss | final val bits/byte | tokens/s | "
+        "peak memory (MiB) | state bytes/param |",
+        "|---|---|---|---|---|---|---|",
     ]
     for number, run in enumerate(runs, start=1):
         s = run.summary
-        last_val = run.validation[-1]["val_loss"] if run.validation else None
+        last = run.validation[-1] if run.validation else {}
         peak = s.get("peak_mem_bytes")
         lines.append(
             f"| {number}: {run.label} | "
             f"{fmt(s.get('final_train_loss', run.train[-1]['loss']), '.4f')} | "
-            f"{fmt(s.get('final_val_loss', last_val), '.4f')} | "
+            f"{fmt(s.get('final_val_loss', last.get('val_loss')), '.4f')} | "
+            f"{fmt(s.get('final_val_bpb', last.get('val_bpb')), '.4f')} | "
             f"{fmt(s.get('tokens_per_s'), ',.0f')} | "
             f"{fmt(peak / 2**20 if peak else None, ',.1f')} | "
             f"{fmt(s.get('state_bytes_per_param'), '.2f')} |"

@@ -140,6 +140,7 @@ def run_summary(
         "final_train_loss": last["loss"] if last else None,
         "final_val_loss": val["val_loss"] if val else None,
         "final_val_ppl": val["val_ppl"] if val else None,
+        "final_val_bpb": val["val_bpb"] if val else None,
         "tokens_per_s": tokens_per_s,
         "mfu": mfu,
         "flops_per_token": trainer.flops_per_token,

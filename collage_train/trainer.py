@@ -42,6 +42,7 @@ from collage_train.fit_check import (
 from collage_train.loss import install_chunked_loss, resolve_chunk_tokens
 from collage_train.memory_plan import GIB, ModelShape, checkpoint_copy_bytes
 from collage_train.metrics import Sink, detect_peak_tflops, reset_peak_memory
+from collage_train.metrics.bits_per_byte import bits_per_byte, target_text_size
 from collage_train.metrics.edq import layer_groups
 from collage_train.metrics.step_window import settle
 from collage_train.model_init import largest_unit_numel, materialise
@@ -97,6 +98,7 @@ class Trainer:
         # The held-out windows every validation evaluates, the same at any world size; one
         # line says how the pass fits the split and the ranks (collage_train.data.validation).
         self.validation_plan = self.data.validation_plan(train.micro_batch_size, train.eval_batches)
+        self.validation_text_size: tuple[int, int] | None = None  # tokens, bytes: first eval
         if self.engine.is_main and (note := self.validation_plan.note()) is not None:
             print(note, flush=True)
         self.model = self._build_model()
@@ -363,7 +365,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Mean loss over the held-out windows of ``self.validation_plan``: the first
+        """Mean loss (and bits per byte, ``metrics.bits_per_byte``) over the held-out
+        windows of ``self.validation_plan``: the first
         ``train.eval_batches`` x ``train.micro_batch_size`` (fewer on a short split), the
         same whatever the world size (``collage_train.data.validation``).
 
@@ -372,16 +375,29 @@ class Trainer:
         """
         self.forward_module.eval()
         totals = torch.zeros(2, device=self.device)  # loss sum, batch count
+        text_size = [0, 0] if self.validation_text_size is None else None  # tokens, bytes
         for batch, counted in self.data.validation_batches(self.validation_plan):
             with self.cpu_bf16_gemm.context(compiled=self.cfg.train.compile):
                 loss = self._loss(to_device(batch, self.device))
             if counted:
                 totals[0] += loss
                 totals[1] += 1
+                if text_size is not None:  # the first pass: the windows' text, on the host
+                    tokens, num_bytes = target_text_size(self.data.tokenizer, batch)
+                    text_size[0] += tokens
+                    text_size[1] += num_bytes
         self.forward_module.train()
         loss_sum, batches = self.engine.all_reduce_sum(totals).tolist()
+        if text_size is not None:  # once per run: the same windows every time
+            sizes = torch.tensor(text_size, dtype=torch.float64, device=self.device)
+            tokens, num_bytes = self.engine.all_reduce_sum(sizes).tolist()
+            self.validation_text_size = (int(tokens), int(num_bytes))
         val_loss = loss_sum / batches
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+        return {
+            "val_loss": val_loss,
+            "val_ppl": math.exp(min(val_loss, 50.0)),
+            "val_bpb": bits_per_byte(val_loss, *self.validation_text_size),
+        }
 
     # ------------------------------------------------------------------- run
 

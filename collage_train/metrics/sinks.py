@@ -105,7 +105,9 @@ def format_record(record: dict[str, Any], max_steps: int) -> str:
     """One console line for a record."""
     step = f"step {record['step']}/{max_steps}"
     if "val_loss" in record:
-        return f"{step} | val_loss {record['val_loss']:.4f} | val_ppl {record['val_ppl']:.2f}"
+        line = f"{step} | val_loss {record['val_loss']:.4f} | val_ppl {record['val_ppl']:.2f}"
+        bpb = record.get("val_bpb")
+        return line if bpb is None else f"{line} | val_bpb {bpb:.4f}"
     parts = [
         step,
         f"loss {record['loss']:.4f}",
@@ -179,6 +181,7 @@ _WANDB_SECTIONS = {
     "epoch": "train",
     "val_loss": "val",
     "val_ppl": "val",
+    "val_bpb": "val",
     "tokens_per_s": "perf",
     "tokens_per_s_per_device": "perf",
     "step_time_s": "perf",
@@ -275,6 +278,7 @@ class WandbSink:
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         self.run.define_metric("val/val_loss", step_metric="step", summary="min")
+        self.run.define_metric("val/val_bpb", step_metric="step", summary="min")
         self.run.define_metric("train/loss", step_metric="step", summary="last")
 
     def log(self, record: dict[str, Any]) -> None:
