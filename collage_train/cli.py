@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from collage_train import checkpoint, determinism
@@ -149,25 +150,34 @@ def _disk_full_message(err: BaseException, run_dir: Path) -> str:
 
 def run(cfg: DictConfig, run_dir: Path) -> int:
     """``train`` with bad input turned into one error line; returns the exit status."""
+    return run_reporting(cfg, run_dir).exit_status
+
+
+class Outcome(NamedTuple):
+    """How a job ended: its exit status, its one error line (None: it succeeded) and its
+    summary (None when it failed or stopped before ``train.max_steps``)."""
+
+    exit_status: int
+    error: str | None = None
+    summary: dict[str, Any] | None = None
+
+
+def run_reporting(cfg: DictConfig, run_dir: Path) -> Outcome:
+    """``train``, with bad input turned into one ``error:`` line on stderr."""
     rank = launched_rank()
     try:
-        train(cfg, run_dir)
+        return Outcome(0, summary=train(cfg, run_dir))
     except OutOfMemory as err:  # may strike one rank only: every rank reports its own
-        print(f"error: {_rank_prefix(rank)}{err}", file=sys.stderr, flush=True)
-        return err.exit_status
+        return _report(err.exit_status, f"{_rank_prefix(rank)}{err}", rank, every_rank=True)
     except CollageError as err:  # the same on every rank: rank 0 reports it
-        if rank == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        return err.exit_status
+        return _report(err.exit_status, str(err), rank)
     except (OSError, RuntimeError, MemoryError) as err:
         if is_disk_full(err):
-            print(f"error: {_rank_prefix(rank)}{_disk_full_message(err, run_dir)}", file=sys.stderr)
-            return RUN_FAILED
+            message = f"{_rank_prefix(rank)}{_disk_full_message(err, run_dir)}"
+            return _report(RUN_FAILED, message, rank, every_rank=True)
         refused = determinism.nondeterministic_operation(err)
         if refused is not None:  # the same on every rank: rank 0 reports it
-            if rank == 0:
-                print(f"error: {refused}", file=sys.stderr, flush=True)
-            return BAD_INPUT
+            return _report(BAD_INPUT, refused, rank)
         if not _is_out_of_memory(err):
             raise
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -176,9 +186,13 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
             "keeps train.global_batch_size), pick a smaller model, or spread the model state "
             "over several GPUs with DeepSpeed ZeRO"
         )
-        print(f"error: {_rank_prefix(rank)}{message}", file=sys.stderr, flush=True)
-        return message.exit_status
-    return 0
+        return _report(message.exit_status, f"{_rank_prefix(rank)}{message}", rank, every_rank=True)
+
+
+def _report(status: int, message: str, rank: int, *, every_rank: bool = False) -> Outcome:
+    if every_rank or rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    return Outcome(status, message)
 
 
 def _rank_prefix(rank: int) -> str:
@@ -189,7 +203,16 @@ register_schemas()
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
-def hydra_main(cfg: DictConfig) -> None:
-    status = run(cfg, Path(HydraConfig.get().runtime.output_dir))
-    if status:
-        sys.exit(status)
+def hydra_main(cfg: DictConfig) -> float | None:
+    """One run; or, under ``-m``, one job of a sweep (``collage_train.sweep``). Returns the
+    final validation loss, the objective of Hydra's optimising sweepers."""
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        from collage_train.sweep import run_sweep_job
+
+        return run_sweep_job(cfg, run_dir, run_reporting)
+    outcome = run_reporting(cfg, run_dir)
+    if outcome.exit_status:
+        sys.exit(outcome.exit_status)
+    return (outcome.summary or {}).get("final_val_loss")

@@ -23,6 +23,8 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 from omegaconf import OmegaConf
 
+from collage_train.sweep import FAILED_FILE, job_dirs
+
 # Config keys that differ between runs without describing what was trained.
 _IGNORED_KEYS = ("hydra.", "data.cache_dir", "logging.", "train.resume", "train.stop_at_step")
 
@@ -231,16 +233,34 @@ def write_report(runs: list[Run], out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m collage_train.compare", description=__doc__)
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories")
+    parser.add_argument(
+        "runs", nargs="+", type=Path, help="run directories, or sweep directories (-m)"
+    )
     parser.add_argument("--out", type=Path, default=Path("comparison"), help="output directory")
     args = parser.parse_args(argv)
+    failed: list[str] = []
     try:
-        runs = [load_run(path) for path in args.runs]
+        paths = []
+        for path in args.runs:
+            jobs = job_dirs(path) if path.is_dir() and not (path / "metrics.jsonl").exists() else []
+            for job in jobs:  # a sweep: its jobs, the failed ones named
+                if (job / FAILED_FILE).is_file():
+                    record = json.loads((job / FAILED_FILE).read_text())
+                    failed.append(f"{job}: failed: {record.get('error')}")
+                else:
+                    paths.append(job)
+            if not jobs:
+                paths.append(path)
+        if not paths:
+            raise CompareError("no run finished a step: " + "; ".join(failed))
+        runs = [load_run(path) for path in paths]
         written = write_report(runs, args.out)
     except CompareError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(summary_table(runs), end="")
+    for line in failed:
+        print(line)
     print(f"wrote {', '.join(str(p) for p in written)}")
     return 0
 

@@ -300,7 +300,7 @@ def test_runs_leave_no_checkpoints_behind_unless_asked(tmp_path):
 
 
 def test_a_step_out_of_time_is_recorded_and_the_next_runs(tmp_path):
-    done, records, calls, _ = run_with_stand_ins(
+    done, records, _, _ = run_with_stand_ins(
         tmp_path, 1, "zero2_1gpu", "checkpoint_save", STEP_TIMEOUT="2", FAKE_SLEEP="60"
     )
     assert records["zero2_1gpu"]["exit_status"] == 124
