@@ -1,17 +1,17 @@
 """Defaults compose: every option of every config group, every experiment and every training
-command the README shows is accepted with the other defaults (composed by Hydra, then the
-start-up checks); a setting the chosen option would ignore is one error line."""
+command README.md and the docs show is accepted with the other defaults (composed by Hydra,
+then the start-up checks); a setting the chosen option would ignore is one error line."""
 
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from test_documented_validation import COMMANDS, Command
 
 from collage_train import cli, config
 from collage_train.batch import accumulation_steps
@@ -22,7 +22,6 @@ from collage_train.validate import validate
 
 CONFIGS = Path(cli.config_dir())
 GROUPS = ("model", "precision", "data", "distributed", "comm", "optim", "train", "logging")
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
 
 def compose_and_check(overrides: list[str], ranks: int = 2):
@@ -60,34 +59,27 @@ def test_every_group_option_works_with_the_other_defaults(override):
         assert cfg[group].name == option
 
 
-def readme_training_commands() -> list[tuple[int, list[str]]]:
-    """Each training command of README.md (python -m collage_train, deepspeed/torchrun ...
-    collage_train; continuation lines joined) as (ranks it launches, its overrides)."""
-    text = README.replace("\\\n", " ")
-    commands = []
-    for line in text.splitlines():
-        line = line.split("#")[0]
-        match = re.search(r"(?:-m|--module) collage_train (.*)$", line)
-        if not match or line.lstrip().startswith("|"):
-            continue
-        words = shlex.split(match[1].split("`")[0])  # an inline example ends at its backtick
-        ranks = re.search(r"(?:--num_gpus|--nproc_per_node) (\d+)", line)
-        overrides = [w for w in words if "=" in w and not w.startswith(("-", "model.init_from="))]
-        commands.append((int(ranks[1]) if ranks else 1, overrides))
-    return commands
+def readme_commands() -> list[Command]:
+    """The training launches README.md shows (tests/test_documented_validation.py finds them)."""
+    return [c for c in COMMANDS if c.where.startswith("README.md:")]
 
 
 def test_the_readme_shows_training_commands():
-    commands = readme_training_commands()
+    """The front page launches on a CPU or one GPU, on one node of 8 GPUs, on several nodes
+    (a hostfile or Slurm: more than 8 ranks) and as SparseLoCo replicas."""
+    commands = readme_commands()
     assert len(commands) >= 5, commands
-    assert (2, ["comm=sparseloco", "comm.sync_every=10"]) in commands
+    launches = {(c.world_size, c.overrides) for c in commands}
+    assert (2, ("comm=sparseloco", "comm.sync_every=10")) in launches
+    sizes = {c.world_size for c in commands}
+    assert {1, 8} <= sizes and max(sizes) > 8, sorted(sizes)
 
 
-@pytest.mark.parametrize(
-    ("ranks", "overrides"), readme_training_commands(), ids=lambda x: str(x).replace(" ", "")
-)
-def test_every_readme_training_command_composes(ranks, overrides):
-    compose_and_check(overrides, ranks)
+@pytest.mark.parametrize("documented", COMMANDS, ids=str)
+def test_every_documented_training_command_composes(documented: Command):
+    """Every launch of README.md, docs/*.md, docker/README.md and the Slurm script's usage
+    passes the start-up checks at its world size."""
+    compose_and_check(list(documented.overrides), documented.world_size)
 
 
 def test_sparseloco_with_its_own_sync_every_needs_nothing_else():

@@ -1,5 +1,7 @@
 """Precision registry: lookup by value, errors, measured state bytes per strategy."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -65,7 +67,9 @@ def test_optimizer_state_components_are_what_the_optimizer_holds(name):
         # not Scalify's one scale per tensor (its records count per-parameter bytes only)
         key: value.nbytes / layer.weight.numel()
         for key, value in opt.state[layer.weight].items()
-        if torch.is_tensor(value) and value.numel() > 0 and key not in ("master", "step")
+        if torch.is_tensor(value)
+        and value.numel() > 0
+        and key not in ("master", "step")
         and not key.endswith("_scale")
     }
     assert held == dict(strategy.optimizer_state)
@@ -140,18 +144,41 @@ def test_an_optimizer_spec_that_contradicts_itself_is_refused():
         OptimizerSpec("lion")
 
 
-def test_readme_table_declares_every_strategy_with_its_bytes_per_param():
-    """README's strategy table has one row per registered strategy, and its bytes/param
-    column is the record's (to the two decimals it shows: the 8-bit rows' block scales)."""
-    from pathlib import Path
+STRATEGIES_DOC = Path(__file__).resolve().parent.parent / "docs" / "strategies.md"
+STRATEGY_TABLE_HEADER = "| strategy | weights, grads | optimizer state | bytes/param |"
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+
+def strategy_table(text: str) -> dict[str, str]:
+    """The bytes/param cell of each row of the table under ``STRATEGY_TABLE_HEADER``."""
+    lines = text.splitlines()
+    start = lines.index(STRATEGY_TABLE_HEADER) + 2  # past the header and its |---| line
     rows = {}
-    for line in readme.splitlines():
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
         cells = [cell.strip() for cell in line.strip("|").split("|")]
-        if len(cells) == 4 and cells[0].startswith("`"):
-            rows[cells[0].split("`")[1]] = cells[3]
+        rows[cells[0].split("`")[1]] = cells[3]
+    return rows
+
+
+def test_strategies_doc_table_declares_every_strategy_with_its_bytes_per_param():
+    """docs/strategies.md's table of every strategy has one row per registered strategy,
+    and its bytes/param column is the record's (to the two decimals it shows: the 8-bit
+    rows' block scales)."""
+    rows = strategy_table(STRATEGIES_DOC.read_text())
     assert set(available()) <= set(rows)
     for name in available():
         declared = float(rows[name])
         assert declared == round(get_strategy(name).expected_state_bytes_per_param, 2), name
+
+
+def test_the_strategy_table_reader_sees_a_missing_row_and_its_end():
+    table = f"""text
+{STRATEGY_TABLE_HEADER}
+|---|---|---|---|
+| `fp32` | fp32 | fp32 m, v | 16 |
+| `bf16` (a note) | bf16 | bf16 m, v | 8 |
+
+| `later` | not | this table | 1 |
+"""
+    assert strategy_table(table) == {"fp32": "16", "bf16": "8"}
