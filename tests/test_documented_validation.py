@@ -98,8 +98,9 @@ def usage_lines(path: Path) -> Iterator[tuple[int, str]]:
             yield number, line[1:]
 
 
-def parse(where: str, text: str) -> Command | None:
-    """The training launch in ``text``, None when it holds none (or another tool's)."""
+def parse(where: str, text: str) -> list[Command] | None:
+    """The training launch in ``text`` (one per job of a sweep), None when it holds none
+    (or another tool's)."""
     match = LAUNCHER.search(" " + text + " ")
     if match is None:
         return None
@@ -145,17 +146,26 @@ def flag(tokens: list[str], name: str) -> str | None:
     return None
 
 
-def command(where: str, world_size: int, args: list[str]) -> Command | None:
-    overrides = []
+def command(where: str, world_size: int, args: list[str]) -> list[Command] | None:
+    """The launch's overrides; a sweep (``-m``, ``key=a,b``) gives one command per job."""
+    overrides, sweep = [], False
     for arg in args:
         if arg == "...":
             break  # "more overrides"
+        if arg in ("-m", "--multirun"):
+            sweep = True
+            continue
         if arg.startswith("-"):
             return None  # Hydra's own flags (--help, --cfg job): not a training launch
         assert "=" in arg, f"{where}: {arg!r} is not an override"
         if not arg.startswith(("hydra.", "model.init_from=")):
             overrides.append(arg)
-    return Command(where, world_size, tuple(overrides))
+    jobs: list[tuple[str, ...]] = [()]
+    for override in overrides:
+        key, _, value = override.partition("=")
+        values = value.split(",") if sweep and "[" not in value else [value]
+        jobs = [(*job, f"{key}={v}") for job in jobs for v in values]
+    return [Command(where, world_size, job) for job in jobs]
 
 
 def documented_commands() -> list[Command]:
@@ -163,9 +173,9 @@ def documented_commands() -> list[Command]:
     sources = [(path, snippets(path)) for path in DOCUMENTS] + [(SBATCH, usage_lines(SBATCH))]
     for path, texts in sources:
         for line, text in texts:
-            parsed = parse(f"{path.relative_to(REPO)}:{line}", text)
-            if parsed is not None and parsed not in found:
-                found.append(parsed)
+            for parsed in parse(f"{path.relative_to(REPO)}:{line}", text) or []:
+                if parsed not in found:
+                    found.append(parsed)
     return found
 
 
