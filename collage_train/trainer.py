@@ -453,7 +453,7 @@ class Trainer:
                 if validate:
                     with self.watchdog.paused():
                         val = self.evaluate()
-                    emit({"step": self.step, **val})
+                    emit({"step": self.step, "tokens": self.step * self.tokens_per_step, **val})
                 if save:
                     with self.watchdog.paused():
                         self.save_checkpoint(background=train.async_checkpoint)

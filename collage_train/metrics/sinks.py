@@ -195,6 +195,11 @@ _WANDB_SECTIONS = {
 _DESCENT_KEYS = ("edq", "edq_normalized", "lost_update_frac", "dtheta_norm", "dtheta_dot_update")
 
 
+def wandb_key(key: str) -> str:
+    """The W&B name of a record key: ``section/key`` (``loss`` -> ``train/loss``)."""
+    return f"{_wandb_section(key)}/{key}"
+
+
 def _wandb_section(key: str) -> str:
     """W&B panel section of a record key; per-layer EDQ keys go to their own panel."""
     base, _, group = key.partition(".")
@@ -283,7 +288,7 @@ class WandbSink:
 
     def log(self, record: dict[str, Any]) -> None:
         grouped = {
-            f"{_wandb_section(key)}/{key}": value
+            wandb_key(key): value
             for key, value in record.items()
             if key != "step" and value is not None
         }
