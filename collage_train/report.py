@@ -3,7 +3,7 @@ window of steps, and ``summary.json`` (with ``plots/``) at the end.
 
 Everything here reads a built ``Trainer`` and changes nothing; the trainer calls it and
 hands the summary to its sinks. The summary's keys are part of the public interface
-(shared/ARCHITECTURE.md): ``final_train_loss``, ``final_val_loss``, ``tokens_per_s``,
+(docs/runs.md, "Outputs"): ``final_train_loss``, ``final_val_loss``, ``tokens_per_s``,
 ``peak_mem_bytes``, ``state_bytes_per_param``, ``wall_time_s``, ``precision``, ``model``,
 ``versions`` and the rest below.
 """

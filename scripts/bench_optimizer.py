@@ -1,10 +1,10 @@
 """Optimizer step time against the memory-bandwidth floor, strategy by strategy.
 
 An optimizer step is pure memory traffic: its floor is the bytes it must read and write
-per parameter (REFERENCE section 5) over the bandwidth of a large copy, measured in the
-same run. For a parameter set of transformer-like matrices, each row reports the best
-and the median step time, the effective bandwidth (floor bytes / best time) and the
-ratio to the floor,
+per parameter (its state layout, docs/strategies.md) over the bandwidth of a large
+copy, measured in the same run. For a parameter set of transformer-like matrices, each
+row reports the best and the median step time, the effective bandwidth (floor bytes /
+best time) and the ratio to the floor,
 side by side with torch.optim.AdamW (fp32 parameters and states; foreach on CPU, fused
 on GPU) and, when installed, peers a user would pick instead (optimi's Kahan-summation
 AdamW, torchao's bf16 AdamW with stochastic rounding; ``pip install -e .[bench]``).

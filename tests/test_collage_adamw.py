@@ -17,7 +17,8 @@ def second_moment(opt, param):
 
 
 def test_v_tracking_with_beta2_0999(device):
-    """Constant g^2 = 1 for 4000 steps: true v = 1 - 0.999^4000 = 0.9817 (REFERENCE.md 3)."""
+    """Constant g^2 = 1 for 4000 steps: true v = 1 - 0.999^4000 = 0.9817 (Collage paper,
+    section 3)."""
     truth = 1 - 0.999**4000
     result = {}
     for mode in ("none", "light", "plus"):

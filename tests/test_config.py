@@ -11,7 +11,9 @@ from collage_train.config import register_schemas
 
 register_schemas()
 
-PAPER = {  # hidden, layers, heads, global batch, peak lr (REFERENCE.md section 3)
+# hidden, layers, heads, global batch, peak lr (Brown et al., 2020, Table 2.1, as the
+# Collage paper trains them)
+PAPER = {
     "gpt_125m": (768, 12, 12, 1024, 6e-4),
     "gpt_1.3b": (2048, 24, 16, 1024, 2e-4),
     "gpt_2.7b": (2560, 32, 32, 512, 1.6e-4),

@@ -1,6 +1,7 @@
 """The outer step of DiLoCo and SparseLoCo as pure functions on lists of fp32 tensors.
 
-One outer step of replica r of R (REFERENCE.md section 9), after its H inner steps:
+One outer step of replica r of R (DiLoCo: Douillard et al., 2023; SparseLoCo: its
+top-k, 2-bit error-feedback variant; docs/distributed.md), after its H inner steps:
 
 1. pseudo-gradient ``D_r = x - x_r``: ``x`` the shared weights, ``x_r`` the replica's
    full-precision weights now (``pseudo_gradients``);

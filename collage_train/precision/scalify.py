@@ -1,6 +1,7 @@
 """scalify, scalify_fp32_params: power-of-two scaled low-precision training.
 
-Scalify (Balanca et al., 2024; REFERENCE.md section 10) keeps every tensor as data x a
+Scalify (Balanca et al., "Scalify: scale propagation for efficient low-precision
+LLM training", 2024; docs/training.md) keeps every tensor as data x a
 power-of-two scale so that data stays near unit RMS and fits fp16 or float8. Here it is
 applied to the unchanged transformers GPT-2 / OPT / Llama models by module replacement
 (``prepare_model``), and to AdamW by ``ScaledAdamW``. Two registry entries differ only in
