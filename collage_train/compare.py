@@ -206,6 +206,21 @@ def summary_table(runs: list[Run]) -> str:
             f"{fmt(peak / 2**20 if peak else None, ',.1f')} | "
             f"{fmt(s.get('state_bytes_per_param'), '.2f')} |"
         )
+    return "\n".join(lines) + "\n" + downstream_table(runs)
+
+
+def downstream_table(runs: list[Run]) -> str:
+    """Downstream task results (``python -m collage_train.evaluate``), a column per metric;
+    empty when no run has any."""
+    names = sorted({k for run in runs for k in run.summary.get("downstream", {}) if k != "step"})
+    if not names:
+        return ""
+    lines = ["", f"| run | step | {' | '.join(names)} |", "|---" * (len(names) + 2) + "|"]
+    for number, run in enumerate(runs, start=1):
+        results = run.summary.get("downstream", {})
+        cells = [f"{results[n]:.4f}" if n in results else "-" for n in names]
+        step = results.get("step", "-")
+        lines.append(f"| {number}: {run.label} | {step} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,103 @@
+"""Downstream evaluation through lm-evaluation-harness (``lm-eval``).
+
+The harness's own ``HFLM`` runs over a transformers model already in memory, with the
+transformers tokenizer that the export writes (``Tokenizer.save``: the same ids as
+training's tokenizer), so the numbers are the harness's by construction. Tasks come from
+the harness's registry (the network or its cache) or from local task definitions in
+``include_path`` (a YAML file per task, its data in local files: no network). Results
+are flattened to ``{"<task>/<metric>": value}`` (the harness's ``acc,none`` becomes
+``acc``; standard errors are left out).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from collage_train.errors import ConfigError
+
+
+class Downstream:
+    """One evaluation's results: flattened metrics and, per task, each sample's record."""
+
+    def __init__(self, metrics: dict[str, float], samples: dict[str, list[dict[str, Any]]]):
+        self.metrics = metrics
+        self.samples = samples
+
+
+def transformers_tokenizer(tokenizer: Any) -> Any:
+    """The transformers tokenizer of a training ``Tokenizer`` (the files its export writes)."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save(tmp)
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+def evaluate_model(
+    model: torch.nn.Module,
+    hf_tokenizer: Any,
+    tasks: Sequence[str],
+    *,
+    include_path: Path | None = None,
+    limit: int | None = None,
+    batch_size: int = 8,
+) -> Downstream:
+    """Run ``tasks`` on ``model`` (on its own device, in eval mode, left as it was)."""
+    try:
+        from lm_eval import simple_evaluate
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError as err:
+        raise ConfigError(
+            f"downstream evaluation needs lm-evaluation-harness ({err}): "
+            "pip install 'lm-eval>=0.4.13' 'accelerate>=0.26' (the eval extra)"
+        ) from None
+
+    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    unknown = [task for task in tasks if task not in manager.all_tasks]
+    if unknown:
+        where = f" or in {include_path}" if include_path else ""
+        raise ConfigError(
+            f"unknown lm-eval task(s) {', '.join(unknown)}: not in the harness's registry"
+            f"{where}; `lm-eval ls tasks` lists them, or give a local task's folder"
+        )
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        lm = HFLM(
+            pretrained=model, tokenizer=hf_tokenizer, batch_size=batch_size, device=str(device)
+        )
+        results = simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            task_manager=manager,
+            limit=limit,
+            log_samples=True,
+            bootstrap_iters=0,
+            verbosity="ERROR",
+        )
+    finally:
+        model.train(was_training)
+    return Downstream(flatten(results["results"]), results.get("samples", {}))
+
+
+_NOT_METRICS = ("alias", "sample_len", "sample_count")  # the harness's bookkeeping
+
+
+def flatten(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """``{"task": {"acc,none": 0.5, "acc_stderr,none": ...}}`` -> ``{"task/acc": 0.5}``."""
+    flat = {}
+    for task, metrics in results.items():
+        for key, value in metrics.items():
+            name, _, filter_name = key.partition(",")
+            if "stderr" in name or not isinstance(value, int | float) or name in _NOT_METRICS:
+                continue
+            suffix = "" if filter_name in ("", "none") else f"[{filter_name}]"
+            flat[f"{task}/{name}{suffix}"] = float(value)
+    return flat

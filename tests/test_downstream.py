@@ -1,0 +1,122 @@
+"""Downstream evaluation (collage_train/downstream.py, python -m collage_train.evaluate) with
+a local lm-eval task the test writes (no network), against the harness run directly on the
+run's transformers export."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from tiny_config import compose_tiny
+
+from collage_train import evaluate, export
+from collage_train.cli import train
+from collage_train.compare import load_run, summary_table
+
+QUESTIONS = [
+    ("def f(x):\n    return", [" x", " import", " class"], 0),
+    ("for i in range(10):\n   ", [" print(i)", " elif", " except"], 0),
+    ("import", [" os", " )", " ]"], 0),
+    ("class Foo", [":", "(object):", " ==="], 1),
+    ("if __name__ ==", [" '__main__':", " 3 +", " yield"], 0),
+    ("x = [1, 2,", [" 3]", " def", " with"], 0),
+]
+
+
+@pytest.fixture(scope="module")
+def local_task(tmp_path_factory):
+    """A 6-question multiple-choice task on Python source, as a folder of task files."""
+    folder = tmp_path_factory.mktemp("tasks")
+    data = folder / "tiny_code_mc.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"context": c, "choices": choices, "label": label}) + "\n"
+            for c, choices, label in QUESTIONS
+        )
+    )
+    (folder / "tiny_code_mc.yaml").write_text(
+        "task: tiny_code_mc\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        'doc_to_text: "{{context}}"\n'
+        'doc_to_choice: "{{choices}}"\n'
+        "doc_to_target: label\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fp32_run(corpus_dir, cache_dir, tmp_path_factory):
+    """A 4-step fp32 run (its checkpoint and export hold the same fp32 weights)."""
+    run_dir = tmp_path_factory.mktemp("runs") / "run"
+    length = ["train.max_steps=4", "train.eval_every=2", "logging.log_every=1"]
+    train(compose_tiny(corpus_dir, cache_dir, *length, "precision=fp32"), run_dir)
+    assert export.main([str(run_dir), "--out", str(run_dir / "hf")]) == 0
+    return run_dir
+
+
+def loglikelihoods(samples):
+    return [[float(r[0]) for r in sample["filtered_resps"]] for sample in samples]
+
+
+def test_a_checkpoint_scores_as_the_harness_scores_its_export(fp32_run, local_task, capsys):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    found = evaluate.resolve_checkpoint(fp32_run)
+    ours, _ = evaluate.evaluate_path(fp32_run, ["tiny_code_mc"], local_task, None, 4)
+    harness = simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={fp32_run / 'hf'},dtype=float32",
+        tasks=["tiny_code_mc"],
+        task_manager=TaskManager(include_path=str(local_task)),
+        log_samples=True,
+        bootstrap_iters=0,
+        device="cpu",
+    )
+    ours_ll = loglikelihoods(ours.samples["tiny_code_mc"])
+    theirs_ll = loglikelihoods(harness["samples"]["tiny_code_mc"])
+    assert len(ours_ll) == len(QUESTIONS) and all(len(row) == 3 for row in ours_ll)
+    for mine, reference in zip(ours_ll, theirs_ll, strict=True):
+        assert mine == pytest.approx(reference, abs=1e-4)
+    assert ours.metrics["tiny_code_mc/acc"] == harness["results"]["tiny_code_mc"]["acc,none"]
+    assert found.name == "step-4"
+
+
+def test_the_command_records_results_at_the_checkpoints_step(fp32_run, local_task, capsys):
+    status = evaluate.main(
+        [str(fp32_run), "--tasks", "tiny_code_mc", "--include-path", str(local_task)]
+    )
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "tiny_code_mc/acc " in printed
+    stored = json.loads((fp32_run / "downstream" / "step-4.json").read_text())
+    accuracy = stored["metrics"]["tiny_code_mc/acc"]
+    assert accuracy in {k / len(QUESTIONS) for k in range(len(QUESTIONS) + 1)}
+    last = json.loads((fp32_run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last == {"step": 4, "downstream/tiny_code_mc/acc": accuracy}
+    summary = json.loads((fp32_run / "summary.json").read_text())
+    assert summary["downstream"] == {"step": 4, "tiny_code_mc/acc": accuracy}
+    table = summary_table([load_run(fp32_run)])
+    assert "tiny_code_mc/acc" in table and f"{accuracy:.4f}" in table
+
+
+def test_an_unknown_task_is_one_error_line(fp32_run, local_task, capsys):
+    status = evaluate.main([str(fp32_run), "--tasks", "no_such_task", "--include-path",
+                            str(local_task)])  # fmt: skip
+    assert status == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: cannot evaluate")
+    assert "no_such_task" in err[0]
+
+
+def test_without_the_harness_it_says_what_to_install(fp32_run, local_task, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed
+    status = evaluate.main([str(fp32_run), "--tasks", "tiny_code_mc"])
+    assert status == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install 'lm-eval>=0.4.13'" in err[0]
