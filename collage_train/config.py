@@ -302,6 +302,21 @@ class PlanConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Downstream tasks through lm-evaluation-harness during training (docs/wandb.md).
+
+    Rank 0 evaluates the model in memory (the whole model: not under ZeRO-3) while the
+    other ranks wait at a barrier, within distributed.timeout_minutes.
+    """
+
+    tasks: list[str] = field(default_factory=list)  # lm-eval task names; empty: none
+    every: int = 0  # steps between evaluations (and at the end); 0: at the end only
+    include_path: str | None = None  # a folder of local task definitions (YAML)
+    limit: int | None = None  # at most this many samples per task
+    batch_size: int = 8  # the harness's batch size
+
+
+@dataclass
 class JobConfig:
     """The root of the configuration tree."""
 
@@ -315,6 +330,7 @@ class JobConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def register_schemas() -> None:

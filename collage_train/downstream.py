@@ -38,6 +38,28 @@ def transformers_tokenizer(tokenizer: Any) -> Any:
         return AutoTokenizer.from_pretrained(tmp)
 
 
+def task_manager(tasks: Sequence[str], include_path: Path | str | None) -> Any:
+    """The harness's task manager, once every task in ``tasks`` is known to it; ConfigError
+    (one line) when the harness is missing or a task is unknown."""
+    try:
+        from lm_eval.models.huggingface import HFLM  # noqa: F401 - what evaluation needs
+        from lm_eval.tasks import TaskManager
+    except ImportError as err:
+        raise ConfigError(
+            f"downstream evaluation needs lm-evaluation-harness ({err}): "
+            "pip install 'lm-eval>=0.4.13' 'accelerate>=0.26' (the eval extra)"
+        ) from None
+    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    unknown = [task for task in tasks if task not in manager.all_tasks]
+    if unknown:
+        where = f" or in {include_path}" if include_path else ""
+        raise ConfigError(
+            f"unknown lm-eval task(s) {', '.join(unknown)}: not in the harness's registry"
+            f"{where}; `lm-eval ls tasks` lists them, or give a local task's folder"
+        )
+    return manager
+
+
 def evaluate_model(
     model: torch.nn.Module,
     hf_tokenizer: Any,
@@ -48,24 +70,10 @@ def evaluate_model(
     batch_size: int = 8,
 ) -> Downstream:
     """Run ``tasks`` on ``model`` (on its own device, in eval mode, left as it was)."""
-    try:
-        from lm_eval import simple_evaluate
-        from lm_eval.models.huggingface import HFLM
-        from lm_eval.tasks import TaskManager
-    except ImportError as err:
-        raise ConfigError(
-            f"downstream evaluation needs lm-evaluation-harness ({err}): "
-            "pip install 'lm-eval>=0.4.13' 'accelerate>=0.26' (the eval extra)"
-        ) from None
+    manager = task_manager(tasks, include_path)  # first: one error line without the harness
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
 
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
-    unknown = [task for task in tasks if task not in manager.all_tasks]
-    if unknown:
-        where = f" or in {include_path}" if include_path else ""
-        raise ConfigError(
-            f"unknown lm-eval task(s) {', '.join(unknown)}: not in the harness's registry"
-            f"{where}; `lm-eval ls tasks` lists them, or give a local task's folder"
-        )
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

@@ -29,6 +29,7 @@ from collage_train.cpu_bf16 import choose_cpu_bf16_gemm, probe_gflops
 from collage_train.data import build_data
 from collage_train.data.progress import write_json_atomic
 from collage_train.data.transfer import to_device
+from collage_train.downstream import evaluate_model, transformers_tokenizer
 from collage_train.engine import build_engine
 from collage_train.engine.launch import launched_rank
 from collage_train.errors import ConfigError
@@ -136,6 +137,8 @@ class Trainer:
         self.edq_every = cfg.logging.log_every if edq_every is None else edq_every
         self.step = 0
         self.skipped_steps = 0
+        self.hf_tokenizer: Any = None  # for downstream tasks, built at their first evaluation
+        self.last_downstream: dict[str, Any] | None = None  # {"step": N, "task/metric": v}
         self.saver = CheckpointSaver(self.engine, run_dir, background=train.async_checkpoint)
         self.stop_group = stop_group()  # collective: every rank builds it here
 
@@ -399,6 +402,28 @@ class Trainer:
             "val_bpb": bits_per_byte(val_loss, *self.validation_text_size),
         }
 
+    def evaluate_downstream(self) -> dict[str, float]:
+        """The ``eval.tasks`` of lm-evaluation-harness on rank 0's model in memory
+        (``collage_train.downstream``), keyed ``downstream/<task>/<metric>``; the other
+        ranks wait at a barrier (empty results there)."""
+        ev = self.cfg.eval
+        results: dict[str, float] = {}
+        if self.engine.is_main:
+            if self.hf_tokenizer is None:
+                self.hf_tokenizer = transformers_tokenizer(self.data.tokenizer)
+            found = evaluate_model(
+                self.model,
+                self.hf_tokenizer,
+                list(ev.tasks),
+                include_path=ev.include_path,
+                limit=ev.limit,
+                batch_size=ev.batch_size,
+            )
+            results = {f"downstream/{key}": value for key, value in found.metrics.items()}
+            self.last_downstream = {"step": self.step, **found.metrics}
+        self.engine.barrier()
+        return results
+
     # ------------------------------------------------------------------- run
 
     def fit(self, sinks: Sequence[Sink] = ()) -> dict[str, Any] | None:
@@ -435,8 +460,12 @@ class Trainer:
                 log = self.step % self.cfg.logging.log_every == 0 or self.step == end
                 validate = self.step % train.eval_every == 0 or self.step == train.max_steps
                 save = self.step % train.checkpoint_every == 0 or self.step == end
+                downstream = bool(self.cfg.eval.tasks) and (
+                    (self.cfg.eval.every > 0 and self.step % self.cfg.eval.every == 0)
+                    or self.step == train.max_steps
+                )
                 first = self.step == start_step + 1  # settled alone: it pays for warm-up
-                if not (log or validate or save or first or stopping):
+                if not (log or validate or save or first or stopping or downstream):
                     continue  # the host runs ahead; nothing waits for the device
                 if first and train.async_checkpoint:  # the optimizer holds its state now
                     self.saver.prepare(self.state_dict())
@@ -454,6 +483,12 @@ class Trainer:
                     with self.watchdog.paused():
                         val = self.evaluate()
                     emit({"step": self.step, "tokens": self.step * self.tokens_per_step, **val})
+                if downstream:
+                    with self.watchdog.paused():
+                        results = self.evaluate_downstream()
+                    if results:
+                        tokens = self.step * self.tokens_per_step
+                        emit({"step": self.step, "tokens": tokens, **results})
                 if save:
                     with self.watchdog.paused():
                         self.save_checkpoint(background=train.async_checkpoint)

@@ -47,6 +47,7 @@ def validate(cfg: DictConfig) -> None:
     check_model_extra(cfg.model)
     check_applies(cfg)
     check_wandb(cfg.logging.wandb)
+    check_eval(cfg)
 
 
 # Settings that only some choices read: (key, the choices that read it). Set to anything
@@ -151,6 +152,25 @@ def check_optim(optim: DictConfig) -> None:
     for index, beta in enumerate(betas, start=1):
         if not 0 <= beta < 1:
             raise ConfigError(f"optim.betas: beta{index}={beta} must lie in [0, 1)")
+
+
+def check_eval(cfg: DictConfig) -> None:
+    """Downstream tasks (``eval``): a whole model on rank 0, a cadence, known task names
+    (looked up in lm-evaluation-harness before any training)."""
+    ev = cfg.eval
+    if ev.every < 0:
+        raise ConfigError(f"eval.every must be 0 (at the end only) or more, got {ev.every}")
+    check_positive("eval.batch_size", ev.batch_size, "sequence")
+    if not ev.tasks:
+        return
+    if cfg.distributed.name == "zero3":
+        raise ConfigError(
+            "eval.tasks needs the whole model on rank 0, which distributed=zero3 partitions; "
+            "evaluate its checkpoints with python -m collage_train.evaluate instead"
+        )
+    from collage_train.downstream import task_manager
+
+    task_manager(list(ev.tasks), ev.include_path)
 
 
 def check_train(train: DictConfig) -> None:

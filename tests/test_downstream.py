@@ -5,6 +5,7 @@ run's transformers export."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -115,8 +116,44 @@ def test_an_unknown_task_is_one_error_line(fp32_run, local_task, capsys):
 
 
 def test_without_the_harness_it_says_what_to_install(fp32_run, local_task, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed
+    for name in [n for n in sys.modules if n == "lm_eval" or n.startswith("lm_eval.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
     status = evaluate.main([str(fp32_run), "--tasks", "tiny_code_mc"])
     assert status == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install 'lm-eval>=0.4.13'" in err[0]
+
+
+def test_tasks_run_in_the_training_loop_at_their_cadence(
+    corpus_dir, cache_dir, local_task, tmp_path
+):
+    from collage_train.metrics import RecordingSink
+
+    sink = RecordingSink()
+    length = ["train.max_steps=4", "train.eval_every=2", "logging.log_every=1"]
+    tasks = ["eval.tasks=[tiny_code_mc]", "eval.every=3", f"eval.include_path={local_task}"]
+    cfg = compose_tiny(corpus_dir, cache_dir, *length, "precision=fp32", *tasks)
+    summary = train(cfg, tmp_path / "run", extra_sinks=[sink])
+    found = [r for r in sink.records if "downstream/tiny_code_mc/acc" in r]
+    assert [r["step"] for r in found] == [3, 4]  # every 3 steps and at the end
+    assert summary["downstream"] == {"step": 4, "tiny_code_mc/acc": found[-1][
+        "downstream/tiny_code_mc/acc"]}  # fmt: skip
+    # the model in memory at step 4 scores as the checkpoint of step 4 does afterwards
+    after, _ = evaluate.evaluate_path(tmp_path / "run", ["tiny_code_mc"], local_task, None, 8)
+    assert after.metrics["tiny_code_mc/acc"] == found[-1]["downstream/tiny_code_mc/acc"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["eval.tasks=[no_such_task]"], "unknown lm-eval task(s) no_such_task"),
+        (["eval.every=-1"], "eval.every must be 0"),
+    ],
+)
+def test_bad_eval_settings_are_refused_before_training(make_cfg, overrides, message):
+    from collage_train.errors import ConfigError
+    from collage_train.validate import validate
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(make_cfg(*overrides))

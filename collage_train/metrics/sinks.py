@@ -104,6 +104,9 @@ def _format_bytes(n: float) -> str:
 def format_record(record: dict[str, Any], max_steps: int) -> str:
     """One console line for a record."""
     step = f"step {record['step']}/{max_steps}"
+    downstream = [f"{k} {v:.4f}" for k, v in record.items() if k.startswith("downstream/")]
+    if downstream:
+        return " | ".join([step, *downstream])
     if "val_loss" in record:
         line = f"{step} | val_loss {record['val_loss']:.4f} | val_ppl {record['val_ppl']:.2f}"
         bpb = record.get("val_bpb")
@@ -196,8 +199,9 @@ _DESCENT_KEYS = ("edq", "edq_normalized", "lost_update_frac", "dtheta_norm", "dt
 
 
 def wandb_key(key: str) -> str:
-    """The W&B name of a record key: ``section/key`` (``loss`` -> ``train/loss``)."""
-    return f"{_wandb_section(key)}/{key}"
+    """The W&B name of a record key: ``section/key`` (``loss`` -> ``train/loss``); a key
+    that names its own section (``downstream/<task>/<metric>``) stays as it is."""
+    return key if "/" in key else f"{_wandb_section(key)}/{key}"
 
 
 def _wandb_section(key: str) -> str:
