@@ -11,6 +11,7 @@ are flattened to ``{"<task>/<metric>": value}`` (the harness's ``acc,none`` beco
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,16 +41,23 @@ def transformers_tokenizer(tokenizer: Any) -> Any:
 
 def task_manager(tasks: Sequence[str], include_path: Path | str | None) -> Any:
     """The harness's task manager, once every task in ``tasks`` is known to it; ConfigError
-    (one line) when the harness is missing or a task is unknown."""
+    (one line) when the harness is missing or a task is unknown. Tasks all found in
+    ``include_path`` need no index of the harness's registry (about 15000 task files, tens
+    of seconds); managers are kept for the process."""
     try:
         from lm_eval.models.huggingface import HFLM  # noqa: F401 - what evaluation needs
-        from lm_eval.tasks import TaskManager
+        from lm_eval.tasks import TaskManager  # noqa: F401
     except ImportError as err:
         raise ConfigError(
             f"downstream evaluation needs lm-evaluation-harness ({err}): "
             "pip install 'lm-eval>=0.4.13' 'accelerate>=0.26' (the eval extra)"
         ) from None
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    path = str(include_path) if include_path else None
+    if path is not None:
+        local = _manager(path, with_registry=False)
+        if all(task in local.all_tasks for task in tasks):
+            return local
+    manager = _manager(path, with_registry=True)
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         where = f" or in {include_path}" if include_path else ""
@@ -58,6 +66,13 @@ def task_manager(tasks: Sequence[str], include_path: Path | str | None) -> Any:
             f"{where}; `lm-eval ls tasks` lists them, or give a local task's folder"
         )
     return manager
+
+
+@functools.lru_cache(maxsize=8)
+def _manager(include_path: str | None, *, with_registry: bool) -> Any:
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path, include_defaults=with_registry)
 
 
 def evaluate_model(

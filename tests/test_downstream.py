@@ -74,7 +74,7 @@ def test_a_checkpoint_scores_as_the_harness_scores_its_export(fp32_run, local_ta
         model="hf",
         model_args=f"pretrained={fp32_run / 'hf'},dtype=float32",
         tasks=["tiny_code_mc"],
-        task_manager=TaskManager(include_path=str(local_task)),
+        task_manager=TaskManager(include_path=str(local_task), include_defaults=False),
         log_samples=True,
         bootstrap_iters=0,
         device="cpu",
@@ -151,9 +151,9 @@ def test_tasks_run_in_the_training_loop_at_their_cadence(
         (["eval.every=-1"], "eval.every must be 0"),
     ],
 )
-def test_bad_eval_settings_are_refused_before_training(make_cfg, overrides, message):
+def test_bad_eval_settings_are_refused_before_training(make_cfg, local_task, overrides, message):
     from collage_train.errors import ConfigError
     from collage_train.validate import validate
 
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate(make_cfg(*overrides))
+        validate(make_cfg(*overrides, f"eval.include_path={local_task}"))

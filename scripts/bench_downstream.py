@@ -1,0 +1,97 @@
+"""What in-loop downstream evaluation costs: gpt_tiny on the embedded corpus trained with and
+without ``eval.tasks``, wall time side by side as a ratio (issue target: under 5% at the
+default cadence, the end of the run only).
+
+The task is local (no network): multiple-choice questions made from Python source of the
+standard library (a line's start, its true rest against three other lines' rests), written
+as an lm-evaluation-harness task folder, ``--questions`` of them.
+
+    python scripts/bench_downstream.py [--steps 200] [--questions 100] [--every 0] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+from runs import append_results, run_training
+
+
+def write_task(folder: Path, questions: int, seed: int = 0) -> None:
+    """A multiple-choice task of ``questions`` line completions, as a task folder."""
+    lines = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text = path.read_text(errors="replace")
+        lines += [ln.strip() for ln in text.splitlines() if len(ln.strip()) > 40]
+        if len(lines) > 20 * questions:
+            break
+    rng = random.Random(seed)
+    picked = rng.sample(lines, 4 * questions)
+    rows = []
+    for k in range(questions):
+        group = picked[4 * k : 4 * k + 4]
+        choices = [line[24:] for line in group]
+        order = list(range(4))
+        rng.shuffle(order)
+        rows.append({"context": group[0][:24], "choices": [choices[i] for i in order],
+                     "label": order.index(0)})  # fmt: skip
+    data = folder / "stdlib_lines.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / "stdlib_lines.yaml").write_text(
+        "task: stdlib_lines\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: label\n'
+        "metric_list:\n  - metric: acc\n"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--questions", type=int, default=100)
+    parser.add_argument("--every", type=int, default=0, help="eval.every (0: the end only)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="bench_downstream_"))
+    (scratch / "tasks").mkdir()
+    write_task(scratch / "tasks", args.questions)
+    common = [f"train.max_steps={args.steps}", "logging.wandb.mode=disabled",
+              "logging.plots=false", "logging.console=plain"]  # fmt: skip
+    tasks = ["eval.tasks=[stdlib_lines]", f"eval.every={args.every}",
+             f"eval.include_path={scratch / 'tasks'}"]  # fmt: skip
+    rows = []
+    for label, extra in (("without", []), ("with", tasks)):
+        start = time.perf_counter()
+        summary, _ = run_training([*common, *extra], scratch / label)
+        rows.append({"run": label, "wall_s": time.perf_counter() - start,
+                     "train_wall_s": summary["wall_time_s"],
+                     "downstream": summary.get("downstream")})  # fmt: skip
+    ratio = rows[1]["wall_s"] / rows[0]["wall_s"]
+    table = "\n".join(
+        ["| run | wall time (s), launch to exit | fit wall time (s) | downstream |",
+         "|---|---|---|---|"]
+        + [f"| {r['run']} eval.tasks | {r['wall_s']:.1f} | {r['train_wall_s']:.1f} | "
+           f"{r['downstream'] or '-'} |" for r in rows]
+    )  # fmt: skip
+    print(table)
+    print(f"with / without: {ratio:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "ratio": ratio}, indent=2) + "\n")
+    if not args.no_append:
+        append_results(
+            "In-loop downstream evaluation: wall time with and without, gpt_tiny",
+            f"{args.questions} local multiple-choice questions, eval.every={args.every}, "
+            f"{args.steps} steps. With / without: {ratio:.3f}.",
+            table,
+        )
+
+
+if __name__ == "__main__":
+    main()
