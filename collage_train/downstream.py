@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,12 @@ import torch
 from collage_train.errors import ConfigError
 
 
+@dataclass(frozen=True)
 class Downstream:
     """One evaluation's results: flattened metrics and, per task, each sample's record."""
 
-    def __init__(self, metrics: dict[str, float], samples: dict[str, list[dict[str, Any]]]):
-        self.metrics = metrics
-        self.samples = samples
+    metrics: dict[str, float]
+    samples: dict[str, list[dict[str, Any]]]
 
 
 def transformers_tokenizer(tokenizer: Any) -> Any:

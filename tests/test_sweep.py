@@ -51,9 +51,7 @@ def test_a_failed_job_is_recorded_and_the_others_run(corpus_dir, cache_dir, tmp_
     assert "train.micro_batch_size=3" in last
     record = json.loads((sweep / "0" / FAILED_FILE).read_text())
     assert record["exit_status"] == 2 and "micro_batch_size" in record["error"]
-    assert record["overrides"][-2:] == ["train.micro_batch_size=3", f"hydra.sweep.dir={sweep}"] or (
-        "train.micro_batch_size=3" in record["overrides"]
-    )
+    assert "train.micro_batch_size=3" in record["overrides"]
     assert json.loads((sweep / "1" / "summary.json").read_text())["steps"] == 4
     assert not (sweep / "1" / FAILED_FILE).exists()
     capsys.readouterr()
