@@ -160,6 +160,21 @@ class OptimConfig:
 
 
 @dataclass
+class GuardConfig:
+    """The step guard (collage_train/guard.py, docs/runs.md#the-step-guard): a step whose
+    loss or gradient norm is non-finite or a spike is skipped on every rank together."""
+
+    enabled: bool = True  # false: every step is applied, as before the guard existed
+    window: int = 128  # applied steps whose loss and gradient norm the spike test uses
+    z_threshold: float = 6.0  # a spike: more than this many standard deviations above the mean
+    min_history: int = 16  # applied steps in the window before spikes are tested (NaN always)
+    # skipped steps in a row after which the run rolls back to its newest checkpoint and
+    # continues past the offending batches (decided at the next logged step)
+    max_consecutive_skips: int = 5
+    max_rollbacks: int = 2  # rollbacks after which the run stops with an error line
+
+
+@dataclass
 class TrainConfig:
     """Length, batch, evaluation and checkpoint cadence of a run."""
 
@@ -205,6 +220,7 @@ class TrainConfig:
     # checkpoint saves are not bounded by it; collectives get twice it (at least 5 minutes)
     # instead of distributed.timeout_minutes while steps run
     hang_timeout_s: int | None = None
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
 
 @dataclass

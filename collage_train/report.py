@@ -21,6 +21,7 @@ import torch
 from collage_train import determinism
 from collage_train.comm.settings import comm_name, uses_replicas
 from collage_train.data.progress import write_json_atomic
+from collage_train.guard import REASONS, describe_skip
 from collage_train.metrics import model_flops_utilisation, peak_memory
 
 # The GPU-tested stack (docker/gpu_stack.txt) names torch, transformers, deepspeed and
@@ -85,7 +86,7 @@ def train_record(trainer: Any, window: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens": trainer.step * trainer.tokens_per_step,
         "epoch": loader.epoch,
         **loader.metrics(),  # data.mixture: tokens per source
-        "loss": sum(w["loss"] for w in window) / len(window),
+        "loss": _mean_applied_loss(window),
         "lr": window[-1]["lr"],
         "grad_norm": window[-1]["grad_norm"],
         "skipped_steps": trainer.skipped_steps,
@@ -101,6 +102,47 @@ def train_record(trainer: Any, window: list[dict[str, Any]]) -> dict[str, Any]:
         **trainer.engine.comm_metrics(),
         **scale_metrics(trainer),
     }
+
+
+def _mean_applied_loss(window: list[dict[str, Any]]) -> float:
+    """The mean loss of the window's applied steps (a skipped step's loss may be NaN or a
+    spike, and is logged in its own record); NaN when every step was skipped."""
+    losses = [w["loss"] for w in window if w.get("applied", True)]
+    return sum(losses) / len(losses) if losses else float("nan")
+
+
+SKIPS_KEPT = 100  # skips listed in summary.json (skipped_steps counts them all)
+
+
+def skip_records(trainer: Any, window: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per skipped step of the settled ``window`` (reason and z-scores, for
+    metrics.jsonl and W&B), each with the console ``line`` naming it; also listed in
+    ``trainer.skips`` for the summary."""
+    records = []
+    for stats in window:
+        skip = stats.get("skip")
+        if skip is None:
+            continue
+        entry = {"step": stats["step"], **skip}
+        if len(trainer.skips) < SKIPS_KEPT:
+            trainer.skips.append(entry)
+        record = {
+            "step": stats["step"],
+            "tokens": stats["step"] * trainer.tokens_per_step,
+            "skip_reason": skip["reason"],
+            "skipped_loss": stats["loss"],
+            "skipped_grad_norm": stats["grad_norm"],
+            "skipped_steps": trainer.skipped_steps,
+        }
+        line = f"step {stats['step']} skipped ({skip['reason']})"
+        if "loss_z" in skip:
+            record["loss_z"], record["grad_norm_z"] = skip["loss_z"], skip["grad_norm_z"]
+            line = describe_skip(
+                stats["step"], REASONS.index(skip["reason"]), skip["loss_z"], skip["grad_norm_z"]
+            )
+        record["line"] = f"{line}: loss {stats['loss']:.4g}, grad norm {stats['grad_norm']:.4g}"
+        records.append(record)
+    return records
 
 
 def scale_metrics(trainer: Any) -> dict[str, float]:
@@ -162,6 +204,8 @@ def run_summary(
         **trainer.cpu_bf16_gemm.summary(),
         "loss_chunk_tokens": trainer.loss_chunk_tokens,  # None: the full-logits loss
         "skipped_steps": trainer.skipped_steps,
+        "skips": trainer.skips,  # the first SKIPS_KEPT: step, reason, z-scores
+        "rollbacks": trainer.rollbacks,
         "async_checkpoint": train.async_checkpoint,
         **trainer.saver.times.summary(),  # checkpoint_saves, seconds the loop was blocked
         **determinism.summary(),  # train.deterministic: what held while the run ran

@@ -1,8 +1,10 @@
 """The training loop: build the pieces, step, evaluate, checkpoint, log, export.
 
 ``Trainer.fit`` reads like the algorithm: for each optimizer step, accumulate
-gradients over micro-batches, let the engine clip and step at the scheduled lr; every
-so often settle the window's statistics, log, validate and checkpoint. The trainer
+gradients over micro-batches, let the engine clip and step at the scheduled lr unless
+the step guard refuses the step (``collage_train.guard``); every so often settle the
+window's statistics, log, validate and checkpoint, or roll back to the newest
+checkpoint when the guard has refused too many steps in a row. The trainer
 talks to the engine only (``engine.base.Engine``: ``step(lr, track_edq) ->
 StepOutcome``), never to the optimizer's internals. State that a resumed run needs
 (step, loader position, RNG) goes through ``state_dict``/``load_state_dict``; the
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from collage_train import init_from, report, resume, run_checkpoint, watchdog
+from collage_train import checkpoint, init_from, report, resume, run_checkpoint, watchdog
 from collage_train.batch import accumulation_steps
 from collage_train.comm.settings import align_to_outer_steps
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm, probe_gflops
@@ -32,7 +34,7 @@ from collage_train.data.transfer import to_device
 from collage_train.downstream import evaluate_model, transformers_tokenizer
 from collage_train.engine import build_engine
 from collage_train.engine.launch import launched_rank
-from collage_train.errors import ConfigError
+from collage_train.errors import ConfigError, TrainingDiverged
 from collage_train.export import export_from_engine
 from collage_train.fit_check import (
     check_state_fits,
@@ -40,6 +42,7 @@ from collage_train.fit_check import (
     planned_setting,
     smallest_free_memory,
 )
+from collage_train.guard import GuardSettings, StepGuard, Verdict
 from collage_train.loss import install_chunked_loss, resolve_chunk_tokens
 from collage_train.memory_plan import GIB, ModelShape, checkpoint_copy_bytes
 from collage_train.metrics import Sink, detect_peak_tflops, reset_peak_memory
@@ -135,8 +138,14 @@ class Trainer:
         self.tokens_per_step = train.global_batch_size * cfg.data.seq_len
         edq_every = cfg.metrics.edq_every
         self.edq_every = cfg.logging.log_every if edq_every is None else edq_every
-        self.step = 0
-        self.skipped_steps = 0
+        self.step = 0  # optimizer steps taken, applied or not: the data consumed
+        self.applied_steps = 0  # of them applied: the lr schedule's position
+        self.skipped_steps = 0  # refused by the guard or by DeepSpeed's overflow check
+        self.guard_settings = GuardSettings.from_config(train.guard)
+        self.guard = StepGuard(self.guard_settings, self.device) if train.guard.enabled else None
+        self.skip_run: list[int] = []  # the steps skipped in a row, up to the last one
+        self.skips: list[dict[str, Any]] = []  # settled skips: step, reason, z-scores
+        self.rollbacks: list[dict[str, Any]] = []  # {"from_step", "to_step", "skipped"}
         self.hf_tokenizer: Any = None  # for downstream tasks, built at their first evaluation
         self.last_downstream: dict[str, Any] | None = None  # {"step": N, "task/metric": v}
         self.saver = CheckpointSaver(self.engine, run_dir, background=train.async_checkpoint)
@@ -250,10 +259,17 @@ class Trainer:
         rng = {"torch": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        return {"step": self.step, "loader": self.data.train_loader.state_dict(), "rng": rng}
+        state = {"step": self.step, "loader": self.data.train_loader.state_dict(), "rng": rng}
+        state["applied_steps"] = self.applied_steps
+        if self.guard is not None:
+            state["guard"] = self.guard.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
+        self.applied_steps = int(state.get("applied_steps", self.step))  # older checkpoints
+        if self.guard is not None and "guard" in state:
+            self.guard.load_state_dict(state["guard"])
         self.data.train_loader.load_state_dict(state["loader"])
         torch.set_rng_state(state["rng"]["torch"])
         if "cuda" in state["rng"] and self.device.type == "cuda":
@@ -336,16 +352,27 @@ class Trainer:
         loss_sum /= self.accum_steps * self.engine.world_size  # summed over ranks: the mean
         optim = self.cfg.optim
         lr = warmup_cosine_lr(
-            self.step,
+            self.applied_steps,  # a skipped step does not move the schedule
             peak_lr=optim.lr,
             min_lr=optim.min_lr,
             warmup_steps=optim.warmup_steps,
             max_steps=self.cfg.train.max_steps,
         )
         track_edq = self.edq_every > 0 and (self.step + 1) % self.edq_every == 0
-        outcome = self.engine.step(lr, track_edq)  # clips, steps, clears gradients
-        self.skipped_steps += not outcome.applied
+        verdicts: list[Verdict] = []
+        guard_loss = self._guard_loss(loss_sum) if self.guard is not None else None
+        gate = self._gate(guard_loss, verdicts) if guard_loss is not None else None
+        outcome = self.engine.step(lr, track_edq, gate)  # clips, steps, clears gradients
+        if guard_loss is not None and not outcome.applied and not verdicts:
+            # refused before the gate was asked (DeepSpeed's overflow check): say why
+            verdicts.append(self.guard.judge(guard_loss, outcome.grad_norm))
         self.step += 1
+        if outcome.applied:
+            self.applied_steps += 1
+            self.skip_run.clear()
+        else:
+            self.skipped_steps += 1
+            self.skip_run.append(self.step)
         return {
             "step": self.step,
             "loss": loss_sum,
@@ -353,7 +380,34 @@ class Trainer:
             "grad_norm": outcome.grad_norm,
             "data_time": data_time,
             "edq": outcome.edq,
+            "applied": outcome.applied,
+            "verdict": verdicts[0] if verdicts and not outcome.applied else None,
         }
+
+    def _guard_loss(self, loss_share: torch.Tensor) -> torch.Tensor:
+        """The loss the step guard judges: the step's mean over the ranks that step in
+        lockstep (ZeRO: one one-element all-reduce, not a host wait), so every rank decides
+        alike; a replica (``comm`` replicas) judges its own, as it steps alone between
+        outer steps."""
+        engine = self.engine
+        if engine.world_size == 1:
+            return loss_share
+        if engine.independent_replicas:
+            return loss_share * engine.world_size
+        return engine.all_reduce_sum(loss_share.clone())
+
+    def _gate(self, loss: torch.Tensor, verdicts: list[Verdict]):
+        """The step guard's gate for this step (``engine.base.StepGate``): judges ``loss``
+        and the gradient norm the engine hands it, records the step in the guard's window
+        if applied, and answers with the one host read of the step."""
+
+        def gate(grad_norm: torch.Tensor | float) -> bool:
+            verdict = self.guard.judge(loss, grad_norm)
+            self.guard.accept(loss, grad_norm, verdict)
+            verdicts.append(verdict)
+            return bool(verdict.ok)
+
+        return gate
 
     def _settle(self, window: list[dict[str, Any]], *, since: float) -> None:
         """Settle ``window``'s statistics as host numbers (``metrics.step_window.settle``)."""
@@ -465,12 +519,23 @@ class Trainer:
                     or self.step == train.max_steps
                 )
                 first = self.step == start_step + 1  # settled alone: it pays for warm-up
-                if not (log or validate or save or first or stopping or downstream):
+                # every rank of a lockstep engine knows the skips alike: roll back at once
+                stuck = self._stuck() and not self.engine.independent_replicas
+                if not (log or validate or save or first or stopping or downstream or stuck):
                     continue  # the host runs ahead; nothing waits for the device
                 if first and train.async_checkpoint:  # the optimizer holds its state now
                     self.saver.prepare(self.state_dict())
                 self._settle(history[settled:], since=window_start)
+                for record in report.skip_records(self, history[settled:]):
+                    self._notice(f"warning: {record.pop('line')}")
+                    emit(record)
                 settled = len(history)
+                if self._agree_stuck():
+                    with self.watchdog.paused():
+                        emit(self._roll_back())
+                    logged = len(history)
+                    window_start = time.perf_counter()
+                    continue
                 if log or stopping:
                     last_record = report.train_record(self, history[logged:])
                     emit(last_record)
@@ -511,6 +576,64 @@ class Trainer:
         for sink in sinks:
             sink.summary(summary)
         return summary
+
+    # ------------------------------------------------------------- the guard
+
+    def _stuck(self) -> bool:
+        """Whether this rank has refused ``train.guard.max_consecutive_skips`` steps in a row."""
+        limit = self.guard_settings.max_consecutive_skips
+        return self.guard is not None and limit > 0 and len(self.skip_run) >= limit
+
+    def _agree_stuck(self) -> bool:
+        """``_stuck`` on any rank, decided alike on every rank at a settle (replicas: one
+        collective; a lockstep engine's ranks already agree)."""
+        if self.guard is None:
+            return False
+        if not self.engine.independent_replicas or self.engine.world_size == 1:
+            return self._stuck()
+        flag = torch.tensor([float(self._stuck())], device=self.device)
+        return self.engine.all_reduce_sum(flag).item() > 0
+
+    def _roll_back(self) -> dict[str, Any]:
+        """Restore the newest checkpoint, keep the data position past the batches of the
+        steps skipped in a row, and return the record saying so; after
+        ``train.guard.max_rollbacks`` rollbacks (or with no checkpoint to go back to), stop
+        with ``TrainingDiverged`` naming the steps."""
+        self._finish_saving()  # a checkpoint written in the background lands first
+        skipped = list(self.skip_run)
+        steps = f"{skipped[0]}-{skipped[-1]}" if len(skipped) > 1 else f"{skipped[0]}"
+        reasons = sorted({s["reason"] for s in self.skips if s["step"] in set(skipped)})
+        why = f" ({', '.join(reasons)})" if reasons else ""
+        newest = checkpoint.latest_checkpoint(self.run_dir)
+        limit = self.guard_settings.max_rollbacks
+        if newest is None or len(self.rollbacks) >= limit:
+            before = [f"{r['from_step']} -> {r['to_step']}" for r in self.rollbacks]
+            after = f" after {len(before)} rollback(s) ({', '.join(before)})" if before else ""
+            hint = "" if newest is not None else " and there is no checkpoint to roll back to"
+            raise TrainingDiverged(
+                f"the step guard skipped steps {steps} in a row{why}{after}{hint}; the last "
+                "good checkpoint is kept. Look at the data of those steps, lower optim.lr, or "
+                "raise train.guard.max_consecutive_skips / train.guard.z_threshold"
+            )
+        loader = self.data.train_loader.state_dict()  # past the offending batches
+        from_step, counts = self.step, (self.skipped_steps, self.skips, self.rollbacks)
+        self.resume_from(newest)
+        self.data.train_loader.load_state_dict(loader)
+        self.skipped_steps, self.skips, self.rollbacks = counts
+        self.skip_run.clear()
+        self.rollbacks.append({"from_step": from_step, "to_step": self.step, "skipped": skipped})
+        self._notice(
+            f"warning: the step guard skipped steps {steps} in a row{why}: rolled back to the "
+            f"checkpoint of step {self.step}, the data continuing after step {from_step} "
+            f"(rollback {len(self.rollbacks)} of at most {limit})"
+        )
+        return {
+            "step": self.step,
+            "tokens": self.step * self.tokens_per_step,
+            "rollback_from_step": from_step,
+            "rollbacks": len(self.rollbacks),
+            "skipped_steps": self.skipped_steps,
+        }
 
     def _stop(self, stop: StopAgreement) -> None:
         """The agreed stop: a failed background save ends the run with its error line; a

@@ -9,6 +9,10 @@ engine's collectives, each attributed to the phase of the loop that made it: a s
 (``Trainer._step``) or a settle (``Trainer._settle``, at logged, validated and
 checkpointed steps). Under ZeRO only reads made by this project's code count: what
 DeepSpeed's own step needs is DeepSpeed's.
+
+The step guard (``train.guard``, on by default) reads its verdict once per step, before
+the optimizer step, and under ZeRO sums the step's loss over the ranks (one one-element
+all-reduce): that and nothing else is allowed per step with it on, nothing with it off.
 """
 
 from __future__ import annotations
@@ -140,10 +144,15 @@ RUN = (
 )
 
 
-def assert_syncs_only_when_settling(counter: SyncCounter) -> None:
+def assert_syncs_only_when_settling(
+    counter: SyncCounter, *, guard_reads: int = 0, guard_collectives: int = 0
+) -> None:
+    """Per steady step ``guard_reads`` host reads and ``guard_collectives`` collectives
+    (the step guard's), one of each per settle, nothing else."""
     steady = range(2, 13)  # the first step settles alone and probes the kernel
-    assert counter.total("step", "host_read", steady) == 0, counter.counts
-    assert counter.total("step", "collective", steady) == 0, counter.counts
+    for step in steady:
+        assert counter.counts[("step", step, "host_read")] == guard_reads, counter.counts
+        assert counter.counts[("step", step, "collective")] == guard_collectives, counter.counts
     assert sum(n for (_, _, kind), n in counter.counts.items() if kind == "synchronize") == 0
     settled = sorted({step for (phase, step, _) in counter.counts if phase == "settle"})
     assert settled == [1, 4, 8, 12]  # first, then logged steps (12: also evaluated, saved)
@@ -152,15 +161,18 @@ def assert_syncs_only_when_settling(counter: SyncCounter) -> None:
         assert counter.counts[("settle", step, "collective")] == 1  # one all-reduce
 
 
-@pytest.mark.parametrize("precision", ["mixed_fp32", "collage_plus", "bf16"])
-def test_single_process_steps_never_wait_for_the_device(make_cfg, tmp_path, precision):
-    cfg = make_cfg(f"precision={precision}", *RUN)
+@pytest.mark.parametrize(
+    ("precision", "guard"),
+    [("mixed_fp32", "false"), ("collage_plus", "false"), ("bf16", "false"), ("bf16", "true")],
+)
+def test_single_process_steps_never_wait_for_the_device(make_cfg, tmp_path, precision, guard):
+    cfg = make_cfg(f"precision={precision}", f"train.guard.enabled={guard}", *RUN)
     sink = RecordingSink()
     trainer = Trainer(cfg, tmp_path / "run")
     with counting(trainer, only_ours=True) as counter:
         summary = trainer.fit([sink])
-    assert summary["steps"] == 12
-    assert_syncs_only_when_settling(counter)
+    assert summary["steps"] == 12 and summary["skipped_steps"] == 0
+    assert_syncs_only_when_settling(counter, guard_reads=int(guard == "true"))
     logged = [record for record in sink.records if "loss" in record]
     assert [record["step"] for record in logged] == [4, 8, 12]
     for record in logged:  # what a window reports: numbers, EDQ included
@@ -180,13 +192,19 @@ def test_zero_steps_add_no_waits_of_their_own(make_cfg, tmp_path, monkeypatch):
             trainer.fit()
     finally:
         trainer.engine.close()
-    assert_syncs_only_when_settling(counter)
+    # one rank: the guard's loss sum over ranks has no one to sum with
+    assert_syncs_only_when_settling(counter, guard_reads=1, guard_collectives=0)
 
 
 def test_a_nan_between_logged_steps_is_caught_before_the_next_checkpoint(make_cfg, tmp_path):
     """Steps 5-7 are not settled one by one; the loss of step 5 is still reported, and the
     checkpoint of step 8 is never written."""
-    cfg = make_cfg(*RUN[:-1], "train.checkpoint_every=4", "train.keep_checkpoints=5")
+    cfg = make_cfg(
+        *RUN[:-1],
+        "train.checkpoint_every=4",
+        "train.keep_checkpoints=5",
+        "train.guard.enabled=false",
+    )
     trainer = Trainer(cfg, tmp_path / "run")
     loss = trainer._loss
 

@@ -147,8 +147,8 @@ def test_skipped_steps_are_counted_and_carry_no_descent(make_cfg, tmp_path):
     trainer = Trainer(make_cfg("precision=collage_plus"), tmp_path)
     real_apply, calls = trainer.engine._apply, []
 
-    def skip_second():  # the engine's own clip-and-step, reported as skipped the 2nd time
-        grad_norm, applied = real_apply()
+    def skip_second(gate):  # the engine's own clip-and-step, reported as skipped the 2nd time
+        grad_norm, applied = real_apply(gate)
         calls.append(grad_norm)
         return grad_norm, applied and len(calls) != 2
 

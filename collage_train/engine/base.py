@@ -31,6 +31,10 @@ from collage_train.precision.base import PrecisionStrategy
 Segment = tuple[str, int, int]
 # What ``torch.compile`` takes as its backend: a name ("inductor") or a backend callable.
 CompileBackend = str | Callable[..., Any]
+# Given a step's global gradient norm (before clipping), whether to apply the step
+# (``Trainer``'s step guard, collage_train/guard.py). An engine calls it once per step on
+# every rank, after the norm is known and before the optimizer changes anything.
+StepGate = Callable[[torch.Tensor | float], bool]
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,8 @@ class StepOutcome:
 
     Attributes:
         grad_norm: the gradient norm before clipping, of the whole model.
-        applied: False when the engine skipped the update (DeepSpeed's overflow check).
+        applied: False when the update was skipped: refused by the step gate, or by
+            DeepSpeed's own overflow check (then the gate was not asked).
         edq: this rank's EDQ partial sums, one row of ``metrics.edq.FIELDS`` per
             layer group (``metrics.edq.layer_groups`` order); None unless the step
             was tracked and applied. The trainer sums them over ranks.
@@ -59,6 +64,9 @@ class Engine(Protocol):
     device: torch.device
     rank: int
     world_size: int
+    # True where each rank steps its own model between synchronisations (the replica
+    # engine): a step is then judged on each rank alone, not on every rank together.
+    independent_replicas: bool
 
     @property
     def is_main(self) -> bool: ...
@@ -85,9 +93,10 @@ class Engine(Protocol):
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's mean loss (scaled for gradient accumulation here)."""
 
-    def step(self, lr: float, track_edq: bool) -> StepOutcome:
-        """Set ``lr``, clip, apply the optimizer at the accumulation boundary, clear the
-        gradients; with ``track_edq`` measure the step's descent quality."""
+    def step(self, lr: float, track_edq: bool, gate: StepGate | None = None) -> StepOutcome:
+        """Set ``lr``, clip, apply the optimizer at the accumulation boundary unless ``gate``
+        refuses the step, clear the gradients; with ``track_edq`` measure the step's
+        descent quality."""
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over all ranks, in place; returns it."""
@@ -162,16 +171,18 @@ def step_tracked(
     device: torch.device,
     lr: float,
     track_edq: bool,
-    apply: Callable[[], tuple[torch.Tensor | float, bool]],
+    apply: Callable[[StepGate | None], tuple[torch.Tensor | float, bool]],
+    gate: StepGate | None = None,
 ) -> StepOutcome:
-    """Set ``lr`` on every parameter group, run ``apply`` (the engine's own clip-and-step,
-    returning the gradient norm and whether the update was applied) with EDQ tracked if
-    asked, and reduce the tracked partials to this rank's rows per layer group."""
+    """Set ``lr`` on every parameter group, run ``apply(gate)`` (the engine's own
+    clip-and-step, returning the gradient norm and whether the update was applied) with
+    EDQ tracked if asked, and reduce the tracked partials to this rank's rows per layer
+    group."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.track_edq = track_edq
     try:
-        grad_norm, applied = apply()
+        grad_norm, applied = apply(gate)
         edq = None
         if track_edq and applied:
             edq = layer_group_partials(
@@ -185,3 +196,18 @@ def step_tracked(
 @contextlib.contextmanager
 def unchanged(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     yield module
+
+
+class GateOnce:
+    """``gate`` asked at most once per step, however many times the optimizer's ``step`` is
+    called in it (DeepSpeed steps the client optimizer once per parameter group), with
+    the gradient norm that ``read_norm`` returns at the first call."""
+
+    def __init__(self, gate: StepGate, read_norm: Callable[[], torch.Tensor | float]) -> None:
+        self.gate, self.read_norm = gate, read_norm
+        self.decision: bool | None = None  # None: not asked (the optimizer never stepped)
+
+    def __call__(self) -> bool:
+        if self.decision is None:
+            self.decision = bool(self.gate(self.read_norm()))
+        return self.decision

@@ -42,7 +42,7 @@ from collage_train.comm.outer import (
     payload_nbytes,
 )
 from collage_train.comm.settings import outer_settings
-from collage_train.engine.base import CompileBackend, StepOutcome
+from collage_train.engine.base import CompileBackend, StepGate, StepOutcome
 from collage_train.engine.launch import check_process_group, init_process_group, local_rank
 from collage_train.engine.single import SingleProcessEngine
 from collage_train.errors import ConfigError, ReplicasDiverged
@@ -58,6 +58,8 @@ def replica_dir(directory: Path, rank: int) -> Path:
 
 class ReplicaEngine(SingleProcessEngine):
     """One replica of a DiLoCo or SparseLoCo run: a single-process engine plus the outer loop."""
+
+    independent_replicas = True  # each replica steps alone between outer steps
 
     def __init__(self, comm_cfg: Any, device: torch.device, timeout_minutes: int = 30) -> None:
         self.settings = outer_settings(comm_cfg)
@@ -107,9 +109,11 @@ class ReplicaEngine(SingleProcessEngine):
         self.check_replicas_agree()  # the same seed must have built the same model everywhere
         return module
 
-    def step(self, lr: float, track_edq: bool) -> StepOutcome:
-        """One inner step; every ``sync_every``-th also takes the outer step."""
-        outcome = super().step(lr, track_edq)
+    def step(self, lr: float, track_edq: bool, gate: StepGate | None = None) -> StepOutcome:
+        """One inner step (``gate`` judges it on this replica alone: replicas are
+        independent between outer steps); every ``sync_every``-th step, applied or
+        not, also takes the outer step, on every replica together."""
+        outcome = super().step(lr, track_edq, gate)
         self.counters["inner_steps"] += 1
         if self.counters["inner_steps"] % self.sync_every == 0:
             self.outer_step()

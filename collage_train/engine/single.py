@@ -16,6 +16,7 @@ from collage_train.checkpoint.full_state import INDEX_COMPONENTS, FullState
 from collage_train.engine.base import (
     CompileBackend,
     Segment,
+    StepGate,
     StepOutcome,
     declare_layout,
     step_tracked,
@@ -70,6 +71,7 @@ class SingleProcessEngine:
     accum_steps: int = 1
     grad_clip: float = 0.0
     _state_bytes: int | None = field(default=None, repr=False)
+    independent_replicas = False  # engine.base.Engine: one rank steps alone anyway
 
     @property
     def is_main(self) -> bool:
@@ -101,11 +103,16 @@ class SingleProcessEngine:
     def backward(self, loss: torch.Tensor) -> None:
         (loss / self.accum_steps).backward()
 
-    def step(self, lr: float, track_edq: bool) -> StepOutcome:
-        return step_tracked(self.optimizer, self.model, self.device, lr, track_edq, self._apply)
+    def step(self, lr: float, track_edq: bool, gate: StepGate | None = None) -> StepOutcome:
+        return step_tracked(
+            self.optimizer, self.model, self.device, lr, track_edq, self._apply, gate
+        )
 
-    def _apply(self) -> tuple[torch.Tensor, bool]:
+    def _apply(self, gate: StepGate | None) -> tuple[torch.Tensor, bool]:
         grad_norm = clip_grad_norm(self.model.parameters(), self.grad_clip)  # stays on device
+        if gate is not None and not gate(grad_norm):  # refused: nothing changes
+            self.optimizer.zero_grad(set_to_none=True)
+            return grad_norm, False
         self.optimizer.step()
         if self._state_bytes is None:  # gradients are still present here
             self._state_bytes = model_state_bytes(self.model, self.optimizer)

@@ -27,7 +27,9 @@ from collage_train.checkpoint.full_state import INDEX_COMPONENTS, FullState
 from collage_train.checkpoint.pieces import Piece
 from collage_train.engine.base import (
     CompileBackend,
+    GateOnce,
     Segment,
+    StepGate,
     StepOutcome,
     declare_layout,
     step_tracked,
@@ -209,6 +211,8 @@ def _whole_tensor_totals(owners: torch.Tensor, num_params: int, group: Any) -> P
 class ZeroEngine:
     """One data-parallel rank of a DeepSpeed ZeRO run."""
 
+    independent_replicas = False  # every rank steps its partition of one model together
+
     def __init__(self, dist_cfg: Any, device: torch.device) -> None:
         self.dist_cfg = dist_cfg
         self.stage = int(dist_cfg.zero_stage)
@@ -308,16 +312,28 @@ class ZeroEngine:
         if not self.ds.is_gradient_accumulation_boundary():
             self.ds.step()  # only advances DeepSpeed's micro-step counter
 
-    def step(self, lr: float, track_edq: bool) -> StepOutcome:
-        return step_tracked(self.optimizer, self.model, self.device, lr, track_edq, self._apply)
+    def step(self, lr: float, track_edq: bool, gate: StepGate | None = None) -> StepOutcome:
+        return step_tracked(
+            self.optimizer, self.model, self.device, lr, track_edq, self._apply, gate
+        )
 
-    def _apply(self) -> tuple[torch.Tensor | float, bool]:
-        self.ds.step()
+    def _apply(self, gate: StepGate | None) -> tuple[torch.Tensor | float, bool]:
+        # DeepSpeed computes the global norm and then steps the client optimizer (once per
+        # parameter group), which asks the gate first (TrackingOptimizer.step_gate).
+        once = None
+        if gate is not None:
+            once = GateOnce(gate, lambda: self._zero_optimizer()._global_grad_norm)
+            self.optimizer.step_gate = once
+        try:
+            self.ds.step()
+        finally:
+            self.optimizer.step_gate = None
         if self._state_bytes is None:
             self._state_bytes = self._measure_state_bytes()
         grad_norm = self.ds.get_global_grad_norm()  # a device tensor: left to the trainer
         grad_norm = grad_norm if grad_norm is not None else float("nan")
-        return grad_norm, bool(self.ds.was_step_applied())
+        refused = once is not None and once.decision is False
+        return grad_norm, bool(self.ds.was_step_applied()) and not refused
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor)

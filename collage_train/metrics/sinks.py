@@ -107,6 +107,10 @@ def format_record(record: dict[str, Any], max_steps: int) -> str:
     downstream = [f"{k} {v:.4f}" for k, v in record.items() if k.startswith("downstream/")]
     if downstream:
         return " | ".join([step, *downstream])
+    if "skip_reason" in record:
+        return f"{step} | skipped: {record['skip_reason']}"
+    if "rollback_from_step" in record:
+        return f"{step} | rolled back from step {record['rollback_from_step']}"
     if "val_loss" in record:
         line = f"{step} | val_loss {record['val_loss']:.4f} | val_ppl {record['val_ppl']:.2f}"
         bpb = record.get("val_bpb")

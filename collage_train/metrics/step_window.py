@@ -17,7 +17,17 @@ from typing import Any
 import torch
 
 from collage_train.errors import TrainingDiverged
+from collage_train.guard import REASONS, Verdict
 from collage_train.metrics.edq import FIELDS, layer_group_metrics
+
+# A step that DeepSpeed's own overflow check refused before the guard was asked.
+OVERFLOW_REASON = "non-finite grad norm (DeepSpeed's overflow check)"
+
+
+def verdict_row(verdict: Verdict) -> torch.Tensor:
+    """The verdict's reason code and z-scores as one float64 row, still on the device."""
+    parts = (verdict.reason, verdict.loss_z, verdict.grad_norm_z)
+    return torch.stack([part.to(torch.float64) for part in parts])
 
 
 def settle(
@@ -33,15 +43,20 @@ def settle(
     host numbers, in place.
 
     ``window`` holds one dict per step with ``loss`` (this rank's share of the mean),
-    ``grad_norm`` (already global) and ``edq`` (``StepOutcome.edq`` or None);
-    afterwards ``loss`` and ``grad_norm`` are floats, ``edq`` the EDQ metrics
-    (``layer_group_metrics``) and ``time`` the window's wall time per step. A non-finite
-    loss raises ``TrainingDiverged`` naming its step, before anything is checkpointed.
+    ``grad_norm`` (already global), ``edq`` (``StepOutcome.edq`` or None) and, for a step
+    the step guard refused, ``applied`` False and its ``verdict`` (``guard.Verdict``, or
+    None where DeepSpeed's overflow check refused it first); afterwards ``loss`` and
+    ``grad_norm`` are floats, ``edq`` the EDQ metrics (``layer_group_metrics``), ``time``
+    the window's wall time per step, and a refused step's ``skip`` says why
+    (``guard.REASONS``) with the z-scores. A non-finite loss of an applied step raises
+    ``TrainingDiverged`` naming its step, before anything is checkpointed.
     """
     reduced = [stats["loss"].reshape(1) for stats in window]
     tracked = [stats for stats in window if stats["edq"] is not None]
     reduced += [stats["edq"].flatten() for stats in tracked]
     local = [torch.as_tensor(s["grad_norm"], dtype=torch.float64).reshape(1) for s in window]
+    judged = [s for s in window if s.get("verdict") is not None]
+    local += [verdict_row(s["verdict"]) for s in judged]
     flat = torch.cat([t.to(device, torch.float64) for t in reduced + local])
     count = sum(t.numel() for t in reduced)
     all_reduce_sum(flat[:count])
@@ -59,7 +74,18 @@ def settle(
             values[offset : offset + width], layer_groups, with_dtheta
         )
         offset += width
+    offset = count + size
+    for stats in judged:
+        reason, loss_z, grad_norm_z = values[offset : offset + 3]
+        offset += 3
+        stats.pop("verdict")
+        if not stats.get("applied", True) and int(reason) != 0:  # 0: the engine refused it
+            stats["skip"] = {"reason": REASONS[int(reason)], "loss_z": loss_z}
+            stats["skip"]["grad_norm_z"] = grad_norm_z
     for stats in window:
+        if not stats.get("applied", True):
+            stats.setdefault("skip", {"reason": OVERFLOW_REASON})
+            continue
         if not math.isfinite(stats["loss"]):
             raise TrainingDiverged(
                 f"the loss became {stats['loss']} at step {stats['step']}; the last good "

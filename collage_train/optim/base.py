@@ -126,6 +126,9 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
     # The state entry holding a bf16 weight's low part (the full-precision value is the
     # weight plus it: Collage's dtheta, a Kahan compensation), or None.
     low_part: str | None = None
+    # Asked before a step changes anything; False: the step leaves everything as it was
+    # (set by the ZeRO engine around DeepSpeed's step: engine.base.GateOnce).
+    step_gate: Callable[[], bool] | None = None
 
     @property
     def track_edq(self) -> bool:
@@ -226,6 +229,8 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.step_gate is not None and not self.step_gate():
+            return loss
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params:

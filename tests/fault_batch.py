@@ -1,0 +1,88 @@
+"""Bad batches at chosen steps, for the step guard's tests (tests/test_guard.py).
+
+``inject(trainer_class, kind, steps)`` patches the class, so that runs built afterwards
+(in this process, or in a launched one: ``torchrun ... tests/fault_batch.py ARGS`` with
+``FAULT_KIND`` and ``FAULT_STEPS`` in the environment) see:
+
+- ``nan``: the loss of each micro-batch of those steps times NaN (its gradients NaN),
+- ``spike``: the loss times 1000 (its gradients too), as a corrupt batch would,
+- ``drop``: the reference, a run whose data lacks those steps' batches: they are read
+  and thrown away before the step that would have taken them.
+
+Steps are 1-based optimizer steps: ``"5,7"``, or ``"6-"`` for every step from 6 on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+SPIKE = 1000.0
+
+
+def parse_steps(text: str) -> Callable[[int], bool]:
+    """``"5,7"`` or ``"6-"`` as a test of a 1-based step number."""
+    if text.endswith("-"):
+        first = int(text[:-1])
+        return lambda step: step >= first
+    chosen = {int(part) for part in text.split(",") if part}
+    return lambda step: step in chosen
+
+
+def inject(trainer_class: type, kind: str, steps: str) -> None:
+    """Patch ``trainer_class`` (``collage_train.trainer.Trainer``) with the fault.
+
+    Steps are counted as the run takes them: a step taken again after a
+    rollback is a later one, with other batches, as in a run whose bad batches were
+    transient (``"6,7"``) or persistent (``"6-"``: every batch from the 6th step's on).
+    """
+    bad = parse_steps(steps)
+    step = trainer_class._step
+    if kind == "drop":
+
+        def step_without_bad_batches(self) -> dict:
+            taken = getattr(self, "_steps_taken", 0)
+            while bad(taken + 1):
+                for _ in range(self.accum_steps):
+                    self.data.train_loader.next_batch()
+                taken += 1
+            self._steps_taken = taken + 1
+            return step(self)
+
+        trainer_class._step = step_without_bad_batches
+        return
+    factor = {"nan": float("nan"), "spike": SPIKE}[kind]
+    loss = trainer_class._loss
+
+    counter = f"_steps_taken_{kind}"  # one per fault: faults stack
+
+    def step_with_bad_batches(self) -> dict:
+        taken = getattr(self, counter, 0) + 1
+        setattr(self, counter, taken)
+        self._fault_factors = getattr(self, "_fault_factors", {})
+        self._fault_factors[kind] = factor if bad(taken) else None
+        try:
+            return step(self)
+        finally:
+            self._fault_factors[kind] = None
+
+    def faulty_loss(self, batch: torch.Tensor) -> torch.Tensor:
+        value = loss(self, batch)
+        chosen = getattr(self, "_fault_factors", {}).get(kind)
+        return value if chosen is None else value * chosen
+
+    trainer_class._step = step_with_bad_batches
+    trainer_class._loss = faulty_loss
+
+
+if __name__ == "__main__":
+    from collage_train import trainer
+    from collage_train.__main__ import main
+
+    for kind, steps in zip(
+        os.environ["FAULT_KIND"].split(";"), os.environ["FAULT_STEPS"].split(";"), strict=True
+    ):
+        inject(trainer.Trainer, kind, steps)
+    main()

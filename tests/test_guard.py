@@ -1,0 +1,278 @@
+"""The step guard (collage_train/guard.py): its test against a float64 reference, and runs
+with bad batches injected (tests/fault_batch.py; the guard itself is never mocked): the
+refused steps leave weights, optimizer state and lr schedule exactly as a run whose data
+lacked those batches, on one process and on two ZeRO-2 ranks; a persistent fault rolls
+back to the newest checkpoint and then stops with one error line; the guard off trains
+as before, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+import torch
+from cli_runner import REPO, run_cli, run_torchrun, tiny_overrides
+from fault_batch import inject
+from launched_runs import assert_same_checkpoint_tensors
+
+from collage_train import checkpoint
+from collage_train.errors import TrainingDiverged
+from collage_train.guard import REASONS, GuardSettings, StepGuard, describe_skip
+from collage_train.metrics import RecordingSink
+from collage_train.trainer import Trainer
+
+# ------------------------------------------------------------------ the test
+
+
+def _reference_verdict(history: list[tuple[float, float]], new: tuple[float, float], s):
+    """The guard's rule on host floats (float64): reason code and z-scores."""
+    window = history[-s.window :]
+    z = [0.0, 0.0]
+    if len(window) >= s.min_history:
+        for i in range(2):
+            values = [pair[i] for pair in window]
+            mean = statistics.fmean(values)
+            sd = statistics.stdev(values)
+            sd = max(sd, abs(mean) * 1e-6 + 2.2250738585072014e-308)
+            z[i] = (new[i] - mean) / sd if math.isfinite(new[i]) else 0.0
+    reasons = [
+        not math.isfinite(new[0]),
+        not math.isfinite(new[1]),
+        z[0] > s.z_threshold,
+        z[1] > s.z_threshold,
+    ]
+    code = next((i + 1 for i, hit in enumerate(reasons) if hit), 0)
+    return code, z
+
+
+def test_the_verdicts_match_a_float64_reference_through_a_wrapping_window():
+    settings = GuardSettings(window=8, min_history=4, z_threshold=3.0)
+    guard = StepGuard(settings, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    history: list[tuple[float, float]] = []
+    seen = set()
+    for step in range(60):
+        loss = 3.0 + 0.1 * torch.randn((), generator=gen).item()
+        norm = 1.0 + 0.05 * torch.randn((), generator=gen).item()
+        if step % 9 == 5:
+            loss *= 3  # a spike
+        if step % 13 == 7:
+            norm = float("inf") if step % 2 else float("nan")
+        if step == 40:
+            loss = float("nan")
+        code, z = _reference_verdict(history, (loss, norm), settings)
+        loss_t = torch.tensor(loss, dtype=torch.float64)  # the reference's own values
+        verdict = guard.judge(loss_t, torch.tensor(norm, dtype=torch.float64))
+        assert int(verdict.reason) == code, step
+        assert bool(verdict.ok) == (code == 0)
+        assert verdict.loss_z.item() == pytest.approx(z[0], rel=1e-12, abs=1e-12)
+        assert verdict.grad_norm_z.item() == pytest.approx(z[1], rel=1e-12, abs=1e-12)
+        guard.accept(loss_t, norm, verdict)
+        if code == 0:
+            history.append((loss, norm))
+        seen.add(code)
+    assert seen == set(range(len(REASONS)))  # every reason was exercised
+    assert int(guard.count) == len(history)
+
+
+def test_no_spike_is_called_before_min_history_and_the_state_round_trips():
+    settings = GuardSettings(window=4, min_history=3, z_threshold=6.0)
+    guard = StepGuard(settings, torch.device("cpu"))
+    for loss in (1.0, 1.0):
+        verdict = guard.judge(torch.tensor(loss), 1.0)
+        guard.accept(torch.tensor(loss), 1.0, verdict)
+    assert bool(guard.judge(torch.tensor(1e6), 1.0).ok)  # two steps: not yet judged
+    verdict = guard.judge(torch.tensor(1.0), 1.0)
+    guard.accept(torch.tensor(1.0), 1.0, verdict)
+    assert REASONS[int(guard.judge(torch.tensor(1e6), 1.0).reason)] == "loss spike"
+    assert not bool(guard.judge(torch.tensor(1.0), float("nan")).ok)
+    restored = StepGuard(settings, torch.device("cpu"))
+    restored.load_state_dict(guard.state_dict())
+    assert torch.equal(restored.values, guard.values) and int(restored.count) == 3
+    line = describe_skip(7, REASONS.index("loss spike"), 9.25, 0.0)
+    assert line == "step 7 skipped (loss spike, z = 9.2)"
+
+
+# ------------------------------------------------------------------ runs
+
+
+GUARDED = ("train.guard.min_history=4", "train.checkpoint_every=100")
+
+
+@pytest.fixture
+def patched_trainer(monkeypatch):
+    """A Trainer subclass to inject faults into, so the real class stays untouched."""
+
+    def make():
+        cls = type("FaultyTrainer", (Trainer,), {})
+        return cls
+
+    return make
+
+
+def _run(make_cfg, run_dir, trainer_class, *overrides, sink=None):
+    cfg = make_cfg(*GUARDED, *overrides)
+    trainer = trainer_class(cfg, run_dir)
+    summary = trainer.fit([sink] if sink is not None else [])
+    return trainer, summary
+
+
+def _assert_same_state(trainer: Trainer, reference: Trainer) -> None:
+    mine, theirs = trainer.model.state_dict(), reference.model.state_dict()
+    for key in theirs:
+        assert mine[key].dtype == theirs[key].dtype and torch.equal(mine[key], theirs[key]), key
+    a, b = trainer.optimizer.state_dict()["state"], reference.optimizer.state_dict()["state"]
+    assert a.keys() == b.keys()
+    for index in a:
+        for key, value in b[index].items():
+            if torch.is_tensor(value):
+                assert torch.equal(a[index][key], value), (index, key)
+            else:
+                assert a[index][key] == value, (index, key)
+
+
+@pytest.mark.parametrize("precision", ["collage_plus", "bf16_sr", "scalify"])
+def test_a_nan_and_a_spike_are_skipped_as_if_their_batches_were_never_there(
+    make_cfg, tmp_path, patched_trainer, precision
+):
+    """Step 6's loss is NaN, step 8's a 1000x spike; the run of 10 steps applies 8 and ends
+    with the very bits of a run that never saw those batches and stopped after 8 steps of
+    the same 10-step schedule."""
+    faulty, clean = patched_trainer(), patched_trainer()
+    inject(faulty, "nan", "6")
+    inject(faulty, "spike", "8")
+    inject(clean, "drop", "6,8")
+    sink = RecordingSink()
+    run = ("train.max_steps=10", f"precision={precision}", "train.eval_every=10")
+    guarded, summary = _run(make_cfg, tmp_path / "a", faulty, *run, sink=sink)
+    reference, _ = _run(make_cfg, tmp_path / "b", clean, *run, "train.stop_at_step=8")
+    assert guarded.applied_steps == reference.applied_steps == 8
+    _assert_same_state(guarded, reference)
+    assert summary["skipped_steps"] == 2
+    assert [(s["step"], s["reason"]) for s in summary["skips"]] == [
+        (6, "non-finite loss"),
+        (8, "loss spike"),
+    ]
+    assert summary["skips"][1]["loss_z"] > 6 and summary["skips"][1]["grad_norm_z"] > 6
+    skipped = [r for r in sink.records if "skip_reason" in r]
+    assert [r["step"] for r in skipped] == [6, 8] and skipped[1]["skipped_steps"] == 2
+    train = [r for r in sink.records if "loss" in r]  # one record per step: log_every=1
+    # a skipped step's loss is not averaged in: a window of only that step has none
+    assert [math.isfinite(r["loss"]) for r in train] == [True] * 5 + [False, True] * 2 + [True]
+    assert [r["skipped_steps"] for r in train] == [0] * 5 + [1, 1, 2, 2, 2]
+
+
+def test_the_guard_off_trains_bit_for_bit_as_the_guard_on_without_a_fault(
+    make_cfg, tmp_path, patched_trainer
+):
+    run = ("train.max_steps=6", "precision=bf16")
+    on, _ = _run(make_cfg, tmp_path / "on", Trainer, *run)
+    off, summary = _run(make_cfg, tmp_path / "off", Trainer, *run, "train.guard.enabled=false")
+    assert on.skipped_steps == 0 and summary["skipped_steps"] == 0 and off.guard is None
+    _assert_same_state(on, off)
+    # and without the guard a NaN step is applied, as before: the run stops at the settle
+    faulty = patched_trainer()
+    inject(faulty, "nan", "3")
+    with pytest.raises(TrainingDiverged, match="at step 3;"):
+        _run(make_cfg, tmp_path / "nan", faulty, *run, "train.guard.enabled=false")
+
+
+def test_steps_skipped_in_a_row_roll_back_and_the_run_continues_past_them(
+    make_cfg, tmp_path, patched_trainer
+):
+    """Steps 6 and 7 are bad; after two skips in a row the run goes back to its checkpoint of
+    step 4 and goes on with the batches after step 7: the same bits as a run whose data
+    lacked the batches of steps 5-7 (step 5's update was rolled back with the rest)."""
+    faulty, clean = patched_trainer(), patched_trainer()
+    inject(faulty, "nan", "6,7")
+    inject(clean, "drop", "5,6,7")
+    run = (
+        "train.max_steps=10",
+        "precision=collage_light",
+        "train.guard.max_consecutive_skips=2",
+        "train.checkpoint_every=4",
+        "logging.log_every=5",
+    )
+    sink = RecordingSink()
+    guarded, summary = _run(make_cfg, tmp_path / "a", faulty, *run, sink=sink)
+    reference, _ = _run(make_cfg, tmp_path / "b", clean, *run)
+    _assert_same_state(guarded, reference)
+    assert summary["rollbacks"] == [{"from_step": 7, "to_step": 4, "skipped": [6, 7]}]
+    assert summary["skipped_steps"] == 2 and guarded.step == 10
+    (rollback,) = [r for r in sink.records if "rollback_from_step" in r]
+    assert rollback["step"] == 4 and rollback["rollbacks"] == 1
+
+
+def test_a_persistent_fault_rolls_back_then_stops_with_one_error_line(
+    corpus_dir, cache_dir, tmp_path, monkeypatch
+):
+    """Every batch from step 6's on is bad: steps 6 and 7 are skipped, the run rolls back to
+    step 4, steps 5 and 6 (with later batches) are skipped, and the run stops with one
+    error line and exit status 1, its checkpoint as it was."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("FAULT_KIND", "nan")
+    monkeypatch.setenv("FAULT_STEPS", "6-")
+    monkeypatch.setenv("PYTHONPATH", f"{REPO / 'tests'}")
+    done = run_cli(
+        *tiny_overrides(corpus_dir, cache_dir, run_dir),
+        "train.max_steps=12",
+        "train.guard.min_history=4",
+        "train.guard.max_consecutive_skips=2",
+        "train.guard.max_rollbacks=1",
+        "train.checkpoint_every=4",
+        "train.async_checkpoint=false",
+        module="fault_batch",
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    (error,) = done.error_lines
+    assert error.startswith("error: the step guard skipped steps 5-6 in a row (non-finite loss)")
+    assert "after 1 rollback(s) (7 -> 4)" in error
+    assert "rolled back to the checkpoint of step 4" in done.stdout
+    assert [step for step, _ in checkpoint.list_checkpoints(run_dir)] == [4]
+    assert checkpoint.damage(run_dir / "checkpoints/step-4") is None
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "skip_reason" in r] == [6, 7, 5, 6]
+    assert [r["step"] for r in records if "rollback_from_step" in r] == [4]
+
+
+@pytest.mark.zero
+def test_two_zero2_ranks_skip_the_same_steps_and_end_as_without_the_batches(
+    corpus_dir, cache_dir, tmp_path, monkeypatch
+):
+    common = (
+        "distributed=zero2",
+        "precision=collage_plus",
+        "train.max_steps=9",
+        "train.guard.min_history=3",
+        "train.eval_every=100",
+        "logging.log_every=1",
+    )
+    monkeypatch.setenv("FAULT_KIND", "nan;spike")
+    monkeypatch.setenv("FAULT_STEPS", "5;7")
+    guarded_dir = tmp_path / "guarded"
+    guarded = run_torchrun(
+        *tiny_overrides(corpus_dir, cache_dir, guarded_dir),
+        *common,
+        entry=f"{REPO}/tests/fault_batch.py",
+    )
+    assert guarded.returncode == 0, guarded.stderr[-3000:]
+    monkeypatch.setenv("FAULT_KIND", "drop")
+    monkeypatch.setenv("FAULT_STEPS", "5,7")
+    reference_dir = tmp_path / "reference"
+    reference = run_torchrun(
+        *tiny_overrides(corpus_dir, cache_dir, reference_dir),
+        *common,
+        "train.stop_at_step=7",
+        entry=f"{REPO}/tests/fault_batch.py",
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    summary = json.loads((guarded_dir / "summary.json").read_text())
+    assert [(s["step"], s["reason"]) for s in summary["skips"]] == [
+        (5, "non-finite loss"),
+        (7, "loss spike"),
+    ]
+    assert_same_checkpoint_tensors(
+        guarded_dir / "checkpoints/step-9", reference_dir / "checkpoints/step-7"
+    )
