@@ -89,7 +89,7 @@ def train_record(trainer: Any, window: list[dict[str, Any]]) -> dict[str, Any]:
         "loss": _mean_applied_loss(window),
         "lr": window[-1]["lr"],
         "grad_norm": window[-1]["grad_norm"],
-        "skipped_steps": trainer.skipped_steps,
+        "skipped_steps": trainer.skipped_steps_all_ranks,  # replicas: summed over them
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": tokens_per_s / world_size,
         "step_time_s": elapsed / len(window),
@@ -203,7 +203,7 @@ def run_summary(
         "optimizer_kernel": trainer.optimizer_kernel,
         **trainer.cpu_bf16_gemm.summary(),
         "loss_chunk_tokens": trainer.loss_chunk_tokens,  # None: the full-logits loss
-        "skipped_steps": trainer.skipped_steps,
+        "skipped_steps": trainer.skipped_steps_all_ranks,
         "skips": trainer.skips,  # the first SKIPS_KEPT: step, reason, z-scores
         "rollbacks": trainer.rollbacks,
         "async_checkpoint": train.async_checkpoint,

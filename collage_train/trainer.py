@@ -141,6 +141,7 @@ class Trainer:
         self.step = 0  # optimizer steps taken, applied or not: the data consumed
         self.applied_steps = 0  # of them applied: the lr schedule's position
         self.skipped_steps = 0  # refused by the guard or by DeepSpeed's overflow check
+        self.skipped_steps_all_ranks = 0  # replicas: the sum over replicas, at each settle
         self.guard_settings = GuardSettings.from_config(train.guard)
         self.guard = StepGuard(self.guard_settings, self.device) if train.guard.enabled else None
         self.skip_run: list[int] = []  # the steps skipped in a row, up to the last one
@@ -418,6 +419,7 @@ class Trainer:
             layer_groups=self.layer_groups,
             with_dtheta=self.with_dtheta,
             since=since,
+            world_size=self.engine.world_size,
         )
 
     @torch.no_grad()
@@ -530,7 +532,7 @@ class Trainer:
                     self._notice(f"warning: {record.pop('line')}")
                     emit(record)
                 settled = len(history)
-                if self._agree_stuck():
+                if self._guard_consensus():
                     with self.watchdog.paused():
                         emit(self._roll_back())
                     logged = len(history)
@@ -584,15 +586,19 @@ class Trainer:
         limit = self.guard_settings.max_consecutive_skips
         return self.guard is not None and limit > 0 and len(self.skip_run) >= limit
 
-    def _agree_stuck(self) -> bool:
-        """``_stuck`` on any rank, decided alike on every rank at a settle (replicas: one
-        collective; a lockstep engine's ranks already agree)."""
+    def _guard_consensus(self) -> bool:
+        """At a settle: whether any rank is ``_stuck`` (a lockstep engine's ranks agree
+        already; replicas, which judge their steps alone, agree with one collective that
+        also sums their skipped steps into ``skipped_steps_all_ranks``)."""
+        self.skipped_steps_all_ranks = self.skipped_steps
         if self.guard is None:
             return False
         if not self.engine.independent_replicas or self.engine.world_size == 1:
             return self._stuck()
-        flag = torch.tensor([float(self._stuck())], device=self.device)
-        return self.engine.all_reduce_sum(flag).item() > 0
+        flags = torch.tensor([float(self._stuck()), self.skipped_steps], device=self.device)
+        stuck, skipped = self.engine.all_reduce_sum(flags).tolist()
+        self.skipped_steps_all_ranks = int(skipped)
+        return stuck > 0
 
     def _roll_back(self) -> dict[str, Any]:
         """Restore the newest checkpoint, keep the data position past the batches of the

@@ -2,7 +2,8 @@
 
 ``inject(trainer_class, kind, steps)`` patches the class, so that runs built afterwards
 (in this process, or in a launched one: ``torchrun ... tests/fault_batch.py ARGS`` with
-``FAULT_KIND`` and ``FAULT_STEPS`` in the environment) see:
+``FAULT_KIND`` and ``FAULT_STEPS`` in the environment, ``FAULT_RANK`` to fault one rank
+only) see:
 
 - ``nan``: the loss of each micro-batch of those steps times NaN (its gradients NaN),
 - ``spike``: the loss times 1000 (its gradients too), as a corrupt batch would,
@@ -81,8 +82,10 @@ if __name__ == "__main__":
     from collage_train import trainer
     from collage_train.__main__ import main
 
-    for kind, steps in zip(
-        os.environ["FAULT_KIND"].split(";"), os.environ["FAULT_STEPS"].split(";"), strict=True
-    ):
-        inject(trainer.Trainer, kind, steps)
+    only_rank = os.environ.get("FAULT_RANK")  # unset: every rank
+    if only_rank is None or only_rank == os.environ.get("RANK", "0"):
+        for kind, steps in zip(
+            os.environ["FAULT_KIND"].split(";"), os.environ["FAULT_STEPS"].split(";"), strict=True
+        ):
+            inject(trainer.Trainer, kind, steps)
     main()

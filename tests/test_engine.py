@@ -339,7 +339,7 @@ def test_a_failing_step_does_not_leave_edq_tracking_on():
     optimizer = AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, betas=(0.9, 0.95), eps=1e-8,
                       weight_decay=0.0)  # fmt: skip
 
-    def apply():
+    def apply(gate):
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):

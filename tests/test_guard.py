@@ -16,6 +16,7 @@ import torch
 from cli_runner import REPO, run_cli, run_torchrun, tiny_overrides
 from fault_batch import inject
 from launched_runs import assert_same_checkpoint_tensors
+from zero_rank import one_zero_rank
 
 from collage_train import checkpoint
 from collage_train.errors import TrainingDiverged
@@ -276,3 +277,68 @@ def test_two_zero2_ranks_skip_the_same_steps_and_end_as_without_the_batches(
     assert_same_checkpoint_tensors(
         guarded_dir / "checkpoints/step-9", reference_dir / "checkpoints/step-7"
     )
+
+
+def _zero_state(trainer: Trainer) -> list[torch.Tensor]:
+    """This rank's weights and the client optimizer's state tensors, in a fixed order."""
+    state = [w.detach().clone() for w in trainer.engine.local_weights()]
+    for param_state in trainer.optimizer.state.values():
+        state += [v.clone() for _, v in sorted(param_state.items()) if torch.is_tensor(v)]
+    return state
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+def test_one_zero_rank_skips_a_spike_as_if_its_batch_were_never_there(
+    make_cfg, tmp_path, patched_trainer, monkeypatch, stage
+):
+    """The gate inside DeepSpeed's step (ZeRO-1's bf16 optimizer, ZeRO-3's partitioned
+    one): the spike of step 6 is refused there and the run ends as without its batch."""
+    faulty, clean = patched_trainer(), patched_trainer()
+    inject(faulty, "spike", "6")
+    inject(clean, "drop", "6")
+    run = (f"distributed={stage}", "precision=collage_plus", "train.max_steps=8")
+    states = []
+    for trainer_class, extra, name in ((faulty, (), "a"), (clean, ("train.stop_at_step=7",), "b")):
+        (tmp_path / name).mkdir()
+        one_zero_rank(monkeypatch)  # each run its own process group and DeepSpeed groups
+        trainer = trainer_class(make_cfg(*GUARDED, *run, *extra), tmp_path / name)
+        try:
+            summary = trainer.fit()
+            states.append(_zero_state(trainer))
+        finally:
+            trainer.engine.close()
+        if name == "a":
+            assert [(s["step"], s["reason"]) for s in summary["skips"]] == [(6, "loss spike")]
+    guarded, reference = states
+    assert len(guarded) == len(reference) > 0
+    for mine, theirs in zip(guarded, reference, strict=True):
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+
+
+def test_a_replica_skips_its_own_bad_step_and_the_outer_steps_go_on(
+    corpus_dir, cache_dir, tmp_path, monkeypatch
+):
+    """DiLoCo replicas judge their steps alone: replica 1's NaN at step 3 is skipped there
+    only, both replicas still take every outer step together, the run ends finite, and
+    rank 0's records count replica 1's skip."""
+    monkeypatch.setenv("FAULT_KIND", "nan")
+    monkeypatch.setenv("FAULT_STEPS", "3")
+    monkeypatch.setenv("FAULT_RANK", "1")
+    run_dir = tmp_path / "run"
+    done = run_torchrun(
+        *tiny_overrides(corpus_dir, cache_dir, run_dir),
+        "comm=diloco",
+        "comm.sync_every=2",
+        "comm.checksum_every=1",  # the replicas' shared weights must agree after each
+        "train.max_steps=6",
+        "train.eval_every=6",
+        "train.checkpoint_every=6",
+        "train.guard.min_history=2",
+        entry=f"{REPO}/tests/fault_batch.py",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["skipped_steps"] == 1 and summary["skips"] == []  # rank 0 skipped none
+    assert math.isfinite(summary["final_val_loss"])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in records if "loss" in r] == [0, 1, 1]

@@ -30,6 +30,14 @@ def verdict_row(verdict: Verdict) -> torch.Tensor:
     return torch.stack([part.to(torch.float64) for part in parts])
 
 
+def _loss_row(share: torch.Tensor, applied: bool) -> torch.Tensor:
+    """A step's loss share as (applied share, refused share, applied ranks): summed over
+    ranks, the parts of a step that some ranks refused stay apart."""
+    share = share.reshape(1).to(torch.float64)
+    zero = torch.zeros_like(share)
+    return torch.cat([share, zero, zero + 1] if applied else [zero, share, zero])
+
+
 def settle(
     window: list[dict[str, Any]],
     *,
@@ -38,6 +46,7 @@ def settle(
     layer_groups: Sequence[str],
     with_dtheta: bool,
     since: float,
+    world_size: int = 1,
 ) -> None:
     """Replace the device statistics of ``window`` (the steps since the last settle) by
     host numbers, in place.
@@ -48,10 +57,12 @@ def settle(
     None where DeepSpeed's overflow check refused it first); afterwards ``loss`` and
     ``grad_norm`` are floats, ``edq`` the EDQ metrics (``layer_group_metrics``), ``time``
     the window's wall time per step, and a refused step's ``skip`` says why
-    (``guard.REASONS``) with the z-scores. A non-finite loss of an applied step raises
+    (``guard.REASONS``) with the z-scores. A step's loss is the mean over the ranks that
+    applied it (replicas judge their steps alone), or, refused on every rank, the mean
+    of the refused losses. A non-finite loss of an applied step raises
     ``TrainingDiverged`` naming its step, before anything is checkpointed.
     """
-    reduced = [stats["loss"].reshape(1) for stats in window]
+    reduced = [_loss_row(stats["loss"], stats.get("applied", True)) for stats in window]
     tracked = [stats for stats in window if stats["edq"] is not None]
     reduced += [stats["edq"].flatten() for stats in tracked]
     local = [torch.as_tensor(s["grad_norm"], dtype=torch.float64).reshape(1) for s in window]
@@ -65,10 +76,16 @@ def settle(
     size = len(window)
     width = len(layer_groups) * len(FIELDS)
     for index, stats in enumerate(window):
-        stats["loss"] = values[index]
+        applied_sum, refused_sum, applied_ranks = values[3 * index : 3 * index + 3]
+        if applied_ranks == 0:
+            stats["loss"] = refused_sum
+        elif applied_ranks == world_size:
+            stats["loss"] = applied_sum
+        else:  # some replicas refused it: the mean over the others
+            stats["loss"] = applied_sum * world_size / applied_ranks
         stats["grad_norm"] = values[count + index]
         stats["time"] = elapsed / size
-    offset = size
+    offset = 3 * size
     for stats in tracked:
         stats["edq"] = layer_group_metrics(
             values[offset : offset + width], layer_groups, with_dtheta
