@@ -1,0 +1,137 @@
+"""What the step guard (``train.guard``, collage_train/guard.py) costs per step.
+
+Two measurements, side by side in one script run:
+
+- the guard alone: its verdict (``StepGuard.judge``), its window update (``accept``) and
+  the one host read of the verdict, timed over ``--calls`` steps on the device, as a
+  fraction of the model's measured step time;
+- whole steps: the real CLI trained with the guard on and off, interleaved
+  (on, off, on, off, ...: ``--reps`` pairs), each run's steady step time (the first
+  step excluded), and the ratio on/off. On a shared or loaded machine this ratio carries
+  the machine's noise; the first measurement is the guard's own time.
+
+    python scripts/bench_guard.py --model gpt_125m --steps 12 --reps 2 [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from runs import append_results, run_training
+
+from collage_train.guard import GuardSettings, StepGuard
+
+
+def guard_seconds_per_step(device: torch.device, calls: int) -> float:
+    """Median seconds of one judge + accept + host read of the verdict, on ``device``."""
+    guard = StepGuard(GuardSettings(), device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    losses = (3.0 + 0.1 * torch.randn(calls, generator=gen)).to(device)
+    norms = (1.0 + 0.1 * torch.randn(calls, generator=gen)).to(device)
+    times = []
+    for index in range(calls):
+        loss, norm = losses[index], norms[index]
+        start = time.perf_counter()
+        verdict = guard.judge(loss, norm)
+        guard.accept(loss, norm, verdict)
+        bool(verdict.ok)  # the engine's one read (waits for the device on a GPU)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[calls // 10 :])  # the first tenth warms up
+
+
+def steady_step_time(records: list[dict]) -> float:
+    """Mean seconds per step of the logged windows after the first step."""
+    windows = [r for r in records if "step_time_s" in r and r["step"] > 1]
+    steps = [r["step"] for r in windows]
+    spans = [b - a for a, b in zip([1, *steps[:-1]], steps, strict=True)]
+    total = sum(r["step_time_s"] * n for r, n in zip(windows, spans, strict=True))
+    return total / sum(spans)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="gpt_125m")
+    parser.add_argument("--precision", default="collage_plus")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--reps", type=int, default=2, help="on/off pairs of whole runs")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--calls", type=int, default=2000, help="guard-alone timing calls")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    alone = guard_seconds_per_step(device, args.calls)
+    overrides = [
+        f"model={args.model}",
+        f"precision={args.precision}",
+        f"data.seq_len={args.seq_len}",
+        f"train.micro_batch_size={args.micro_batch}",
+        f"train.global_batch_size={args.micro_batch}",
+        f"train.max_steps={args.steps}",
+        f"train.eval_every={args.steps}",
+        "train.eval_batches=1",
+        f"train.checkpoint_every={args.steps}",
+        "train.export_hf=false",
+        "logging.log_every=1",
+        "logging.console=none",
+        "logging.plots=false",
+        "logging.wandb.mode=disabled",
+    ]
+    runs = []
+    scratch = Path(tempfile.mkdtemp(prefix="bench_guard_"))
+    for rep in range(args.reps):
+        for enabled in ("true", "false"):
+            run_dir = scratch / f"{enabled}-{rep}"
+            summary, records = run_training([*overrides, f"train.guard.enabled={enabled}"], run_dir)
+            step_s = steady_step_time(records)
+            runs.append({"guard": enabled == "true", "rep": rep, "step_s": step_s,
+                         "skipped_steps": summary["skipped_steps"]})  # fmt: skip
+            print(f"guard {enabled:5} rep {rep}: {runs[-1]['step_s']:.3f} s/step", flush=True)
+    on = [r["step_s"] for r in runs if r["guard"]]
+    off = [r["step_s"] for r in runs if not r["guard"]]
+    step, step_on = statistics.fmean(off), statistics.fmean(on)
+    result = {
+        "model": args.model,
+        "device": str(device),
+        "guard_alone_s": alone,
+        "step_s_guard_off": step,
+        "step_s_guard_on": step_on,
+        "guard_alone_frac": alone / step,
+        "whole_step_ratio_on_off": step_on / step,
+        "pair_ratios": [a / b for a, b in zip(on, off, strict=True)],
+        "runs": runs,
+    }
+    table = "\n".join(
+        [
+            "| measure | value |",
+            "|---|---|",
+            f"| guard alone (judge + accept + one read), per step | {1e6 * alone:.0f} us |",
+            f"| {args.model} step, guard off (mean of {len(off)} runs) | {step:.3f} s |",
+            f"| {args.model} step, guard on (mean of {len(on)} runs) | {step_on:.3f} s |",
+            f"| guard alone / step | {100 * result['guard_alone_frac']:.4f}% |",
+            f"| whole steps, on / off | {result['whole_step_ratio_on_off']:.4f} "
+            f"(pairs: {', '.join(f'{r:.4f}' for r in result['pair_ratios'])}) |",
+        ]
+    )
+    print(table)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    if not args.no_append:
+        append_results(
+            "Step guard cost",
+            f"{args.model}, precision {args.precision}, micro-batch {args.micro_batch} x "
+            f"{args.seq_len} tokens, {args.steps} steps per run, {args.reps} on/off pairs.",
+            table,
+        )
+
+
+if __name__ == "__main__":
+    main()
