@@ -9,7 +9,7 @@
 #    scripts/bench_8bit_step.py), 3. a 1-GPU ZeRO-2 run launched with `deepspeed`,
 #    4. a Scalify fp8 run, 5. a short gpt_125m training benchmark of mixed_fp32 against
 #    collage_plus and the 8-byte collage_8bit and bf16_sr (steps 1-5: under 10 minutes on
-#    one H100), then start-up (startup: launch
+#    one H100), the step guard's cost per step (guard_cost), then start-up (startup: launch
 #    to first step and peak host RSS of gpt_1.3b, scripts/bench_startup.py; fit_refusal:
 #    the whole-step memory check refuses gpt_6.7b collage_plus on one 80 GB GPU in one line,
 #    exit status 2), 6. the LM loss with full
@@ -119,6 +119,10 @@ step scalify_fp8 "$python" -m collage_train model=gpt_125m precision=scalify \
 step train_bench "$python" scripts/bench_train.py --model gpt_125m \
     --strategies mixed_fp32 collage_plus collage_8bit bf16_sr --steps 20 --no-search --no-append \
     --json "$out/train.json"
+# the step guard's cost per step on the GPU, where its one read of the verdict waits for
+# backward (scripts/bench_guard.py: the guard alone, and whole runs on/off interleaved)
+step guard_cost "$python" scripts/bench_guard.py --model gpt_125m --seq-len 2048 \
+    --micro-batch 8 --steps 20 --reps 2 --no-append --json "$out/guard.json"
 step startup "$python" scripts/bench_startup.py --model gpt_1.3b --precision collage_plus \
     --setting unsharded:1 zero3:1 --no-append --json "$out/startup.json"
 # gpt_6.7b collage_plus on one 80 GB GPU: the whole-step check must refuse it in one line,
@@ -320,6 +324,7 @@ result = {
     "checkpoint_save_zero2": load("checkpoint_save_zero2.json"),
     "optimizer_bench": load("optimizer.json"),
     "train_bench": load("train.json"),
+    "guard_cost": load("guard.json"),
     "throughput": [
         load(name)
         for name in (

@@ -104,6 +104,7 @@ def test_the_summary_step_gathers_every_step(tmp_path):
     assert result["zero2_1gpu_summary"] == {"tokens_per_s": 123.0}
     assert result["throughput"] == [{"rows": [{"strategy": "bf16"}]}, None, None, None]
     assert result["train_bench"] is None and result["zero_stages"] is None
+    assert result["guard_cost"] is None
     assert result["loss_bench"] is None and result["startup"] is None
     assert result["elastic_resume"] == {"rows": [{"max_rel_diff": 0.001}]}
     environment = result["environment"]
