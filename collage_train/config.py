@@ -169,9 +169,11 @@ class GuardConfig:
     z_threshold: float = 6.0  # a spike: more than this many standard deviations above the mean
     min_history: int = 16  # applied steps in the window before spikes are tested (NaN always)
     # skipped steps in a row after which the run rolls back to its newest checkpoint and
-    # continues past the offending batches (decided at the next logged step)
+    # continues past the offending batches (replicas: at the next logged step); 0: never
     max_consecutive_skips: int = 5
-    max_rollbacks: int = 2  # rollbacks after which the run stops with an error line
+    # rollbacks after which the next such streak stops the run with an error line; 0: stop
+    # at the first streak
+    max_rollbacks: int = 2
 
 
 @dataclass

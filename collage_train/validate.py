@@ -183,6 +183,28 @@ def check_train(train: DictConfig) -> None:
         check_positive(f"train.{key}", train[key], "sequence")
     if train.deterministic:
         check_cublas_config()
+    check_guard(train.guard)
+
+
+def check_guard(guard: DictConfig) -> None:
+    """``train.guard``: a window and a history of at least two steps (a standard deviation
+    needs two), a positive threshold, counts that are not negative."""
+    for key in ("window", "min_history"):
+        if guard[key] < 2:
+            raise ConfigError(
+                f"train.guard.{key} must be at least 2 steps (a standard deviation needs two), "
+                f"got {guard[key]}"
+            )
+    if guard.min_history > guard.window:
+        raise ConfigError(
+            f"train.guard.min_history={guard.min_history} can never be reached by a window "
+            f"of train.guard.window={guard.window} steps; make it at most the window"
+        )
+    if not guard.z_threshold > 0:
+        raise ConfigError(f"train.guard.z_threshold must be positive, got {guard.z_threshold}")
+    for key in ("max_consecutive_skips", "max_rollbacks"):
+        if guard[key] < 0:
+            raise ConfigError(f"train.guard.{key} must not be negative, got {guard[key]}")
 
 
 def check_loss_chunk(cfg: DictConfig) -> None:

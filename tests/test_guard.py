@@ -19,10 +19,11 @@ from launched_runs import assert_same_checkpoint_tensors
 from zero_rank import one_zero_rank
 
 from collage_train import checkpoint
-from collage_train.errors import TrainingDiverged
+from collage_train.errors import ConfigError, TrainingDiverged
 from collage_train.guard import REASONS, GuardSettings, StepGuard, describe_skip
 from collage_train.metrics import RecordingSink
 from collage_train.trainer import Trainer
+from collage_train.validate import validate
 
 # ------------------------------------------------------------------ the test
 
@@ -342,3 +343,18 @@ def test_a_replica_skips_its_own_bad_step_and_the_outer_steps_go_on(
     assert math.isfinite(summary["final_val_loss"])
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in records if "loss" in r] == [0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.guard.window=1", "train.guard.window must be at least 2 steps"),
+        ("train.guard.min_history=1", "train.guard.min_history must be at least 2 steps"),
+        ("train.guard.min_history=200", "min_history=200 can never be reached by a window"),
+        ("train.guard.z_threshold=0", "train.guard.z_threshold must be positive, got 0"),
+        ("train.guard.max_rollbacks=-1", "train.guard.max_rollbacks must not be negative"),
+    ],
+)
+def test_a_bad_guard_setting_is_one_line_naming_it(make_cfg, override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(make_cfg(override))
