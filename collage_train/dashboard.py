@@ -92,6 +92,8 @@ def sections() -> list[ws.Section]:
             panels=[
                 _against_tokens("gradient norm", "grad_norm"),
                 _against_tokens("skipped steps", "skipped_steps"),
+                _against_tokens("z-scores of skipped steps", "loss_z", "grad_norm_z"),
+                _against_tokens("rollbacks", "rollbacks"),
             ],
         ),
     ]

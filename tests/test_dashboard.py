@@ -9,6 +9,9 @@ import re
 import subprocess
 import sys
 
+from fault_batch import inject
+
+from collage_train import cli
 from collage_train.cli import train
 from collage_train.dashboard import build_workspace, definition, main
 from collage_train.metrics import RecordingSink
@@ -39,9 +42,21 @@ def test_dry_run_writes_the_definition_with_runs_grouped_by_strategy(tmp_path, c
     assert plain["runset_settings"]["filters"] in ("", [])  # no group: every run
 
 
-def test_every_plotted_metric_is_one_a_run_logs(make_cfg, tmp_path):
+def test_every_plotted_metric_is_one_a_run_logs(make_cfg, tmp_path, monkeypatch):
+    """A run with two bad steps in a row (skipped, then rolled back): every panel's metric,
+    the guard's included, is one it logged."""
+    faulty = type("FaultyTrainer", (cli.Trainer,), {})
+    inject(faulty, "nan", "4,5")
+    monkeypatch.setattr(cli, "Trainer", faulty)
     sink = RecordingSink()
-    summary = train(make_cfg("metrics.edq_every=1"), tmp_path / "run", extra_sinks=[sink])
+    cfg = make_cfg(
+        "metrics.edq_every=1",
+        "train.max_steps=6",
+        "train.checkpoint_every=2",
+        "train.guard.max_consecutive_skips=2",
+    )
+    summary = train(cfg, tmp_path / "run", extra_sinks=[sink])
+    assert summary["skipped_steps"] == 2 and len(summary["rollbacks"]) == 1
     logged = {wandb_key(key) for record in sink.records for key in record if key != "step"}
     validation = [r for r in sink.records if "val_loss" in r]
     assert all("tokens" in r for r in validation)  # plotted against tokens like the rest
@@ -57,7 +72,7 @@ def test_every_plotted_metric_is_one_a_run_logs(make_cfg, tmp_path):
             assert any(pattern.match(key) for key in logged), panel["title"]
         for metric in panel.get("metrics") or []:  # bar charts of summary values
             assert metric["name"] in summary, panel["title"]
-    assert len(panels) == 13
+    assert len(panels) == 15
 
 
 def test_saving_without_a_reachable_server_is_one_error_line(tmp_path):

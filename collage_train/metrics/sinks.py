@@ -196,6 +196,15 @@ _WANDB_SECTIONS = {
     "mfu": "perf",
     "peak_mem_bytes": "memory",
     "peak_mem_reserved_bytes": "memory",
+    # the step guard (collage_train/guard.py): skips, their reasons and rollbacks
+    "skipped_steps": "guard",
+    "skip_reason": "guard",
+    "loss_z": "guard",
+    "grad_norm_z": "guard",
+    "skipped_loss": "guard",
+    "skipped_grad_norm": "guard",
+    "rollback_from_step": "guard",
+    "rollbacks": "guard",
 }
 
 
