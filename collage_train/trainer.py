@@ -47,6 +47,7 @@ from collage_train.loss import install_chunked_loss, resolve_chunk_tokens
 from collage_train.memory_plan import GIB, ModelShape, checkpoint_copy_bytes
 from collage_train.metrics import Sink, detect_peak_tflops, reset_peak_memory
 from collage_train.metrics.bits_per_byte import bits_per_byte, target_text_size
+from collage_train.metrics.edq import FIELDS as EDQ_FIELDS
 from collage_train.metrics.edq import layer_groups
 from collage_train.metrics.step_window import settle
 from collage_train.model_init import largest_unit_numel, materialise
@@ -367,6 +368,11 @@ class Trainer:
         if guard_loss is not None and not outcome.applied and not verdicts:
             # refused before the gate was asked (DeepSpeed's overflow check): say why
             verdicts.append(self.guard.judge(guard_loss, outcome.grad_norm))
+        edq = outcome.edq
+        if edq is None and track_edq and self.engine.independent_replicas:
+            # a replica that skipped a tracked step adds nothing to its sums, but adds
+            # its rows: every replica's settle reduces tensors of the same size
+            edq = torch.zeros(len(self.layer_groups), len(EDQ_FIELDS), device=self.device)
         self.step += 1
         if outcome.applied:
             self.applied_steps += 1
@@ -380,7 +386,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": outcome.grad_norm,
             "data_time": data_time,
-            "edq": outcome.edq,
+            "edq": edq,
             "applied": outcome.applied,
             "verdict": verdicts[0] if verdicts and not outcome.applied else None,
         }
@@ -606,8 +612,11 @@ class Trainer:
         ``train.guard.max_rollbacks`` rollbacks (or with no checkpoint to go back to), stop
         with ``TrainingDiverged`` naming the steps."""
         self._finish_saving()  # a checkpoint written in the background lands first
-        skipped = list(self.skip_run)
-        steps = f"{skipped[0]}-{skipped[-1]}" if len(skipped) > 1 else f"{skipped[0]}"
+        skipped = list(self.skip_run)  # empty on a replica whose steps were applied
+        if not skipped:
+            steps = "of another replica"
+        else:
+            steps = f"{skipped[0]}-{skipped[-1]}" if len(skipped) > 1 else f"{skipped[0]}"
         reasons = sorted({s["reason"] for s in self.skips if s["step"] in set(skipped)})
         why = f" ({', '.join(reasons)})" if reasons else ""
         newest = checkpoint.latest_checkpoint(self.run_dir)

@@ -316,14 +316,15 @@ def test_one_zero_rank_skips_a_spike_as_if_its_batch_were_never_there(
         assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
 
 
-def test_a_replica_skips_its_own_bad_step_and_the_outer_steps_go_on(
+def test_a_replica_skips_its_own_bad_steps_and_both_roll_back_together(
     corpus_dir, cache_dir, tmp_path, monkeypatch
 ):
-    """DiLoCo replicas judge their steps alone: replica 1's NaN at step 3 is skipped there
-    only, both replicas still take every outer step together, the run ends finite, and
-    rank 0's records count replica 1's skip."""
+    """DiLoCo replicas judge their steps alone: replica 1's NaNs at steps 3 and 4 are
+    skipped there only; at the logged step 4 both replicas agree to roll back to the
+    checkpoint of step 2 (two skips in a row on one of them), take every outer step
+    together, and end finite; rank 0's records count replica 1's skips."""
     monkeypatch.setenv("FAULT_KIND", "nan")
-    monkeypatch.setenv("FAULT_STEPS", "3")
+    monkeypatch.setenv("FAULT_STEPS", "3,4")
     monkeypatch.setenv("FAULT_RANK", "1")
     run_dir = tmp_path / "run"
     done = run_torchrun(
@@ -333,16 +334,24 @@ def test_a_replica_skips_its_own_bad_step_and_the_outer_steps_go_on(
         "comm.checksum_every=1",  # the replicas' shared weights must agree after each
         "train.max_steps=6",
         "train.eval_every=6",
-        "train.checkpoint_every=6",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=5",
         "train.guard.min_history=2",
+        "train.guard.max_consecutive_skips=2",
         entry=f"{REPO}/tests/fault_batch.py",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["skipped_steps"] == 1 and summary["skips"] == []  # rank 0 skipped none
+    assert summary["skipped_steps"] == 2 and summary["skips"] == []  # rank 0 skipped none
+    assert summary["rollbacks"] == [{"from_step": 4, "to_step": 2, "skipped": []}]
+    assert "skipped steps of another replica in a row" in done.stdout
     assert math.isfinite(summary["final_val_loss"])
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["skipped_steps"] for r in records if "loss" in r] == [0, 1, 1]
+    # logged steps 2, then (the window of steps 3-4 rolled back, not logged) 4 and 6
+    assert [(r["step"], r["skipped_steps"]) for r in records if "loss" in r] == [
+        (2, 0), (4, 2), (6, 2)
+    ]  # fmt: skip
+    assert [r["step"] for r in records if "rollback_from_step" in r] == [2]
 
 
 @pytest.mark.parametrize(
