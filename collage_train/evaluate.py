@@ -6,7 +6,8 @@ transformers export (``hf/``, ``hf-step-N``). The tasks run through lm-evaluatio
 results are printed, and for a checkpoint they are recorded in its run directory at the
 checkpoint's step: ``downstream/step-N.json``, a record in ``metrics.jsonl`` (keys
 ``downstream/<task>/<metric>``) and ``summary.json``'s ``downstream``, which
-``python -m collage_train.compare`` shows.
+``python -m collage_train.compare`` shows, and in the run's W&B run (unless its
+``logging.wandb.mode`` is disabled), plotted at the checkpoint's step and tokens.
 """
 
 from __future__ import annotations
@@ -15,12 +16,22 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
 
 from collage_train import checkpoint
 from collage_train.data.progress import write_json_atomic
 from collage_train.downstream import Downstream, evaluate_model, transformers_tokenizer
-from collage_train.errors import BAD_INPUT, WEIGHT_LOAD_ERRORS, CollageError, first_line
+from collage_train.errors import (
+    BAD_INPUT,
+    WEIGHT_LOAD_ERRORS,
+    CollageError,
+    ConfigError,
+    first_line,
+)
 from collage_train.export import load_checkpoint_model, resolve_checkpoint
+from collage_train.metrics.sinks import WandbSink, wandb_key, wandb_mode
 
 
 def evaluate_path(
@@ -44,8 +55,30 @@ def evaluate_path(
     return results, found
 
 
+def log_to_wandb(run_dir: Path, entry: dict[str, Any]) -> str | None:
+    """Add ``entry`` (a metrics record at its training step) to the run's W&B run, its
+    values to the run's summary; returns why not where it could not (None: logged)."""
+    saved = run_dir / ".hydra" / "config.yaml"
+    if not saved.is_file():
+        return "the run directory has no .hydra/config.yaml"
+    cfg = OmegaConf.load(saved)
+    try:
+        if wandb_mode(cfg.logging.wandb) == "disabled":
+            return None
+        config = OmegaConf.to_container(cfg, resolve=True)
+        sink = WandbSink(cfg.logging.wandb, run_dir, config, resume=False, append=True)
+    except ConfigError as err:
+        return first_line(err)
+    tokens = entry["step"] * cfg.train.global_batch_size * cfg.data.seq_len
+    sink.log({**entry, "tokens": tokens})
+    sink.summary({wandb_key(key): value for key, value in entry.items() if key != "step"})
+    sink.close()
+    return None
+
+
 def record(found: Path, results: Downstream) -> Path:
-    """Write the results into the checkpoint's run directory at its step."""
+    """Write the results into the checkpoint's run directory at its step (and its W&B
+    run: a warning line where that fails, the files are written either way)."""
     run_dir, step = found.parent.parent, int(checkpoint.read_meta(found)["step"])
     target = run_dir / "downstream" / f"step-{step}.json"
     target.parent.mkdir(exist_ok=True)
@@ -58,6 +91,9 @@ def record(found: Path, results: Downstream) -> Path:
         summary = json.loads(summary_file.read_text())
         summary["downstream"] = {"step": step, **results.metrics}
         write_json_atomic(summary_file, summary)
+    problem = log_to_wandb(run_dir, entry)
+    if problem is not None:
+        print(f"warning: not logged to W&B: {problem}", file=sys.stderr)
     return target
 
 

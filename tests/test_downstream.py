@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 
 import pytest
+from cli_runner import run_cli, tiny_overrides
 from tiny_config import compose_tiny
 
 from collage_train import evaluate, export
@@ -157,3 +159,34 @@ def test_bad_eval_settings_are_refused_before_training(make_cfg, local_task, ove
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(make_cfg(*overrides, f"eval.include_path={local_task}"))
+
+
+def test_results_computed_afterwards_join_the_runs_wandb_run(
+    corpus_dir, cache_dir, tmp_path, local_task, monkeypatch
+):
+    """A run logged to W&B (offline) and evaluated afterwards: the results go to the same
+    W&B run, appended, at the checkpoint's step and tokens."""
+    monkeypatch.delenv("WANDB_DIR", raising=False)  # the run directory keeps the W&B files
+    run_dir = tmp_path / "run"
+    done = run_cli(
+        *tiny_overrides(corpus_dir, cache_dir, run_dir),
+        "train.max_steps=4",
+        "train.export_hf=false",
+        "logging.wandb.mode=offline",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    status = evaluate.main(
+        [str(run_dir), "--tasks", "tiny_code_mc", "--include-path", str(local_task)]
+    )
+    assert status == 0
+    runs = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 2  # the training run, and the evaluation appended to it
+    logged = b""
+    for _ in range(50):  # wandb-core may still be flushing the run file after finish()
+        logged = b"".join(file.read_bytes() for file in runs[1].glob("*.wandb"))
+        if b"downstream/tiny_code_mc/acc" in logged:
+            break
+        time.sleep(0.1)
+    assert b"downstream/tiny_code_mc/acc" in logged
+    assert b"train/tokens" in logged and b"1024" in logged  # step 4 x 8 sequences x 32

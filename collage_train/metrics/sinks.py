@@ -244,11 +244,21 @@ class WandbSink:
     (WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY, WANDB_DIR) applies to the others. Records
     are logged at W&B step = training step. The W&B run id is kept in the run directory;
     a resumed run continues that W&B run rewound to the step it resumes from
-    (``resume_from``), so that no step appears twice, as in metrics.jsonl.
+    (``resume_from``), so that no step appears twice, as in metrics.jsonl. ``append``
+    continues it where it ended instead, for results computed afterwards (``python -m
+    collage_train.evaluate``): records then carry their training step as the ``step``
+    every metric is plotted against, while W&B's own step counts on.
     """
 
     def __init__(
-        self, cfg: Any, run_dir: Path, config: dict[str, Any], resume: bool, start_step: int = 0
+        self,
+        cfg: Any,
+        run_dir: Path,
+        config: dict[str, Any],
+        resume: bool,
+        start_step: int = 0,
+        *,
+        append: bool = False,
     ) -> None:
         mode = wandb_mode(cfg)
         try:
@@ -265,7 +275,8 @@ class WandbSink:
             # process exits; offline process-wide settings keep it off the network.
             wandb.setup(settings=wandb.Settings(mode="offline"))
         id_file = run_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if resume and id_file.exists() else None
+        run_id = id_file.read_text().strip() if (resume or append) and id_file.exists() else None
+        self.append = append
         # Runs group by model and strategy by default: the runs of one strategy (seeds,
         # resumes) form one group and the strategies overlay as separate lines.
         precision = config.get("precision", {}).get("name", "run")
@@ -278,7 +289,9 @@ class WandbSink:
         # Passed explicitly rather than left to W&B: its process-wide settings read the
         # environment once, at the first wandb.setup(), and miss a later WANDB_DIR.
         chosen["dir"] = os.environ.get("WANDB_DIR") or str(run_dir)
-        if run_id:
+        if run_id and append:
+            chosen["id"], chosen["resume"] = run_id, "allow"
+        elif run_id:
             chosen["resume_from"] = f"{run_id}?_step={start_step}"
         try:
             self.run = wandb.init(
@@ -310,7 +323,10 @@ class WandbSink:
             if key != "step" and value is not None
         }
         grouped["step"] = record["step"]
-        self.run.log(grouped, step=record["step"])
+        if self.append:  # after the run: W&B's step is past it; "step" places the point
+            self.run.log(grouped)
+        else:
+            self.run.log(grouped, step=record["step"])
 
     def summary(self, summary: dict[str, Any]) -> None:
         self.run.summary.update(summary)
