@@ -78,8 +78,8 @@ fp32 ones, autocast and DeepSpeed see ordinary tensors, and ``train.compile`` tr
 it. Its GEMMs are the ones Liger also issues through torch; the elementwise passes
 over a block's logits (up-cast, ``log_softmax``, ``exp``, the rounding) are memory-bound
 either way, a few passes more than Liger's one fused kernel (on CPU the step time is
-unchanged, docs/RESULTS.md; on CUDA not measured here: ``scripts/gpu_check.sh`` runs
-``scripts/bench_loss.py``).
+unchanged: docs/RESULTS.md, "The LM loss a block of tokens at a time"; on CUDA not
+measured here: ``scripts/gpu_check.sh`` runs ``scripts/bench_loss.py``).
 
 The model keeps its modules, names and state-dict keys: ``install_chunked_loss`` swaps
 the output embedding for ``ChunkedLossHead``, an ``nn.Linear`` holding the same

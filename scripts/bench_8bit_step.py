@@ -11,7 +11,7 @@ step when the eager one's ratio exceeds 2.
 
     python scripts/bench_8bit_step.py --numel 16e6 --rounds 5
 
-The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     args = parser.parse_args()
     numel = int(args.numel)
     gen = torch.Generator().manual_seed(0)

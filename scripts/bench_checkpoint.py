@@ -16,7 +16,7 @@ times in each mode, one training step before each save:
     python scripts/bench_checkpoint.py --model gpt_1.3b --precision bf16 --seq-len 128
     python scripts/bench_checkpoint.py --distributed zero2 --nproc 2 --device cuda
 
-The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1, help="ranks (torchrun) for ZeRO")
     parser.add_argument("--saves", type=int, default=3, help="saves in each mode")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for the run")
     args = parser.parse_args()

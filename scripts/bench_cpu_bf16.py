@@ -11,7 +11,7 @@ did (torch's CPU capability, the start-up probe's GFLOP/s) and what ``auto`` pic
 
     python scripts/bench_cpu_bf16.py --steps 8 --repeats 2
 
-The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--isa", nargs="+", choices=list(ISAS), default=list(ISAS))
     parser.add_argument("--precisions", nargs="+", default=list(STRATEGIES))
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="do not touch RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
 

@@ -16,7 +16,7 @@ Three measurements, corpora generated here from the embedded one (the standard l
 
     python scripts/bench_data.py --text-mb 40 --launch-gb 1
 
-The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=500)
     parser.add_argument("--launch-gb", type=float, default=1.0, help="0 skips the launch test")
     parser.add_argument("--json", type=Path, help="write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="do not touch RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     args = parser.parse_args()
     rows: list[dict[str, object]] = []
     load = os.getloadavg()[0]

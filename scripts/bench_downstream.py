@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=100)
     parser.add_argument("--every", type=int, default=0, help="eval.every (0: the end only)")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="bench_downstream_"))
     (scratch / "tasks").mkdir()

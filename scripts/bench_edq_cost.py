@@ -7,7 +7,7 @@ alternating order; reports the median step time and the ratio. With EDQ measured
 
     python scripts/bench_edq_cost.py --params 8e6 --steps 10
 
-The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main() -> None:
         nargs="+",
         default=["mixed_fp32", "collage_none", "collage_light", "collage_plus"],
     )
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     args = parser.parse_args()
 
     lines = [

@@ -11,7 +11,7 @@ chunk at a time) and once tracking the whole partition at once (how it was done 
 
     python scripts/bench_edq_memory.py --model gpt_125m --seq-len 64
 
-The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="tracked (and untracked) steps")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
 

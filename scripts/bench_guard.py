@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--calls", type=int, default=2000, help="guard-alone timing calls")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

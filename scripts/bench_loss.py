@@ -19,7 +19,7 @@ activation checkpointing off and on, before (``off``) and after (``auto``).
     python scripts/bench_loss.py
     python scripts/bench_loss.py --vocab 8192 --seq-len 256 --no-plan --no-append
 
-The tables are printed and appended to docs/RESULTS.md (``--no-append`` to skip);
+The tables are printed and appended to docs/results-history.md (``--no-append`` to skip);
 ``--json PATH`` writes the rows.
 """
 
@@ -267,7 +267,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-plan", action="store_true", help="skip the planner's table")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     args = parser.parse_args()
     device = torch.device(args.device)
 

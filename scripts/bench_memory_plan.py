@@ -12,7 +12,7 @@ and set beside ``collage_train.memory_plan``'s prediction for the same setting:
     python scripts/bench_memory_plan.py --model gpt_125m --seq-len 256 --micro-batch 4
     python scripts/bench_memory_plan.py --model gpt_1.3b --seq-len 2048 --micro-batch 4
 
-The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip);
+The table is printed and appended to docs/results-history.md (``--no-append`` to skip);
 ``--json PATH`` writes the rows.
 """
 
@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     parser.add_argument("--override", nargs="*", default=[], help="extra Hydra overrides")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     args = parser.parse_args()
     register_schemas()
 

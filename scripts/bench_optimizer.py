@@ -19,7 +19,7 @@ alternating order.
 
     python scripts/bench_optimizer.py --params 33.6e6 --json optimizer.json
 
-The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--only", nargs="*", help="row names to run (default: all)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     args = parser.parse_args()
     total = args.params or (1.3e9 if args.device == "cuda" else 33.6e6)
 

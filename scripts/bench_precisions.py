@@ -9,7 +9,7 @@ its min-max range), because a shared 2-core machine's speed drifts between runs.
     python scripts/bench_precisions.py --steps 20 --repeats 3
     python scripts/bench_precisions.py --model gpt_125m --steps 100 --json out.json
 
-The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--precisions", nargs="+", default=["fp32", "mixed_fp32", "bf16"])
     parser.add_argument("--baseline", default="mixed_fp32")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
     if args.baseline not in args.precisions:

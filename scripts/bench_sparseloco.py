@@ -29,7 +29,7 @@ bytes are what a slow link would have to carry.
     python scripts/bench_sparseloco.py --json sparseloco.json
     python scripts/bench_sparseloco.py --steps 600 --sync-every 15 --seq-len 128
 
-The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=15)
     parser.add_argument("--eval-batches", type=int, default=16)
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
     if args.steps % args.sync_every:

@@ -12,7 +12,7 @@ device is the host, so the second also holds what the engine allocates for train
     python scripts/bench_startup.py --model gpt_1.3b --precision collage_plus \\
         --setting unsharded:1 zero3:2 --json startup.json
 
-The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip). Run it
+The table is printed and appended to docs/results-history.md (``--no-append`` to skip). Run it
 from another checkout (``--repo``) to measure that code with the same script.
 """
 
@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--repo", type=Path, default=REPO, help="the checkout to measure")
     parser.add_argument("--label", default="this checkout", help="the code's name in the table")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args()
     overrides = [o for o in overrides if o != "--"]

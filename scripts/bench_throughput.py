@@ -31,7 +31,7 @@ over the other's: what the setting costs (docs/reproducibility.md).
     python scripts/bench_throughput.py --model gpt_tiny --seq-len 64 --device cpu \\
         --gpu-mem-gb 0.01 --strategies bf16 --compile off --timed-tokens 1 --no-append
 
-The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def main() -> None:
     parser.add_argument("--reserve-gb", type=float, default=2.0, help="as plan.reserve_gb")
     parser.add_argument("--dry-run", action="store_true", help="plan the rows, run nothing")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON (as they come)")
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
     if args.min_timed_steps < 1:

@@ -20,7 +20,7 @@ GPU against the dense bf16 peak of the card.
     python scripts/bench_train.py --model gpt_tiny --steps 20 --json train.json
     python scripts/bench_train.py --model gpt_1.3b --seq-len 2048 --micro-batch 8 --compile
 
-The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="add train.compile=true rows")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
     if args.device == "cpu" and not args.no_search and args.mem_budget_gb is None:

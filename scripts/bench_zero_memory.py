@@ -10,7 +10,7 @@ listed analytically), and whether the master partition is the weight partition i
 
     python scripts/bench_zero_memory.py --model gpt_125m --json zero_memory.json
 
-The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def main() -> None:
         "--strategies", nargs="+", default=list(STRATEGIES), help="precision strategies"
     )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
 

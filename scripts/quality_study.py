@@ -20,7 +20,7 @@ initialisation, so the pairing removes most of the seed noise).
 
 With ``--json PATH`` every finished run is written there at once and a study started
 again with the same file skips the runs it already holds, so a stopped study resumes.
-The table is printed and appended to docs/RESULTS.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also write the rows as JSON here (rewritten after every run); the runs it "
         "already holds are not run again",
     )
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     return parser.parse_args(argv)
 

@@ -16,6 +16,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "RESULTS.md"
+HISTORY = REPO / "docs" / "results-history.md"
 
 
 def run_training(
@@ -69,12 +70,18 @@ def machine() -> str:
 
 
 def append_results(title: str, description: str, table: str) -> None:
-    """Append a dated entry, with the command that produced it, to docs/RESULTS.md."""
+    """Append a dated entry, with the command that produced it and the machine, to the
+    dated log docs/results-history.md, and say which section of docs/RESULTS.md (the
+    current numbers, curated by hand) to update with it."""
     script = Path(sys.argv[0]).resolve().relative_to(REPO).as_posix()
     command = "python " + " ".join([script, *sys.argv[1:]])
     entry = (
         f"\n## {title} ({datetime.date.today()})\n\n"
         f"Command: `{command}`. Machine: {machine()}. {description}\n\n{table}\n"
     )
-    with RESULTS.open("a") as handle:
+    with HISTORY.open("a") as handle:
         handle.write(entry)
+    print(
+        f"appended to {HISTORY.relative_to(REPO)}: if it is the newest run of its measure, "
+        f"update the matching section of {RESULTS.relative_to(REPO)} with it ({title!r})"
+    )

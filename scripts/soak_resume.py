@@ -19,7 +19,7 @@ Checkpoints are written in the background by default (``train.async_checkpoint``
 kills land in background writes too: a write cut short must never be resumed from. The
 comparison is bit for bit on CPU and with ``--deterministic``; a CUDA run without it is
 compared within ``--tolerance`` (docs/reproducibility.md). The result is printed and
-appended to docs/RESULTS.md (``--no-append`` to skip).
+appended to the dated log docs/results-history.md (``--no-append`` to skip).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def main() -> None:
         help="where bitwise is not expected (CUDA without --deterministic): the largest "
         "difference allowed, relative to each tensor's largest magnitude",
     )
-    parser.add_argument("--no-append", action="store_true", help="do not touch docs/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
     args = parser.parse_args()
     settings = [
         f"train.async_checkpoint={'true' if args.async_checkpoint == 'on' else 'false'}",

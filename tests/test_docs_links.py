@@ -3,8 +3,8 @@
 README.md holds at most 150 lines; every relative Markdown link of README.md and
 docs/*.md names a file that exists and, with a ``#anchor``, a heading of that file
 (GitHub's slugs: lowercase, punctuation other than ``-`` and ``_`` removed, spaces to
-``-``, a repeated heading numbered ``-1``, ``-2``...); every docs/ page but RESULTS.md
-is linked from README.md.
+``-``, a repeated heading numbered ``-1``, ``-2``...); every docs/ page but the results
+pages is linked from README.md, and RESULTS.md (the current numbers) links its dated log.
 """
 
 from __future__ import annotations
@@ -94,8 +94,14 @@ def test_readme_links_every_docs_page():
         for target in links(README)
         if target.partition("#")[0]
     }
-    missing = [p.name for p in DOCS if p.name != "RESULTS.md" and p.resolve() not in linked]
+    results_pages = {"RESULTS.md", "results-history.md"}
+    missing = [p.name for p in DOCS if p.name not in results_pages and p.resolve() not in linked]
     assert not missing, f"README.md does not link {missing}"
+
+
+def test_the_results_page_links_its_dated_log():
+    results = REPO / "docs" / "RESULTS.md"
+    assert "results-history.md" in {target.partition("#")[0] for target in links(results)}
 
 
 def test_slugs_follow_githubs_rules():

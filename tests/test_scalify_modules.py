@@ -117,7 +117,8 @@ def test_float8_matmul_on_gpu_matches_the_cpu_emulation():
         results.append([t.detach().cpu() for t in (out, xd.grad, wd.grad)])
     for cpu, gpu in zip(*results, strict=True):
         # Hopper's float8 tensor cores accumulate with fewer bits than fp32 (docs/RESULTS.md,
-        # the H100 check of 2026-11-26: 2e-4 relative); a wrong layout or scale is off by O(1)
+        # "GPU check on one H100", 2026-11-26: 2e-4 relative); a wrong layout or scale is off
+        # by O(1)
         bound = HARDWARE_ACCUMULATION_RTOL
         assert torch.allclose(gpu, cpu, rtol=bound, atol=bound * cpu.abs().max().item())
 
