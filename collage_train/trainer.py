@@ -33,6 +33,7 @@ from collage_train.data.progress import write_json_atomic
 from collage_train.data.transfer import to_device
 from collage_train.downstream import evaluate_model, transformers_tokenizer
 from collage_train.engine import build_engine
+from collage_train.engine.base import StepGate
 from collage_train.engine.launch import launched_rank
 from collage_train.errors import ConfigError, TrainingDiverged
 from collage_train.export import export_from_engine
@@ -403,7 +404,7 @@ class Trainer:
             return loss_share * engine.world_size
         return engine.all_reduce_sum(loss_share.clone())
 
-    def _gate(self, loss: torch.Tensor, verdicts: list[Verdict]):
+    def _gate(self, loss: torch.Tensor, verdicts: list[Verdict]) -> StepGate:
         """The step guard's gate for this step (``engine.base.StepGate``): judges ``loss``
         and the gradient norm the engine hands it, records the step in the guard's window
         if applied, and answers with the one host read of the step."""
