@@ -200,9 +200,7 @@ def check_model_extra(cfg: Any) -> None:
             )
 
 
-def build_meta_model(
-    cfg: Any, *, vocab_size: int, seq_len: int, eot_id: int
-) -> torch.nn.Module:
+def build_meta_model(cfg: Any, *, vocab_size: int, seq_len: int, eot_id: int) -> torch.nn.Module:
     """The causal LM the ``model`` sub-config describes, on the meta device (no memory, no
     values): ``model_init.materialise`` draws its weights where and in what dtype a run
     stores them."""

@@ -397,4 +397,3 @@ def find_eot_token(path: Path, document: dict[str, Any], config: dict[str, Any] 
         f"tokenizer: {path} names no end-of-text token; put a {HF_CONFIG_FILENAME} with an "
         f"eos_token beside it (or use one of {', '.join(KNOWN_EOT_TOKENS)})"
     )
-

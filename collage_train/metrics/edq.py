@@ -73,9 +73,7 @@ def partials_close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> bool
     return bool(((a - b).abs() <= rtol * scale + 1e-30).all())
 
 
-def edq_metrics(
-    partials: torch.Tensor | Sequence[float], with_dtheta: bool
-) -> dict[str, float]:
+def edq_metrics(partials: torch.Tensor | Sequence[float], with_dtheta: bool) -> dict[str, float]:
     """EDQ, normalised EDQ, lost-update fraction (and dtheta norms) from summed partials
     (a tensor, or the host numbers the trainer already holds)."""
     values = partials.tolist() if torch.is_tensor(partials) else list(partials)
