@@ -167,7 +167,7 @@ class GuardConfig:
     enabled: bool = True  # false: every step is applied, as before the guard existed
     window: int = 128  # applied steps whose loss and gradient norm the spike test uses
     z_threshold: float = 6.0  # a spike: more than this many standard deviations above the mean
-    min_history: int = 16  # applied steps in the window before spikes are tested (NaN always)
+    min_history: int = 8  # applied steps in the window before spikes are tested (NaN always)
     # skipped steps in a row after which the run rolls back to its newest checkpoint and
     # continues past the offending batches (replicas: at the next logged step); 0: never
     max_consecutive_skips: int = 5

@@ -34,7 +34,7 @@ class GuardSettings:
     enabled: bool = True
     window: int = 128
     z_threshold: float = 6.0
-    min_history: int = 16
+    min_history: int = 8
     max_consecutive_skips: int = 5
     max_rollbacks: int = 2
 

@@ -395,12 +395,18 @@ def model_state(shape: ModelShape, setting: Setting) -> MemoryEstimate:
     return MemoryEstimate(weights, grads, master, optimizer, buffers)
 
 
+# The trainer's own tensors in a checkpoint: the CPU generator's state (5056 bytes) and
+# the step guard's window at its default size (2 x 128 float64 values and a counter).
+TRAINER_STATE_BYTES = 5056 + 2 * 128 * 8 + 8
+
+
 def checkpoint_copy_bytes(shape: ModelShape, setting: Setting) -> float:
     """Host bytes per rank that a background checkpoint copies the state into
     (``train.async_checkpoint``): this rank's weights, master weights and optimizer state,
-    offloaded or not (the checkpoint holds them all; pinned memory on CUDA)."""
+    offloaded or not (the checkpoint holds them all; pinned memory on CUDA), and the
+    trainer's few tensors."""
     held = replace(setting, offload_optimizer=False, offload_param=False)
-    return model_state(shape, held).persistent
+    return model_state(shape, held).persistent + TRAINER_STATE_BYTES
 
 
 def zero_buffer_bytes(shape: ModelShape, setting: Setting) -> float:

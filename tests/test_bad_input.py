@@ -124,6 +124,7 @@ def test_existing_run_is_not_overwritten(launch):
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(launch):
+    """Without the step guard (tests/test_guard.py has the run with it)."""
     assert launch("train.stop_at_step=4").returncode == 0
     good = launch.run_dir / "checkpoints" / "step-4" / "model.pt"
     before = good.read_bytes()
@@ -132,6 +133,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(launch):
         "optim.lr=1e38",
         "train.checkpoint_every=1",
         "train.keep_checkpoints=10",
+        "train.guard.enabled=false",
     )
     assert_clean_error(result, "became", "at step", "optim.lr", status=1)
     assert good.read_bytes() == before

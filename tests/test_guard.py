@@ -367,3 +367,31 @@ def test_a_replica_skips_its_own_bad_steps_and_both_roll_back_together(
 def test_a_bad_guard_setting_is_one_line_naming_it(make_cfg, override, message):
     with pytest.raises(ConfigError, match=message):
         validate(make_cfg(override))
+
+
+def test_a_run_resumed_with_a_far_too_high_lr_ends_in_one_error_line(
+    corpus_dir, cache_dir, tmp_path
+):
+    """The example that opened issue 34: a bf16 run resumed at step 8 with its lr 10,000x too
+    high used to reach a loss in the thousands and end with exit status 0 and its export.
+    Now step 9 (judged on the good weights) is applied, every later step is a loss spike
+    and is skipped, the run rolls back to step 8 twice and stops with one error line; the
+    checkpoint of step 8 is as it was and nothing is exported."""
+    run_dir = tmp_path / "run"
+    common = (
+        *tiny_overrides(corpus_dir, cache_dir, run_dir),
+        "precision=bf16",
+        "train.max_steps=24",
+        "train.checkpoint_every=8",
+        "train.async_checkpoint=false",
+        "train.export_hf=true",
+    )
+    assert run_cli(*common, "train.stop_at_step=8").returncode == 0
+    good = (run_dir / "checkpoints/step-8/model.pt").read_bytes()
+    done = run_cli(*common, "train.resume=true", "optim.lr=10.0", "optim.min_lr=10.0")
+    assert done.returncode == 1, done.stderr[-3000:]
+    (error,) = done.error_lines
+    assert error.startswith("error: the step guard skipped steps 10-14 in a row (loss spike)")
+    assert "after 2 rollback(s) (14 -> 8, 14 -> 8)" in error and "optim.lr" in error
+    assert (run_dir / "checkpoints/step-8/model.pt").read_bytes() == good
+    assert not (run_dir / "hf").exists()
