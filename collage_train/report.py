@@ -184,6 +184,11 @@ def run_summary(
         "final_val_ppl": val["val_ppl"] if val else None,
         "final_val_bpb": val["val_bpb"] if val else None,
         **({"downstream": trainer.last_downstream} if trainer.last_downstream else {}),
+        **(
+            {"downstream_eval_s": trainer.downstream_seconds}  # in-loop evaluation's wall time
+            if trainer.last_downstream
+            else {}
+        ),
         "tokens_per_s": tokens_per_s,
         "mfu": mfu,
         "flops_per_token": trainer.flops_per_token,

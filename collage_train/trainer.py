@@ -151,6 +151,7 @@ class Trainer:
         self.rollbacks: list[dict[str, Any]] = []  # {"from_step", "to_step", "skipped"}
         self.hf_tokenizer: Any = None  # for downstream tasks, built at their first evaluation
         self.last_downstream: dict[str, Any] | None = None  # {"step": N, "task/metric": v}
+        self.downstream_seconds = 0.0  # wall time in evaluate_downstream, barrier included
         self.saver = CheckpointSaver(self.engine, run_dir, background=train.async_checkpoint)
         self.stop_group = stop_group()  # collective: every rank builds it here
 
@@ -471,6 +472,7 @@ class Trainer:
         ranks wait at a barrier (empty results there)."""
         ev = self.cfg.eval
         results: dict[str, float] = {}
+        start = time.perf_counter()
         if self.engine.is_main:
             if self.hf_tokenizer is None:
                 self.hf_tokenizer = transformers_tokenizer(self.data.tokenizer)
@@ -485,6 +487,7 @@ class Trainer:
             results = {f"downstream/{key}": value for key, value in found.metrics.items()}
             self.last_downstream = {"step": self.step, **found.metrics}
         self.engine.barrier()
+        self.downstream_seconds += time.perf_counter() - start
         return results
 
     # ------------------------------------------------------------------- run

@@ -141,6 +141,7 @@ def test_tasks_run_in_the_training_loop_at_their_cadence(
     assert [r["step"] for r in found] == [3, 4]  # every 3 steps and at the end
     assert summary["downstream"] == {"step": 4, "tiny_code_mc/acc": found[-1][
         "downstream/tiny_code_mc/acc"]}  # fmt: skip
+    assert 0 < summary["downstream_eval_s"] < summary["wall_time_s"]  # its time, on record
     # the model in memory at step 4 scores as the checkpoint of step 4 does afterwards
     after, _ = evaluate.evaluate_path(tmp_path / "run", ["tiny_code_mc"], local_task, None, 8)
     assert after.metrics["tiny_code_mc/acc"] == found[-1]["downstream/tiny_code_mc/acc"]
