@@ -1,7 +1,7 @@
 """Downstream evaluation through lm-evaluation-harness (``lm-eval``).
 
 The harness's own ``HFLM`` runs over a transformers model already in memory, with the
-transformers tokenizer that the export writes (``Tokenizer.save``: the same ids as
+transformers tokenizer that the export writes (``hf_files.save_tokenizer``: the same ids as
 training's tokenizer), so the numbers are the harness's by construction. Tasks come from
 the harness's registry (the network or its cache) or from local task definitions in
 ``include_path`` (a YAML file per task, its data in local files: no network). Results
@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from collage_train.data.hf_files import save_tokenizer
+from collage_train.data.tokenizer import Tokenizer
 from collage_train.errors import ConfigError
 
 
@@ -31,12 +33,12 @@ class Downstream:
     samples: dict[str, list[dict[str, Any]]]
 
 
-def transformers_tokenizer(tokenizer: Any) -> Any:
+def transformers_tokenizer(tokenizer: Tokenizer) -> Any:
     """The transformers tokenizer of a training ``Tokenizer`` (the files its export writes)."""
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save(tmp)
+        save_tokenizer(tokenizer, tmp)
         return AutoTokenizer.from_pretrained(tmp)
 
 

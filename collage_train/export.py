@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from collage_train import checkpoint
 from collage_train.checkpoint.full_state import layout_of
 from collage_train.data import Tokenizer
+from collage_train.data.hf_files import save_tokenizer
 from collage_train.errors import BAD_INPUT, WEIGHT_LOAD_ERRORS, CollageError, first_line
 from collage_train.precision import get_strategy
 from collage_train.scalify.params import has_scaled_parameters, unscale_weights
@@ -59,7 +60,7 @@ def export_model(model: torch.nn.Module, tokenizer: Any, target: Path) -> None:
         config_file = tmp / "config.json"
         config = json.loads(config_file.read_text())
         config_file.write_text(json.dumps({**config, "dtype": "float32"}, indent=2) + "\n")
-    tokenizer.save(tmp)
+    save_tokenizer(tokenizer, tmp)
     if target.exists():
         shutil.rmtree(target)
     os.rename(tmp, target)

@@ -22,8 +22,9 @@ from zero_rank import one_zero_rank
 
 from collage_train import checkpoint
 from collage_train.checkpoint.__main__ import main as convert_main
-from collage_train.checkpoint.full_state import FullState, needs_reshard, open_full_state
-from collage_train.checkpoint.native import ModelLayout, Target
+from collage_train.checkpoint.full_state import needs_reshard, open_full_state
+from collage_train.checkpoint.native_spec import ModelLayout, Target
+from collage_train.checkpoint.param_state import FullState
 from collage_train.checkpoint.pieces import (
     zero3_sub_groups,
     zero12_partition_numel,

@@ -18,10 +18,11 @@ with the same restricted unpickler, which admits tensors, plain containers and o
 three record classes DeepSpeed writes (``verify_checkpoint_files``).
 
 The rest of the package reads a checkpoint of any layout per parameter for an elastic
-resume (``full_state``, with ``pieces`` saying where each parameter's elements lie on
-each rank) and writes any checkpoint in the rank-independent layout (``universal``) or
-in an engine's own layout (``native``: DeepSpeed ZeRO-1/2/3 on N ranks, one process),
-both through ``python -m collage_train.checkpoint convert``.
+resume (``full_state``, into ``param_state.FullState``, with ``pieces`` saying where each
+parameter's elements lie on each rank) and writes any checkpoint in the rank-independent
+layout (``universal``) or in an engine's own layout (``native``, ``native_spec`` and
+``zero_layout``: DeepSpeed ZeRO-1/2/3 on N ranks, one process), both through
+``python -m collage_train.checkpoint convert``.
 """
 
 from __future__ import annotations

@@ -2,17 +2,9 @@
 
 ``open_full_state`` reads a single-process checkpoint, a ZeRO-1/2/3 checkpoint of any
 number of ranks, or the rank-independent layout (``collage_train.checkpoint.universal``)
-behind one interface: ``read(name, start, stop)`` returns, for elements ``[start, stop)``
-of the flattened parameter ``name``, one 1-D tensor per component:
-
-- ``weight``: what the model computes with, in the model's dtype;
-- ``master``: the fp32 master, only where the strategy keeps one apart from the weight
-  (mixed_fp32: the optimizer's ``master`` in one process, DeepSpeed's fp32 partition
-  under ZeRO);
-- every optimizer-state tensor under its own name (``exp_avg``, ``exp_avg_sq``,
-  Collage's ``dtheta`` and ``dv``, split_fp32's ``remainder``), in its saved dtype;
-- ``remainder_ties`` (split_fp32): the tie positions inside the range, as indices from
-  ``start``.
+behind one interface, ``param_state.FullState``: ``read(name, start, stop)`` returns, for
+elements ``[start, stop)`` of the flattened parameter ``name``, one 1-D tensor per
+component (listed there).
 
 Invariants: values are returned bit for bit as saved (no dtype conversion; the weight
 of a ZeRO checkpoint is DeepSpeed's master partition rounded to the model's dtype, which
@@ -26,8 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from collage_train import checkpoint
+from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState
 from collage_train.checkpoint.pieces import (
     Piece,
     check_tiling,
@@ -46,47 +37,7 @@ from collage_train.checkpoint.universal import UNIVERSAL, read_trainer_state
 from collage_train.config import current_choice
 from collage_train.errors import CheckpointError
 
-INDEX_COMPONENTS = ("remainder_ties",)  # positions, not one value per element
 ZERO_ENGINES = ("zero1", "zero2", "zero3")
-
-Reader = Callable[[str, int, int], dict[str, torch.Tensor]]
-
-
-@dataclass
-class FullState:
-    """Per-parameter state of one checkpoint, whatever layout wrote it."""
-
-    layout: str  # unsharded | zero1 | zero2 | zero3 | universal
-    world_size: int  # ranks that wrote it
-    shapes: dict[str, tuple[int, ...]]  # every parameter, in the model's order
-    steps: dict[str, int]  # the optimizer's step count of each parameter
-    trainer: dict[str, Any]  # the trainer's client state (rank 0's)
-    per_rank_rng: bool  # the writer's ranks had RNG streams of their own
-    _reader: Reader = field(repr=False)
-
-    def numel(self, name: str) -> int:
-        return math.prod(self.shapes[name])
-
-    def read(self, name: str, start: int = 0, stop: int | None = None) -> dict[str, torch.Tensor]:
-        """Every component of elements ``[start, stop)`` of parameter ``name`` (1-D)."""
-        stop = self.numel(name) if stop is None else stop
-        return self._reader(name, start, stop)
-
-    def check_model(self, shapes: dict[str, tuple[int, ...]], where: Path) -> None:
-        """Refuse in one line unless this state has exactly the parameters ``shapes``."""
-        if self.shapes == shapes:
-            return
-        if set(self.shapes) != set(shapes):
-            differ = sorted(set(self.shapes) ^ set(shapes))[:3]
-            raise CheckpointError(
-                f"{where} holds another model (parameters differ: {', '.join(differ)}); "
-                "resume with the model it was written with"
-            )
-        name = next(n for n in shapes if self.shapes[n] != shapes[n])
-        raise CheckpointError(
-            f"{where} holds another model ({name} is {list(self.shapes[name])} there, "
-            f"{list(shapes[name])} here); resume with the model it was written with"
-        )
 
 
 def _slice_index(ties: torch.Tensor, lo: int, hi: int, shift: int) -> torch.Tensor:

@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import shutil
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +41,9 @@ import torch
 from omegaconf import OmegaConf
 
 from collage_train import checkpoint
-from collage_train.checkpoint.full_state import INDEX_COMPONENTS, ZERO_ENGINES, FullState
+from collage_train.checkpoint.full_state import ZERO_ENGINES
+from collage_train.checkpoint.native_spec import ModelLayout, Target
+from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState
 from collage_train.checkpoint.universal import COPIED
 from collage_train.checkpoint.zero_layout import write_zero, zero_settings
 from collage_train.config import current_choice
@@ -55,19 +55,6 @@ from collage_train.precision.base import NOT_RESHARDED
 ENGINES = ("unsharded", *ZERO_ENGINES)
 # zero_optimization settings that put elements elsewhere in DeepSpeed's flat partitions
 MOVES_ELEMENTS = ("round_robin_gradients", "parameter_alignment")
-
-
-@dataclass(frozen=True)
-class Target:
-    """The engine and number of ranks a checkpoint is written for."""
-
-    engine: str  # unsharded | zero1 | zero2 | zero3
-    world_size: int
-
-    @property
-    def stage(self) -> int:
-        """The ZeRO stage; 0 for one process."""
-        return int(self.engine[-1]) if self.engine in ZERO_ENGINES else 0
 
 
 def check_reshards(meta: dict[str, Any]) -> None:
@@ -133,22 +120,6 @@ def check_target(meta: dict[str, Any], engine: str, world_size: int | None) -> T
 
 
 # ------------------------------------------------------------------ the model
-
-
-@dataclass(frozen=True)
-class ModelLayout:
-    """What the trainer's model and optimizer look like, without their values."""
-
-    groups: list[list[str]]  # the optimizer's parameter groups, each parameter's name in order
-    shapes: dict[str, torch.Size]
-    aliases: dict[str, str]  # a tied weight's other name -> the parameter's own name
-    keys: list[str]  # the module's state-dict keys, in order
-    settings: list[dict[str, Any]]  # each group's hyperparameters, as the optimizer saves them
-    param_dtype: torch.dtype
-    master_dtype: torch.dtype  # of DeepSpeed's flat master partitions
-
-    def numel(self, name: str) -> int:
-        return math.prod(self.shapes[name])
 
 
 def model_layout(source: Path, meta: dict[str, Any], strategy: PrecisionStrategy) -> ModelLayout:

@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from collage_train import checkpoint
+from collage_train.checkpoint.param_state import FullState
 from collage_train.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from collage_train.checkpoint.full_state import FullState
 
 UNIVERSAL = "universal"
 COPIED = ("model_config.json", "tokenizer.model")

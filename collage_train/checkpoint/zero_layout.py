@@ -48,12 +48,13 @@ import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from collage_train import checkpoint
-from collage_train.checkpoint.full_state import INDEX_COMPONENTS, FullState
+from collage_train.checkpoint.native_spec import ModelLayout, Target
+from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState
 from collage_train.checkpoint.pieces import (
     Piece,
     zero3_rank_pieces,
@@ -62,9 +63,6 @@ from collage_train.checkpoint.pieces import (
     zero12_rank_pieces,
 )
 from collage_train.errors import CheckpointError, ConfigError
-
-if TYPE_CHECKING:
-    from collage_train.checkpoint.native import ModelLayout, Target
 
 SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default zero_optimization.sub_group_size
 

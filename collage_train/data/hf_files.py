@@ -3,7 +3,8 @@
 transformers guesses wrong from a bare SentencePiece ``tokenizer.model``: it builds a GPT-2
 style tokenizer that drops whitespace and appends a new end-of-text token. So every export
 carries an explicit ``tokenizer.json`` (a Hugging Face ``tokenizers`` pipeline) and a
-``tokenizer_config.json`` naming ``PreTrainedTokenizerFast``, which loads that pipeline as is.
+``tokenizer_config.json`` naming ``PreTrainedTokenizerFast``, which loads that pipeline as is
+(``save_tokenizer`` writes them next to the tokenizer's own file).
 
 For a SentencePiece BPE model the pipeline is built here from the model's pieces: the
 spaces become ``▁`` (with a prefix ``▁`` only if the model adds one; our trained model does
@@ -35,6 +36,17 @@ TOKENIZER_FILENAME = "tokenizer.json"
 BPE_MODEL_TYPE = 2
 # SentencePiece piece types
 PIECE_NORMAL, PIECE_UNKNOWN, PIECE_CONTROL, PIECE_USER_DEFINED = 1, 2, 3, 4
+
+
+def save_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike[str]) -> Path:
+    """Write the tokenizer's own file plus the transformers files into ``directory``.
+
+    ``AutoTokenizer.from_pretrained(directory)`` then encodes every text to the same ids
+    and decodes them back. Returns the path of the tokenizer's own file.
+    """
+    target = tokenizer.copy_to(directory)
+    write_transformers_files(tokenizer, Path(directory))
+    return target
 
 
 def write_transformers_files(tokenizer: Tokenizer, directory: Path) -> None:

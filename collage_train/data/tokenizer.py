@@ -4,8 +4,8 @@
 ``decode``, ``vocab_size``, ``eot_id``). Each is held in one file, ``model_path``, which the
 cache and the checkpoints copy: ``tokenizer.model`` (a SentencePiece model) or
 ``hf_tokenizer.json`` (a Hugging Face ``tokenizers`` tokenizer plus its end-of-text token).
-``save`` also writes the files ``AutoTokenizer.from_pretrained`` reads, giving the same ids
-(``collage_train.data.hf_files``).
+``hf_files.save_tokenizer`` writes that file plus the files ``AutoTokenizer.from_pretrained``
+reads, giving the same ids.
 
 SentencePiece normally collapses whitespace and treats its input as single lines. For the
 trained model the normalizer is the identity, whitespace-only pieces are allowed (so
@@ -218,18 +218,6 @@ class Tokenizer:
     def canonical_filename(self) -> str:
         """The name of the tokenizer's one file in caches and exports."""
         raise NotImplementedError
-
-    def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Write the tokenizer's file plus the transformers files into ``directory``.
-
-        ``AutoTokenizer.from_pretrained(directory)`` then encodes every text to the same ids
-        and decodes them back. Returns the path of the tokenizer's own file.
-        """
-        from collage_train.data.hf_files import write_transformers_files
-
-        target = self.copy_to(directory)
-        write_transformers_files(self, Path(directory))
-        return target
 
 
 class SentencePieceTokenizer(Tokenizer):

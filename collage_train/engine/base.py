@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from collage_train.checkpoint.full_state import FullState
+from collage_train.checkpoint.param_state import FullState
 from collage_train.metrics.edq import layer_group_partials, layer_groups
 from collage_train.optim.base import FlatPieces, TrackingOptimizer, chunk_numel_for
 from collage_train.precision.base import PrecisionStrategy

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from collage_train import checkpoint
-from collage_train.checkpoint.full_state import INDEX_COMPONENTS, FullState
+from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState
 from collage_train.engine.base import (
     CompileBackend,
     Segment,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from collage_train.checkpoint.full_state import INDEX_COMPONENTS, FullState
+from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState
 from collage_train.checkpoint.pieces import Piece
 from collage_train.engine.base import (
     CompileBackend,

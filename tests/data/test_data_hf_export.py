@@ -16,6 +16,7 @@ import sentencepiece as spm
 from transformers import AutoTokenizer
 
 from collage_train.data import DataError, Tokenizer
+from collage_train.data.hf_files import save_tokenizer
 from collage_train.data.tokenizer import HFTokenizer, SentencePieceTokenizer
 
 TEXTS = [
@@ -102,7 +103,7 @@ def test_auto_tokenizer_gives_training_ids_and_decodes_back(
     assert isinstance(tokenizer, HFTokenizer if kind.startswith("hf") else SentencePieceTokenizer)
     lossless = kind != "sentencepiece_defaults"  # NFKC and whitespace collapsing lose text
 
-    tokenizer.save(tmp_path / "hf")
+    save_tokenizer(tokenizer, tmp_path / "hf")
     auto = AutoTokenizer.from_pretrained(tmp_path / "hf")
     reloaded = Tokenizer.load(tmp_path / "hf")
     assert auto.eos_token_id == tokenizer.eot_id == reloaded.eot_id

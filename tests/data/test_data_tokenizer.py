@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collage_train.data import DataError, Tokenizer
+from collage_train.data.hf_files import save_tokenizer
 from collage_train.data.tokenizer import (
     MAX_SENTENCE_CHARS,
     TokenizerSettings,
@@ -105,7 +106,7 @@ def test_pieces_split_after_newlines_encode_exactly(
 
 
 def test_save_and_load(small_tokenizer: Tokenizer, tmp_path: Path) -> None:
-    saved = small_tokenizer.save(tmp_path / "out")
+    saved = save_tokenizer(small_tokenizer, tmp_path / "out")
     assert saved == tmp_path / "out" / "tokenizer.model"
     assert saved.read_bytes() == small_tokenizer.model_path.read_bytes()
     text = TRICKY_TEXTS[1]
