@@ -19,6 +19,8 @@ paper's 192 -> 22 B/param of traffic)         ``triton_kernel.py`` (CUDA), bitwi
                                               the eager step
 which step a run uses, and the parity probe   ``kernels.py`` (``optim.kernel=auto|eager|
 a fused kernel passes before first use        compiled``)
+light's weight with 8-bit blockwise moments   ``eight_bit.py`` (``Collage8bitAdamW``, with
+(the paper's 8-bit extension)                 its fused kernels and its parity probe)
 ============================================  ==============================================
 
 The precision strategies that select it (``collage_light``, ``collage_plus``, and ``bf16``
@@ -28,5 +30,6 @@ the strategies.
 """
 
 from collage_train.optim.collage.adamw import CollageAdamW
+from collage_train.optim.collage.eight_bit import Collage8bitAdamW  # registers its probe
 
-__all__ = ["CollageAdamW"]
+__all__ = ["Collage8bitAdamW", "CollageAdamW"]

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from collage_train.metrics.edq import partials_close
 from collage_train.optim import rounding_noise
 from collage_train.optim.base import (
     STEP_BYTES_PER_ELEMENT,
@@ -63,7 +64,13 @@ from collage_train.optim.base import (
 from collage_train.optim.blockwise8 import BLOCK_SIZE, QuantizedMoment
 from collage_train.optim.blockwise_adamw import MOMENTS, block_chunks
 from collage_train.optim.collage import eight_bit_kernel, mcf
-from collage_train.optim.collage.kernels import EIGHT_BIT_MODE, choose_kernel
+from collage_train.optim.collage.kernels import (
+    EIGHT_BIT_MODE,
+    EIGHT_BIT_PROBE_NUMEL,
+    PROBE_STEPS,
+    choose_kernel,
+    register_parity_probe,
+)
 from collage_train.optim.collage.step_math import step_scalars
 
 # Bytes of temporaries per element of a chunk during the eager step (measured: the peak
@@ -252,3 +259,40 @@ class Collage8bitAdamW(TrackingOptimizer):
         write_back(pending)
         if edq is not None:
             self.last_edq[param] = edq.rows()
+
+
+def eight_bit_matches_eager(device_type: str) -> bool:
+    """``kernels.compiled_matches_eager`` for ``Collage8bitAdamW``: the fused and the eager step
+    of the same state, a partial last block and a block of zero gradients included,
+    with and without EDQ sums; weights, dtheta, codes and absmax compared bitwise."""
+    gen = torch.Generator().manual_seed(0)
+    numel = EIGHT_BIT_PROBE_NUMEL
+    start = (torch.randn(numel, generator=gen) * 0.05).to(device_type, torch.bfloat16)
+    grads = []
+    for _ in range(PROBE_STEPS):  # magnitudes over six decades: v below the smallest code
+        scale = 10.0 ** torch.randint(-6, 1, (numel,), generator=gen).float()
+        grads.append(torch.randn(numel, generator=gen) * scale)
+        grads[-1][256:512] = 0.0
+    params = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    optimizers = [
+        Collage8bitAdamW([p], lr=3e-3, weight_decay=0.1, seed=7, kernel=kernel)
+        for p, kernel in zip(params, ("eager", "compiled"), strict=True)
+    ]
+    for t, grad in enumerate(grads, start=1):
+        sums = []
+        for param, optimizer in zip(params, optimizers, strict=True):
+            param.grad = grad.to(device_type, torch.bfloat16)
+            optimizer.track_edq = t % 2 == 0
+            optimizer.step()
+            sums.append(optimizer.last_edq.get(param))
+        if t % 2 == 0 and not partials_close(sums[0], sums[1]):
+            return False
+    states = [optimizer.state[param] for param, optimizer in zip(params, optimizers, strict=True)]
+    pairs = [(params[0].detach(), params[1].detach())]
+    pairs += [
+        (value, states[1][name]) for name, value in states[0].items() if torch.is_tensor(value)
+    ]
+    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)
+
+
+register_parity_probe(EIGHT_BIT_MODE, eight_bit_matches_eager)

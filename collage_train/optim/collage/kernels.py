@@ -23,6 +23,7 @@ import importlib.util
 import logging
 import os
 import shutil
+from collections.abc import Callable
 
 import torch
 
@@ -42,10 +43,10 @@ AUTO_COMPILE_MIN_PARAMS = 20_000_000
 # The parity probe: a size that is no multiple of any vector or block width, enough
 # steps for the bias corrections and the compensation terms to matter.
 _PROBE_NUMEL = 4099
-_PROBE_STEPS = 6
+PROBE_STEPS = 6
 # The 8-bit step's probe: thread ranges and a partial last block (a 1-ulp difference in
 # one operation shows in about one element in 1e6 steps: many elements, a few steps).
-_EIGHT_BIT_PROBE_NUMEL = 2**16 + 100
+EIGHT_BIT_PROBE_NUMEL = 2**16 + 100
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,19 @@ def compiler_available(device: torch.device) -> bool:
     return any(name and shutil.which(name) for name in compilers)
 
 
+# The parity probe of a fused mode whose optimizer is not CollageAdamW, by mode: given a
+# device type, whether its fused step equals its eager step bitwise. Registered by the
+# module that defines the optimizer (``eight_bit.py`` for EIGHT_BIT_MODE), which the
+# package imports, so that this module imports none of them.
+PARITY_PROBES: dict[str, Callable[[str], bool]] = {}
+
+
+def register_parity_probe(mode: str, probe: Callable[[str], bool]) -> None:
+    """Use ``probe`` as ``compiled_matches_eager``'s check for ``mode``."""
+    PARITY_PROBES[mode] = probe
+    compiled_matches_eager.cache_clear()
+
+
 @functools.cache
 def compiled_matches_eager(mode: str, device_type: str) -> bool:
     """Whether the compiled step of ``mode`` equals the eager one bitwise on this device.
@@ -68,22 +82,27 @@ def compiled_matches_eager(mode: str, device_type: str) -> bool:
     sums, and compares parameters, every state component (bitwise) and the sums (to
     fp32 rounding). The compilation it triggers is the one training would do anyway.
     """
-    if mode == EIGHT_BIT_MODE:
-        return _eight_bit_matches_eager(device_type)
+    if mode in PARITY_PROBES:
+        return PARITY_PROBES[mode](device_type)
+    if mode == EIGHT_BIT_MODE:  # its probe lives with its optimizer (eight_bit.py)
+        raise RuntimeError(
+            "the 8-bit step's parity probe is registered by "
+            "collage_train.optim.collage.eight_bit, which is not imported"
+        )
     gen = torch.Generator().manual_seed(0)
 
     def bf16(scale: float) -> torch.Tensor:
         values = torch.randn(_PROBE_NUMEL, generator=gen) * scale
         return values.to(device=device_type, dtype=torch.bfloat16)
 
-    theta, grads = bf16(0.05), [bf16(1e-2) for _ in range(_PROBE_STEPS)]
+    theta, grads = bf16(0.05), [bf16(1e-2) for _ in range(PROBE_STEPS)]
     # theta, dtheta, exp_avg, exp_avg_sq, dv for the eager and the compiled step
     runs = [[theta.clone()] + [torch.zeros_like(theta) for _ in range(4)] for _ in range(2)]
     steps = (
         functools.partial(collage_tensor_step, mode=mode),
         fused_tensor_step(mode, device_type),
     )
-    for t in range(1, _PROBE_STEPS + 1):
+    for t in range(1, PROBE_STEPS + 1):
         scalars = step_scalars(3e-3 * 0.97**t, 0.9, 0.999, 1e-8, 0.1, t)
         track = t % 2 == 0
         sums = []
@@ -97,42 +116,6 @@ def compiled_matches_eager(mode: str, device_type: str) -> bool:
     return all(
         torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(*runs, strict=True)
     )
-
-
-def _eight_bit_matches_eager(device_type: str) -> bool:
-    """``compiled_matches_eager`` for ``Collage8bitAdamW``: the fused and the eager step
-    of the same state, a partial last block and a block of zero gradients included,
-    with and without EDQ sums; weights, dtheta, codes and absmax compared bitwise."""
-    from collage_train.optim.collage.eight_bit import Collage8bitAdamW
-
-    gen = torch.Generator().manual_seed(0)
-    numel = _EIGHT_BIT_PROBE_NUMEL
-    start = (torch.randn(numel, generator=gen) * 0.05).to(device_type, torch.bfloat16)
-    grads = []
-    for _ in range(_PROBE_STEPS):  # magnitudes over six decades: v below the smallest code
-        scale = 10.0 ** torch.randint(-6, 1, (numel,), generator=gen).float()
-        grads.append(torch.randn(numel, generator=gen) * scale)
-        grads[-1][256:512] = 0.0
-    params = [torch.nn.Parameter(start.clone()) for _ in range(2)]
-    optimizers = [
-        Collage8bitAdamW([p], lr=3e-3, weight_decay=0.1, seed=7, kernel=kernel)
-        for p, kernel in zip(params, ("eager", "compiled"), strict=True)
-    ]
-    for t, grad in enumerate(grads, start=1):
-        sums = []
-        for param, optimizer in zip(params, optimizers, strict=True):
-            param.grad = grad.to(device_type, torch.bfloat16)
-            optimizer.track_edq = t % 2 == 0
-            optimizer.step()
-            sums.append(optimizer.last_edq.get(param))
-        if t % 2 == 0 and not partials_close(sums[0], sums[1]):
-            return False
-    states = [optimizer.state[param] for param, optimizer in zip(params, optimizers, strict=True)]
-    pairs = [(params[0].detach(), params[1].detach())]
-    pairs += [
-        (value, states[1][name]) for name, value in states[0].items() if torch.is_tensor(value)
-    ]
-    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)
 
 
 def choose_kernel(setting: str, device: torch.device, num_params: int, mode: str | None) -> str:
