@@ -11,8 +11,8 @@ verdict is a device tensor; the engine reads it once, before the optimizer step,
 refused step leaves weights, optimizer state and the lr schedule's position exactly as if
 it had not been taken (docs/runs.md, "The step guard").
 
-Invariant: the window changes only through ``accept`` with the verdict that ``judge``
-returned for the same step, so two runs that judge the same values decide the same.
+Invariant: the window changes only through ``accept`` of a verdict that ``judge`` returned,
+so two runs that judge the same values decide the same.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class Verdict:
     reason: torch.Tensor  # int64 index into REASONS
     loss_z: torch.Tensor  # float64 z-scores against the window (0 before min_history)
     grad_norm_z: torch.Tensor
+    values: torch.Tensor  # float64 (loss, grad_norm) as judged: what ``accept`` records
 
 
 class StepGuard:
@@ -69,10 +70,11 @@ class StepGuard:
         device = self.values.device
         new = torch.stack(
             [
-                torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(()),
-                torch.as_tensor(grad_norm, dtype=torch.float64, device=device).reshape(()),
+                torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
+                for v in (loss, grad_norm)
             ]
         )
+        finite = torch.isfinite(new)
         filled = torch.clamp(self.count, max=self.settings.window)
         slots = torch.arange(self.settings.window, device=device) < filled
         n = filled.clamp(min=1).to(torch.float64)
@@ -83,29 +85,21 @@ class StepGuard:
         floor = mean.abs() * 1e-6 + torch.finfo(torch.float64).tiny
         z = (new - mean) / torch.maximum(sd, floor)
         warm = filled >= self.settings.min_history
-        z = torch.where(warm & torch.isfinite(new), z, torch.zeros_like(z))
-        finite = torch.isfinite(new)
+        z = torch.where(warm & finite, z, torch.zeros_like(z))
         spike = z > self.settings.z_threshold
         # the first reason that holds, in REASONS order
         reasons = torch.stack([~finite[0], ~finite[1], spike[0], spike[1]])
         codes = torch.arange(1, len(REASONS), device=device)
         reason = torch.where(reasons, codes, len(REASONS)).min()
         reason = torch.where(reason == len(REASONS), 0, reason)
-        return Verdict(ok=reason == 0, reason=reason, loss_z=z[0], grad_norm_z=z[1])
+        return Verdict(ok=reason == 0, reason=reason, loss_z=z[0], grad_norm_z=z[1], values=new)
 
-    def accept(self, loss: torch.Tensor, grad_norm: torch.Tensor | float, verdict: Verdict) -> None:
-        """Add the step to the window if ``verdict`` applied it (no host read)."""
-        device = self.values.device
-        new = torch.stack(
-            [
-                torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(()),
-                torch.as_tensor(grad_norm, dtype=torch.float64, device=device).reshape(()),
-            ]
-        )
+    def accept(self, verdict: Verdict) -> None:
+        """Add the judged step to the window if ``verdict`` applied it (no host read)."""
         slot = torch.remainder(self.count, self.settings.window)
         column = self.values.index_select(1, slot.reshape(1)).squeeze(1)
         self.values.index_copy_(
-            1, slot.reshape(1), torch.where(verdict.ok, new, column).unsqueeze(1)
+            1, slot.reshape(1), torch.where(verdict.ok, verdict.values, column).unsqueeze(1)
         )
         self.count += verdict.ok.to(torch.int64)
 
@@ -122,10 +116,10 @@ class StepGuard:
         self.count.copy_(state["count"])
 
 
-def describe_skip(step: int, reason: int, loss_z: float, grad_norm_z: float) -> str:
-    """One line naming a refused step and why."""
-    why = REASONS[reason]
-    if why.endswith("spike"):
-        z = loss_z if why.startswith("loss") else grad_norm_z
-        why = f"{why}, z = {z:.1f}" if math.isfinite(z) else why
+def describe_skip(
+    step: int, reason: str, loss_z: float | None = None, grad_norm_z: float | None = None
+) -> str:
+    """One line naming a refused step and why (a spike with its z-score)."""
+    z = {"loss spike": loss_z, "grad-norm spike": grad_norm_z}.get(reason)
+    why = f"{reason}, z = {z:.1f}" if z is not None and math.isfinite(z) else reason
     return f"step {step} skipped ({why})"

@@ -21,7 +21,7 @@ import torch
 from collage_train import determinism
 from collage_train.comm.settings import comm_name, uses_replicas
 from collage_train.data.progress import write_json_atomic
-from collage_train.guard import REASONS, describe_skip
+from collage_train.guard import describe_skip
 from collage_train.metrics import model_flops_utilisation, peak_memory
 
 # The GPU-tested stack (docker/gpu_stack.txt) names torch, transformers, deepspeed and
@@ -134,12 +134,11 @@ def skip_records(trainer: Any, window: list[dict[str, Any]]) -> list[dict[str, A
             "skipped_grad_norm": stats["grad_norm"],
             "skipped_steps": trainer.skipped_steps,
         }
-        line = f"step {stats['step']} skipped ({skip['reason']})"
         if "loss_z" in skip:
             record["loss_z"], record["grad_norm_z"] = skip["loss_z"], skip["grad_norm_z"]
-            line = describe_skip(
-                stats["step"], REASONS.index(skip["reason"]), skip["loss_z"], skip["grad_norm_z"]
-            )
+        line = describe_skip(
+            stats["step"], skip["reason"], skip.get("loss_z"), skip.get("grad_norm_z")
+        )
         record["line"] = f"{line}: loss {stats['loss']:.4g}, grad norm {stats['grad_norm']:.4g}"
         records.append(record)
     return records

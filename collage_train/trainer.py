@@ -412,7 +412,7 @@ class Trainer:
 
         def gate(grad_norm: torch.Tensor | float) -> bool:
             verdict = self.guard.judge(loss, grad_norm)
-            self.guard.accept(loss, grad_norm, verdict)
+            self.guard.accept(verdict)
             verdicts.append(verdict)
             return bool(verdict.ok)
 

@@ -39,7 +39,7 @@ def guard_seconds_per_step(device: torch.device, calls: int) -> float:
         loss, norm = losses[index], norms[index]
         start = time.perf_counter()
         verdict = guard.judge(loss, norm)
-        guard.accept(loss, norm, verdict)
+        guard.accept(verdict)
         bool(verdict.ok)  # the engine's one read (waits for the device on a GPU)
         times.append(time.perf_counter() - start)
     return statistics.median(times[calls // 10 :])  # the first tenth warms up

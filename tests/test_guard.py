@@ -71,7 +71,7 @@ def test_the_verdicts_match_a_float64_reference_through_a_wrapping_window():
         assert bool(verdict.ok) == (code == 0)
         assert verdict.loss_z.item() == pytest.approx(z[0], rel=1e-12, abs=1e-12)
         assert verdict.grad_norm_z.item() == pytest.approx(z[1], rel=1e-12, abs=1e-12)
-        guard.accept(loss_t, norm, verdict)
+        guard.accept(verdict)
         if code == 0:
             history.append((loss, norm))
         seen.add(code)
@@ -84,17 +84,18 @@ def test_no_spike_is_called_before_min_history_and_the_state_round_trips():
     guard = StepGuard(settings, torch.device("cpu"))
     for loss in (1.0, 1.0):
         verdict = guard.judge(torch.tensor(loss), 1.0)
-        guard.accept(torch.tensor(loss), 1.0, verdict)
+        guard.accept(verdict)
     assert bool(guard.judge(torch.tensor(1e6), 1.0).ok)  # two steps: not yet judged
     verdict = guard.judge(torch.tensor(1.0), 1.0)
-    guard.accept(torch.tensor(1.0), 1.0, verdict)
+    guard.accept(verdict)
     assert REASONS[int(guard.judge(torch.tensor(1e6), 1.0).reason)] == "loss spike"
     assert not bool(guard.judge(torch.tensor(1.0), float("nan")).ok)
     restored = StepGuard(settings, torch.device("cpu"))
     restored.load_state_dict(guard.state_dict())
     assert torch.equal(restored.values, guard.values) and int(restored.count) == 3
-    line = describe_skip(7, REASONS.index("loss spike"), 9.25, 0.0)
+    line = describe_skip(7, "loss spike", 9.25, 0.0)
     assert line == "step 7 skipped (loss spike, z = 9.2)"
+    assert describe_skip(3, "non-finite loss") == "step 3 skipped (non-finite loss)"
 
 
 # ------------------------------------------------------------------ runs
