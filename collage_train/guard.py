@@ -7,12 +7,15 @@ held on the device: the step is refused when either value is non-finite, or, onc
 window holds ``guard.min_history`` steps, when either lies more than ``guard.z_threshold``
 standard deviations above the window's mean (the test of OLMo-core's skip-step
 optimizer; only upward spikes count, a falling loss is the point of training). The
-verdict is a device tensor; the engine reads it once, before the optimizer step, and a
-refused step leaves weights, optimizer state and the lr schedule's position exactly as if
-it had not been taken (docs/runs.md, "The step guard").
+verdict is a device tensor, and a refused step leaves weights, optimizer state and the lr
+schedule's position exactly as if it had not been taken (docs/runs.md, "The step guard").
+Where the optimizer can mask its update with it (one process and ZeRO), the host never
+waits for it: the step runs masked (``admit``), every later step is held back until the
+host reads the verdicts at its next settle and takes the held steps again. Elsewhere
+(replicas, optimizers that cannot mask) the engine reads it before the optimizer step.
 
-Invariant: the window changes only through ``accept`` of a verdict that ``judge`` returned,
-so two runs that judge the same values decide the same.
+Invariant: the window changes only through ``accept`` or ``admit`` of a verdict that
+``judge`` returned, so two runs that judge the same values decide the same.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class StepGuard:
         self.settings = settings
         self.values = torch.zeros(2, settings.window, dtype=torch.float64, device=device)
         self.count = torch.zeros((), dtype=torch.int64, device=device)  # applied steps seen
+        # A step judged since the last ``release`` was refused: ``admit`` holds back the rest.
+        self.holding = torch.zeros((), dtype=torch.bool, device=device)
 
     def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor | float) -> Verdict:
         """The verdict on a step with this ``loss`` and ``grad_norm``, without a host read."""
@@ -96,12 +101,31 @@ class StepGuard:
 
     def accept(self, verdict: Verdict) -> None:
         """Add the judged step to the window if ``verdict`` applied it (no host read)."""
+        self._record(verdict.ok, verdict.values)
+
+    def admit(self, verdict: Verdict) -> torch.Tensor:
+        """Whether the judged step is applied, decided on the device for a host that reads it
+        only at its next settle: as ``verdict`` says, unless a step judged since the last
+        ``release`` was refused. Such a later step is held back (the host, learning of the
+        refusal at the settle, takes it again with the counters the refusal leaves), so every
+        step runs with the lr and bias corrections of the applied steps before it. Records
+        an applied step in the window, as ``accept`` does; no host read."""
+        ok = verdict.ok & ~self.holding
+        self.holding |= ~verdict.ok
+        self._record(ok, verdict.values)
+        return ok
+
+    def release(self) -> None:
+        """The host has settled every step judged so far: ``admit`` holds nothing back."""
+        self.holding.zero_()
+
+    def _record(self, applied: torch.Tensor, values: torch.Tensor) -> None:
         slot = torch.remainder(self.count, self.settings.window)
         column = self.values.index_select(1, slot.reshape(1)).squeeze(1)
         self.values.index_copy_(
-            1, slot.reshape(1), torch.where(verdict.ok, verdict.values, column).unsqueeze(1)
+            1, slot.reshape(1), torch.where(applied, values, column).unsqueeze(1)
         )
-        self.count += verdict.ok.to(torch.int64)
+        self.count += applied.to(torch.int64)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"values": self.values.cpu().clone(), "count": self.count.cpu().clone()}

@@ -13,6 +13,7 @@ model and optimizer state through the engine (``run_checkpoint``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import time
@@ -147,6 +148,15 @@ class Trainer:
         self.guard_settings = GuardSettings.from_config(train.guard)
         self.guard = StepGuard(self.guard_settings, self.device) if train.guard.enabled else None
         self.skip_run: list[int] = []  # the steps skipped in a row, up to the last one
+        # Whether the guard's verdict gates the update on the device, read by the host only
+        # at the next settle (one process and ZeRO, with an optimizer that masks its step).
+        self.verdicts_on_device = (
+            self.guard is not None
+            and not self.engine.independent_replicas
+            and getattr(self.optimizer, "masks_on_device", False)
+        )
+        # Batches of steps held back behind a refused one, to be taken again (``_rewind``).
+        self.held_batches: collections.deque[torch.Tensor] = collections.deque()
         self.skips: list[dict[str, Any]] = []  # settled skips: step, reason, z-scores
         self.rollbacks: list[dict[str, Any]] = []  # {"from_step", "to_step", "skipped"}
         self.hf_tokenizer: Any = None  # for downstream tasks, built at their first evaluation
@@ -345,9 +355,15 @@ class Trainer:
         """
         data_time = 0.0
         loss_sum = torch.zeros((), device=self.device)
+        # what taking this step again needs, should its verdict (read later) refuse an
+        # earlier one: the RNG before it, its batches and the lr schedule's position
+        redo = self._redo_point()
         for _ in range(self.accum_steps):
             fetch_start = time.perf_counter()
-            batch = to_device(self.data.train_loader.next_batch(), self.device)
+            host_batch = self._next_batch()
+            if redo is not None:
+                redo["batches"].append(host_batch)
+            batch = to_device(host_batch, self.device)
             data_time += time.perf_counter() - fetch_start
             with self.cpu_bf16_gemm.context(compiled=self.cfg.train.compile):
                 loss = self._loss(batch)
@@ -367,7 +383,7 @@ class Trainer:
         guard_loss = self._guard_loss(loss_sum) if self.guard is not None else None
         gate = self._gate(guard_loss, verdicts) if guard_loss is not None else None
         outcome = self.engine.step(lr, track_edq, gate)  # clips, steps, clears gradients
-        if guard_loss is not None and not outcome.applied and not verdicts:
+        if guard_loss is not None and outcome.applied is False and not verdicts:
             # refused before the gate was asked (DeepSpeed's overflow check): say why
             verdicts.append(self.guard.judge(guard_loss, outcome.grad_norm))
         edq = outcome.edq
@@ -376,13 +392,7 @@ class Trainer:
             # its rows: every replica's settle reduces tensors of the same size
             edq = torch.zeros(len(self.layer_groups), len(EDQ_FIELDS), device=self.device)
         self.step += 1
-        if outcome.applied:
-            self.applied_steps += 1
-            self.skip_run.clear()
-        else:
-            self.skipped_steps += 1
-            self.skip_run.append(self.step)
-        return {
+        stats = {
             "step": self.step,
             "loss": loss_sum,
             "lr": lr,
@@ -390,8 +400,80 @@ class Trainer:
             "data_time": data_time,
             "edq": edq,
             "applied": outcome.applied,
-            "verdict": verdicts[0] if verdicts and not outcome.applied else None,
+            "verdict": verdicts[0] if verdicts and outcome.applied is not True else None,
         }
+        if redo is not None:
+            stats["redo"] = redo
+        if torch.is_tensor(outcome.applied):  # known at the next settle (``_rewind``)
+            stats["masked"] = True
+            self.applied_steps += 1
+        elif outcome.applied:
+            self.applied_steps += 1
+            self.skip_run.clear()
+        else:
+            self.skipped_steps += 1
+            self.skip_run.append(self.step)
+        return stats
+
+    def _next_batch(self) -> torch.Tensor:
+        """The next micro-batch on the host: one held back behind a refused step, else the
+        loader's next."""
+        if self.held_batches:
+            return self.held_batches.popleft()
+        return self.data.train_loader.next_batch()
+
+    def _redo_point(self) -> dict[str, Any] | None:
+        """What taking the coming step again needs, should the verdict on it or on an earlier
+        step (read at the next settle) refuse it: the RNG state and counters it starts
+        from; its batches are added as they are drawn. None where verdicts are read at
+        once."""
+        if not self.verdicts_on_device:
+            return None
+        rng = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)  # kept on the host: no wait
+        return {
+            "rng": rng,
+            "batches": [],
+            "applied_steps": self.applied_steps,
+            "skipped_steps": self.skipped_steps,
+            "skip_run": list(self.skip_run),
+        }
+
+    def _rewind(self, window: list[dict[str, Any]]) -> int | None:
+        """Act on the verdicts of the settled ``window`` that stayed on the device.
+
+        Every step from the first refused one on changed nothing (the refused one by its
+        verdict, the later ones held back by the guard: ``StepGuard.admit``). The trainer
+        goes back to just after the refused step as if it had been refused at once: the
+        counters and RNG it started from, the optimizer's step counts taken back, the
+        batches of the held steps queued to be taken again. Returns how many steps of
+        ``window`` stand (the refused one last), or None when none was refused.
+        """
+        redos = [stats.pop("redo", None) for stats in window]
+        masked = [stats.pop("masked", False) for stats in window]
+        if not window or redos[0] is None:
+            return None
+        refused = next((i for i, s in enumerate(window) if masked[i] and not s["applied"]), None)
+        stand = len(window) if refused is None else refused + 1
+        run = redos[0]["skip_run"]  # the steps skipped in a row, recounted in step order
+        for stats in window[:stand]:
+            run = [] if stats["applied"] else [*run, stats["step"]]
+        self.skip_run = run
+        if refused is None:
+            return None
+        redo = redos[refused]
+        self.step = window[refused]["step"]
+        self.applied_steps = redo["applied_steps"]
+        self.skipped_steps = redo["skipped_steps"] + 1
+        self.optimizer.rewind_steps(sum(masked[refused:]))
+        again = [batch for later in redos[refused + 1 :] for batch in later["batches"]]
+        self.held_batches.extendleft(reversed(again))
+        torch.set_rng_state(redo["rng"]["torch"])
+        if "cuda" in redo["rng"]:
+            torch.cuda.set_rng_state(redo["rng"]["cuda"], self.device)
+        self.guard.release()
+        return stand
 
     def _guard_loss(self, loss_share: torch.Tensor) -> torch.Tensor:
         """The loss the step guard judges: the step's mean over the ranks that step in
@@ -407,16 +489,20 @@ class Trainer:
 
     def _gate(self, loss: torch.Tensor, verdicts: list[Verdict]) -> StepGate:
         """The step guard's gate for this step (``engine.base.StepGate``): judges ``loss``
-        and the gradient norm the engine hands it, records the step in the guard's window
-        if applied, and answers with the one host read of the step."""
+        and the gradient norm the engine hands it and records the step in the guard's
+        window if applied. On the device (``verdicts_on_device``) the answer masks the
+        update, and a step after a refused one is held back until the settle; otherwise
+        the engine reads it, the one host read of the step."""
 
-        def gate(grad_norm: torch.Tensor | float) -> bool:
+        def judge(grad_norm: torch.Tensor | float) -> torch.Tensor:
             verdict = self.guard.judge(loss, grad_norm)
-            self.guard.accept(verdict)
             verdicts.append(verdict)
-            return bool(verdict.ok)
+            if self.verdicts_on_device:
+                return self.guard.admit(verdict)
+            self.guard.accept(verdict)
+            return verdict.ok
 
-        return gate
+        return StepGate(judge=judge, on_device=self.verdicts_on_device)
 
     def _settle(self, window: list[dict[str, Any]], *, since: float) -> None:
         """Settle ``window``'s statistics as host numbers (``metrics.step_window.settle``)."""
@@ -533,11 +619,20 @@ class Trainer:
                 first = self.step == start_step + 1  # settled alone: it pays for warm-up
                 # every rank of a lockstep engine knows the skips alike: roll back at once
                 stuck = self._stuck() and not self.engine.independent_replicas
-                if not (log or validate or save or first or stopping or downstream or stuck):
+                # after a refused step whose verdict stayed on the device, settle each step
+                # until one is applied: a run of refusals is then found a step at a time
+                careful = self.verdicts_on_device and bool(self.skip_run)
+                due = log or validate or save or first or stopping or downstream
+                if not (due or stuck or careful):
                     continue  # the host runs ahead; nothing waits for the device
                 if first and train.async_checkpoint:  # the optimizer holds its state now
                     self.saver.prepare(self.state_dict())
                 self._settle(history[settled:], since=window_start)
+                stand = self._rewind(history[settled:])
+                moved_back = stand is not None and settled + stand < len(history)
+                if moved_back:  # back to just after a refused step, before this settle
+                    del history[settled + stand :]
+                    logged = min(logged, len(history))
                 for record in report.skip_records(self, history[settled:]):
                     self._notice(f"warning: {record.pop('line')}")
                     emit(record)
@@ -546,6 +641,13 @@ class Trainer:
                     with self.watchdog.paused():
                         emit(self._roll_back())
                     logged = len(history)
+                    window_start = time.perf_counter()
+                    continue
+                if moved_back or (stopping and self.held_batches):
+                    # the held steps are taken again first (a stop waits for them: a
+                    # checkpoint's loader position is past their batches); what this
+                    # settle was due for comes when its step is reached again. (A step
+                    # due for a log, a check or a save ends its window: none is held.)
                     window_start = time.perf_counter()
                     continue
                 if log or stopping:

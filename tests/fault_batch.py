@@ -35,9 +35,10 @@ def parse_steps(text: str) -> Callable[[int], bool]:
 def inject(trainer_class: type, kind: str, steps: str) -> None:
     """Patch ``trainer_class`` (``collage_train.trainer.Trainer``) with the fault.
 
-    Steps are counted as the run takes them: a step taken again after a
-    rollback is a later one, with other batches, as in a run whose bad batches were
-    transient (``"6,7"``) or persistent (``"6-"``: every batch from the 6th step's on).
+    Steps are counted as the run draws their batches from the loader: a step taken again
+    after a rollback is a later one, with other batches, as in a run whose bad batches
+    were transient (``"6,7"``) or persistent (``"6-"``: every batch from the 6th step's
+    on); a batch taken again behind a refused step (``Trainer._rewind``) keeps its fault.
     """
     bad = parse_steps(steps)
     step = trainer_class._step
@@ -55,26 +56,25 @@ def inject(trainer_class: type, kind: str, steps: str) -> None:
         trainer_class._step = step_without_bad_batches
         return
     factor = {"nan": float("nan"), "spike": SPIKE}[kind]
-    loss = trainer_class._loss
+    loss, next_batch = trainer_class._loss, trainer_class._next_batch
+    drawn, mark = f"_batches_drawn_{kind}", f"_fault_{kind}"  # one per fault: faults stack
 
-    counter = f"_steps_taken_{kind}"  # one per fault: faults stack
-
-    def step_with_bad_batches(self) -> dict:
-        taken = getattr(self, counter, 0) + 1
-        setattr(self, counter, taken)
+    def next_batch_with_faults(self) -> torch.Tensor:
+        batch = next_batch(self)
+        if not hasattr(batch, mark):  # drawn for the first time: the batch of which step?
+            count = getattr(self, drawn, 0) + 1
+            setattr(self, drawn, count)
+            setattr(batch, mark, bad(-(-count // self.accum_steps)))
         self._fault_factors = getattr(self, "_fault_factors", {})
-        self._fault_factors[kind] = factor if bad(taken) else None
-        try:
-            return step(self)
-        finally:
-            self._fault_factors[kind] = None
+        self._fault_factors[kind] = factor if getattr(batch, mark) else None
+        return batch
 
     def faulty_loss(self, batch: torch.Tensor) -> torch.Tensor:
         value = loss(self, batch)
         chosen = getattr(self, "_fault_factors", {}).get(kind)
         return value if chosen is None else value * chosen
 
-    trainer_class._step = step_with_bad_batches
+    trainer_class._next_batch = next_batch_with_faults
     trainer_class._loss = faulty_loss
 
 

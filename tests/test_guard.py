@@ -167,6 +167,48 @@ def test_a_nan_and_a_spike_are_skipped_as_if_their_batches_were_never_there(
     assert [r["skipped_steps"] for r in train] == [0] * 5 + [1, 1, 2, 2, 2]
 
 
+@pytest.mark.parametrize("precision", ["collage_plus", "mixed_fp32"])
+def test_steps_held_back_behind_a_refused_one_are_taken_again(
+    make_cfg, tmp_path, patched_trainer, precision
+):
+    """The verdicts stay on the device until the settle at step 8 (log_every=4): step 5's NaN
+    refuses it and holds steps 6-8 back; read at the settle, the run goes back to just
+    after step 5 and takes 6-8 again, finding step 7's spike a step at a time. Every
+    step's record comes once, and the run ends with the bits of one that never saw
+    batches 5 and 7."""
+    faulty, clean = patched_trainer(), patched_trainer()
+    inject(faulty, "nan", "5")
+    inject(faulty, "spike", "7")
+    inject(clean, "drop", "5,7")
+    taken = []  # the step each call of _step takes
+    step = faulty._step
+    faulty._step = lambda self: taken.append(self.step + 1) or step(self)
+    run = (
+        "train.max_steps=12",
+        f"precision={precision}",
+        "train.eval_every=12",
+        "logging.log_every=4",
+    )
+    sink = RecordingSink()
+    guarded, summary = _run(make_cfg, tmp_path / "a", faulty, *run, sink=sink)
+    reference, _ = _run(make_cfg, tmp_path / "b", clean, *run, "train.stop_at_step=10")
+    assert guarded.verdicts_on_device
+    # 6-8 again after step 5's refusal is read at 8; 8 again after step 7's
+    assert taken == [*range(1, 9), 6, 7, 8, *range(8, 13)]
+    assert guarded.applied_steps == reference.applied_steps == 10
+    _assert_same_state(guarded, reference)
+    assert [(s["step"], s["reason"]) for s in summary["skips"]] == [
+        (5, "non-finite loss"),
+        (7, "loss spike"),
+    ]
+    assert summary["skipped_steps"] == 2 and not guarded.held_batches
+    skipped = [r["step"] for r in sink.records if "skip_reason" in r]
+    train = [r for r in sink.records if "loss" in r]
+    assert skipped == [5, 7] and [r["step"] for r in train] == [4, 8, 12]
+    assert [r["skipped_steps"] for r in train] == [0, 2, 2]
+    assert all(math.isfinite(r["loss"]) for r in train)
+
+
 def test_the_guard_off_trains_bit_for_bit_as_the_guard_on_without_a_fault(
     make_cfg, tmp_path, patched_trainer
 ):
@@ -298,7 +340,14 @@ def test_one_zero_rank_skips_a_spike_as_if_its_batch_were_never_there(
     faulty, clean = patched_trainer(), patched_trainer()
     inject(faulty, "spike", "6")
     inject(clean, "drop", "6")
-    run = (f"distributed={stage}", "precision=collage_plus", "train.max_steps=8")
+    # logged every 4 steps: the spike's verdict is read at step 8, steps 7 and 8 are held
+    # back behind it and taken again
+    run = (
+        f"distributed={stage}",
+        "precision=collage_plus",
+        "train.max_steps=8",
+        "logging.log_every=4",
+    )
     states = []
     for trainer_class, extra, name in ((faulty, (), "a"), (clean, ("train.stop_at_step=7",), "b")):
         (tmp_path / name).mkdir()

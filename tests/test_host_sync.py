@@ -10,9 +10,11 @@ engine's collectives, each attributed to the phase of the loop that made it: a s
 checkpointed steps). Under ZeRO only reads made by this project's code count: what
 DeepSpeed's own step needs is DeepSpeed's.
 
-The step guard (``train.guard``, on by default) reads its verdict once per step, before
-the optimizer step, and under ZeRO sums the step's loss over the ranks (one one-element
-all-reduce): that and nothing else is allowed per step with it on, nothing with it off.
+The step guard (``train.guard``, on by default) adds no read where the optimizer masks
+its update with the verdict on the device (collage_train/guard.py); with an optimizer
+that cannot, it reads its verdict once per step, before the optimizer step. Under ZeRO it
+sums the step's loss over the ranks (one one-element all-reduce). That and nothing else
+is allowed per step with it on, nothing with it off.
 """
 
 from __future__ import annotations
@@ -162,17 +164,26 @@ def assert_syncs_only_when_settling(
 
 
 @pytest.mark.parametrize(
-    ("precision", "guard"),
-    [("mixed_fp32", "false"), ("collage_plus", "false"), ("bf16", "false"), ("bf16", "true")],
+    ("precision", "guard", "guard_reads"),
+    [
+        ("mixed_fp32", "true", 0),
+        ("collage_plus", "true", 0),
+        ("bf16", "true", 0),
+        ("bf16", "false", 0),
+        ("adamw_8bit", "true", 1),  # its optimizer cannot mask a step: the verdict is read
+    ],
 )
-def test_single_process_steps_never_wait_for_the_device(make_cfg, tmp_path, precision, guard):
+def test_single_process_steps_never_wait_for_the_device(
+    make_cfg, tmp_path, precision, guard, guard_reads
+):
     cfg = make_cfg(f"precision={precision}", f"train.guard.enabled={guard}", *RUN)
     sink = RecordingSink()
     trainer = Trainer(cfg, tmp_path / "run")
+    assert trainer.verdicts_on_device == (guard == "true" and guard_reads == 0)
     with counting(trainer, only_ours=True) as counter:
         summary = trainer.fit([sink])
     assert summary["steps"] == 12 and summary["skipped_steps"] == 0
-    assert_syncs_only_when_settling(counter, guard_reads=int(guard == "true"))
+    assert_syncs_only_when_settling(counter, guard_reads=guard_reads)
     logged = [record for record in sink.records if "loss" in record]
     assert [record["step"] for record in logged] == [4, 8, 12]
     for record in logged:  # what a window reports: numbers, EDQ included
@@ -192,8 +203,9 @@ def test_zero_steps_add_no_waits_of_their_own(make_cfg, tmp_path, monkeypatch):
             trainer.fit()
     finally:
         trainer.engine.close()
-    # one rank: the guard's loss sum over ranks has no one to sum with
-    assert_syncs_only_when_settling(counter, guard_reads=1, guard_collectives=0)
+    # one rank: the guard's loss sum over ranks has no one to sum with; its verdict masks
+    # the client optimizer's step on the device
+    assert_syncs_only_when_settling(counter, guard_reads=0, guard_collectives=0)
 
 
 def test_a_nan_between_logged_steps_is_caught_before_the_next_checkpoint(make_cfg, tmp_path):

@@ -17,6 +17,7 @@ innocuous). A bf16 FMA is allowed only in these two forms.
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -45,13 +46,20 @@ _FORBIDDEN = {
 
 
 def compile_ptx(
-    mode: str, track: bool, write_update: bool, capability: int, n_type: str = "i32", **options
+    mode: str,
+    track: bool,
+    write_update: bool,
+    capability: int,
+    n_type: str = "i32",
+    gated: bool = False,
+    **options,
 ) -> str:
     """PTX of one variant of the kernel for ``sm_<capability>``."""
     constexprs = {
         "MODE": _MODES[mode],
         "TRACK": track,
         "WRITE_UPDATE": write_update,
+        "GATED": gated,
         "BLOCK": BLOCK,
         "R": False,  # the branch GPUs run: the conversion instruction rounds
     }
@@ -61,6 +69,8 @@ def compile_ptx(
             return "constexpr"
         if name == "partials_ptr":
             return "*fp32"
+        if name == "keep_ptr":
+            return "*i1"
         if name.endswith("_ptr"):
             return "*bf16"
         return n_type if name == "n" else "fp32"  # the step's scalars
@@ -94,10 +104,10 @@ def violations(ptx: str) -> list[str]:
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("mode", ["none", "light", "plus"])
 def test_every_launched_variant_compiles_to_exact_ptx(mode, capability):
-    for track, write_update in _CALLS.values():
-        ptx = compile_ptx(mode, track, write_update, capability)
+    for (track, write_update), gated in itertools.product(_CALLS.values(), (False, True)):
+        ptx = compile_ptx(mode, track, write_update, capability, gated=gated)
         assert f".target sm_{capability}" in ptx
-        assert violations(ptx) == [], (mode, track, write_update)
+        assert violations(ptx) == [], (mode, track, write_update, gated)
         assert re.search(r"\bdiv\.rn\.f32\b", ptx) and re.search(r"\bsqrt\.rn\.f32\b", ptx)
         assert re.search(r"\bcvt\.rn\.bf16(x2)?\.f32\b", ptx)
 

@@ -2,7 +2,9 @@
 
 Called by tests/test_fused_optimizer.py in a subprocess (the interpreter is chosen when
 Triton kernels are defined, so it needs a fresh interpreter). Exits non-zero with a
-message on the first mismatch. Two passes, both bitwise:
+message on the first mismatch. Step 2 runs under a False ``mask`` with a NaN in its
+gradient (the step guard refusing it: nothing may change), step 4 under a True one.
+Two passes, both bitwise:
 
 1. the kernel's interpreter branch (``bit_rounding``: bf16 rounding done on the bits),
    under the stock interpreter, whose fp32 -> bf16 cast truncates;
@@ -54,13 +56,27 @@ def check(mode: str, numel: int, bit_rounding: bool = True) -> None:
         scalars = step_scalars(3e-3 * 0.97**t, 0.9, 0.999, 1e-8, 0.1, t)
         track, return_update = t % 2 == 0, t == 3
         track = track or return_update
+        # the step guard's mask: step 2 refused (with a NaN gradient), step 4 applied
+        mask = {2: torch.tensor(False), 4: torch.tensor(True)}.get(t)
+        if t == 2:
+            grad[numel // 2] = float("nan")
+        before = [[x.clone() for x in run] for run in runs]
         results = []
         for (p, dtheta, m, v, dv), step in zip(runs, steps, strict=True):
             dtheta = dtheta if mode != "none" else None
             dv = dv if mode == "plus" else None
             results.append(
-                step(p, dtheta, m, v, dv, grad, *scalars, track=track, return_update=return_update)
-            )
+                step(
+                    p, dtheta, m, v, dv, grad, *scalars,
+                    track=track, return_update=return_update, mask=mask,
+                )
+            )  # fmt: skip
+        if t == 2:
+            for run, kept in zip(runs, before, strict=True):
+                pairs = zip(run, kept, strict=True)
+                same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in pairs)
+                assert same, "a refused step wrote"
+            assert all(torch.equal(r, torch.zeros_like(r)) for r in results), "refused sums"
         if return_update:
             assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
         elif track:

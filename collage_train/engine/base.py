@@ -31,10 +31,22 @@ from collage_train.precision.base import PrecisionStrategy
 Segment = tuple[str, int, int]
 # What ``torch.compile`` takes as its backend: a name ("inductor") or a backend callable.
 CompileBackend = str | Callable[..., Any]
-# Given a step's global gradient norm (before clipping), whether to apply the step
-# (``Trainer``'s step guard, collage_train/guard.py). An engine calls it once per step on
-# every rank, after the norm is known and before the optimizer changes anything.
-StepGate = Callable[[torch.Tensor | float], bool]
+
+
+@dataclass(frozen=True)
+class StepGate:
+    """The step guard's say over one step (``Trainer``, collage_train/guard.py).
+
+    An engine calls ``judge`` once per step on every rank with the step's global gradient
+    norm (before clipping), after the norm is known and before the optimizer changes
+    anything; it returns whether to apply the step, a 0-d bool device tensor.
+    ``on_device``: the engine hands that tensor to the optimizer as its ``step_mask``
+    (``optim.base.TrackingOptimizer``) and never reads it; else the engine reads it and
+    skips a refused step (the one host read of the step).
+    """
+
+    judge: Callable[[torch.Tensor | float], torch.Tensor]
+    on_device: bool = False
 
 
 @dataclass(frozen=True)
@@ -44,7 +56,8 @@ class StepOutcome:
     Attributes:
         grad_norm: the gradient norm before clipping, of the whole model.
         applied: False when the update was skipped: refused by the step gate, or by
-            DeepSpeed's own overflow check (then the gate was not asked).
+            DeepSpeed's own overflow check (then the gate was not asked); the gate's
+            device tensor when it masked the update (``StepGate.on_device``).
         edq: this rank's EDQ partial sums, one row of ``metrics.edq.FIELDS`` per
             layer group (``metrics.edq.layer_groups`` order); None unless the step
             was tracked and applied. The trainer sums them over ranks.
@@ -54,7 +67,7 @@ class StepOutcome:
     """
 
     grad_norm: torch.Tensor | float
-    applied: bool
+    applied: bool | torch.Tensor
     edq: torch.Tensor | None = None
 
 
@@ -171,7 +184,7 @@ def step_tracked(
     device: torch.device,
     lr: float,
     track_edq: bool,
-    apply: Callable[[StepGate | None], tuple[torch.Tensor | float, bool]],
+    apply: Callable[[StepGate | None], tuple[torch.Tensor | float, bool | torch.Tensor]],
     gate: StepGate | None = None,
 ) -> StepOutcome:
     """Set ``lr`` on every parameter group, run ``apply(gate)`` (the engine's own
@@ -184,7 +197,7 @@ def step_tracked(
     try:
         grad_norm, applied = apply(gate)
         edq = None
-        if track_edq and applied:
+        if track_edq and applied is not False:  # a masked step's partials: zero if refused
             edq = layer_group_partials(
                 optimizer.last_edq, optimizer.edq_segments, layer_groups(model), device
             )
@@ -201,13 +214,16 @@ def unchanged(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
 class GateOnce:
     """``gate`` asked at most once per step, however many times the optimizer's ``step`` is
     called in it (DeepSpeed steps the client optimizer once per parameter group), with
-    the gradient norm that ``read_norm`` returns at the first call."""
+    the gradient norm that ``read_norm`` returns at the first call: the verdict's device
+    tensor where the optimizer masks its step with it (``StepGate.on_device``), else read
+    as a bool."""
 
     def __init__(self, gate: StepGate, read_norm: Callable[[], torch.Tensor | float]) -> None:
         self.gate, self.read_norm = gate, read_norm
-        self.decision: bool | None = None  # None: not asked (the optimizer never stepped)
+        self.decision: bool | torch.Tensor | None = None  # None: not asked (never stepped)
 
-    def __call__(self) -> bool:
+    def __call__(self) -> bool | torch.Tensor:
         if self.decision is None:
-            self.decision = bool(self.gate(self.read_norm()))
+            ok = self.gate.judge(self.read_norm())
+            self.decision = ok if self.gate.on_device else bool(ok)
         return self.decision

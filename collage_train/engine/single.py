@@ -108,16 +108,28 @@ class SingleProcessEngine:
             self.optimizer, self.model, self.device, lr, track_edq, self._apply, gate
         )
 
-    def _apply(self, gate: StepGate | None) -> tuple[torch.Tensor, bool]:
+    def _apply(self, gate: StepGate | None) -> tuple[torch.Tensor, bool | torch.Tensor]:
         grad_norm = clip_grad_norm(self.model.parameters(), self.grad_clip)  # stays on device
-        if gate is not None and not gate(grad_norm):  # refused: nothing changes
-            self.optimizer.zero_grad(set_to_none=True)
-            return grad_norm, False
-        self.optimizer.step()
+        applied: bool | torch.Tensor = True
+        if gate is not None:
+            applied = gate.judge(grad_norm)
+            if not gate.on_device:
+                applied = bool(applied)  # the step's one host read
+            if applied is False:  # refused: nothing changes
+                self.optimizer.zero_grad(set_to_none=True)
+                return grad_norm, False
+        if torch.is_tensor(applied):  # the update masked on the device: nothing read here
+            self.optimizer.step_mask = applied
+            try:
+                self.optimizer.step()
+            finally:
+                self.optimizer.step_mask = None
+        else:
+            self.optimizer.step()
         if self._state_bytes is None:  # gradients are still present here
             self._state_bytes = model_state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, True
+        return grad_norm, applied
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

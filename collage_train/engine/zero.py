@@ -317,7 +317,7 @@ class ZeroEngine:
             self.optimizer, self.model, self.device, lr, track_edq, self._apply, gate
         )
 
-    def _apply(self, gate: StepGate | None) -> tuple[torch.Tensor | float, bool]:
+    def _apply(self, gate: StepGate | None) -> tuple[torch.Tensor | float, bool | torch.Tensor]:
         # DeepSpeed computes the global norm and then steps the client optimizer (once per
         # parameter group), which asks the gate first (TrackingOptimizer.step_gate).
         once = None
@@ -332,8 +332,11 @@ class ZeroEngine:
             self._state_bytes = self._measure_state_bytes()
         grad_norm = self.ds.get_global_grad_norm()  # a device tensor: left to the trainer
         grad_norm = grad_norm if grad_norm is not None else float("nan")
-        refused = once is not None and once.decision is False
-        return grad_norm, bool(self.ds.was_step_applied()) and not refused
+        if not self.ds.was_step_applied():  # DeepSpeed's overflow check: the gate unasked
+            return grad_norm, False
+        if once is not None and torch.is_tensor(once.decision):  # masked on the device
+            return grad_norm, once.decision
+        return grad_norm, not (once is not None and once.decision is False)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor)

@@ -30,11 +30,16 @@ def verdict_row(verdict: Verdict) -> torch.Tensor:
     return torch.stack([part.to(torch.float64) for part in parts])
 
 
-def _loss_row(share: torch.Tensor, applied: bool) -> torch.Tensor:
+def _loss_row(share: torch.Tensor, applied: bool | torch.Tensor) -> torch.Tensor:
     """A step's loss share as (applied share, refused share, applied ranks): summed over
-    ranks, the parts of a step that some ranks refused stay apart."""
+    ranks, the parts of a step that some ranks refused stay apart. ``applied`` may be the
+    step guard's device verdict (then nothing is read here)."""
     share = share.reshape(1).to(torch.float64)
     zero = torch.zeros_like(share)
+    if torch.is_tensor(applied):
+        ok = applied.reshape(1)
+        applied_share, refused_share = torch.where(ok, share, zero), torch.where(ok, zero, share)
+        return torch.cat([applied_share, refused_share, ok.to(share.dtype)])
     return torch.cat([share, zero, zero + 1] if applied else [zero, share, zero])
 
 
@@ -54,7 +59,9 @@ def settle(
     ``window`` holds one dict per step with ``loss`` (this rank's share of the mean),
     ``grad_norm`` (already global), ``edq`` (``StepOutcome.edq`` or None) and, for a step
     the step guard refused, ``applied`` False and its ``verdict`` (``guard.Verdict``, or
-    None where DeepSpeed's overflow check refused it first); afterwards ``loss`` and
+    None where DeepSpeed's overflow check refused it first); ``applied`` may also be the
+    guard's device verdict, with the ``verdict`` beside it, and becomes a bool here (a
+    refused step's EDQ then None); afterwards ``loss`` and
     ``grad_norm`` are floats, ``edq`` the EDQ metrics (``layer_group_metrics``), ``time``
     the window's wall time per step, and a refused step's ``skip`` says why
     (``guard.REASONS``) with the z-scores. A step's loss is the mean over the ranks that
@@ -68,6 +75,8 @@ def settle(
     local = [torch.as_tensor(s["grad_norm"], dtype=torch.float64).reshape(1) for s in window]
     judged = [s for s in window if s.get("verdict") is not None]
     local += [verdict_row(s["verdict"]) for s in judged]
+    on_device = [s for s in window if torch.is_tensor(s.get("applied"))]
+    local += [s["applied"].to(torch.float64).reshape(1) for s in on_device]
     flat = torch.cat([t.to(device, torch.float64) for t in reduced + local])
     count = sum(t.numel() for t in reduced)
     all_reduce_sum(flat[:count])
@@ -91,6 +100,12 @@ def settle(
             values[offset : offset + width], layer_groups, with_dtheta
         )
         offset += width
+    offset = count + size + 3 * len(judged)
+    for stats in on_device:
+        stats["applied"] = values[offset] != 0
+        offset += 1
+        if not stats["applied"]:
+            stats["edq"] = None
     offset = count + size
     for stats in judged:
         reason, loss_z, grad_norm_z = values[offset : offset + 3]

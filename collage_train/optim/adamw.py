@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from collage_train.optim.base import TrackingOptimizer
+from collage_train.optim.base import TrackingOptimizer, commit_
 
 
 class AdamW(TrackingOptimizer):
@@ -38,6 +38,7 @@ class AdamW(TrackingOptimizer):
     """
 
     tracks_in_chunks = True  # False: a subclass whose masters are not plain tensors
+    masks_on_device = True  # a masked step (``step_mask``) runs as ``_step_in_chunks``
 
     def __init__(
         self,
@@ -128,7 +129,7 @@ class AdamW(TrackingOptimizer):
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         for s in states:
             s["step"] += 1
-        if self.moment_dtype is not None:
+        if self.moment_dtype is not None or self.step_mask is not None:
             self._step_in_chunks(group, params, states, targets)
             return
 
@@ -158,10 +159,12 @@ class AdamW(TrackingOptimizer):
 
         Elementwise the same operations in the same order as the ``_foreach`` path, so with
         moments in the target's own dtype the two give the same bits (tested); the fp32
-        copies of the moments and the update exist for one chunk at a time.
+        copies of the moments and the update exist for one chunk at a time. A step under a
+        ``step_mask`` runs here too: each chunk's new values are written where it holds.
         """
         beta1, beta2 = group["betas"]
         lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
+        mask = self.step_mask
         for param, state, target in zip(params, states, targets, strict=True):
             t = state["step"]
             sqrt_bias2, step_size = math.sqrt(1.0 - beta2**t), -lr / (1.0 - beta1**t)
@@ -175,11 +178,11 @@ class AdamW(TrackingOptimizer):
                 m = m_low[start:stop].to(target.dtype, copy=True).lerp_(g, 1.0 - beta1)
                 v = v_low[start:stop].to(target.dtype, copy=True).mul_(beta2)
                 v.addcmul_(g, g, value=1.0 - beta2)
-                m_low[start:stop].copy_(m)
-                v_low[start:stop].copy_(v)
+                commit_(m_low[start:stop], m, mask)
+                commit_(v_low[start:stop], v, mask)
                 update = m.div_(v.sqrt_().div_(sqrt_bias2).add_(eps)).mul_(step_size)
                 if weight_decay != 0.0:
                     update.add_(flat_target[start:stop], alpha=-lr * weight_decay)
-                self._apply_chunk(flat_weight, flat_target, update, start, sums)
+                self._apply_chunk(flat_weight, flat_target, update, start, sums, mask)
             if sums is not None:
                 self.last_edq[param] = sums.rows()

@@ -89,6 +89,15 @@ def flat_view(tensor: torch.Tensor, pending: list[tuple[torch.Tensor, torch.Tens
     return flat
 
 
+def commit_(target: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """``target.copy_(value)`` where ``mask`` (a 0-d bool tensor, or None: always) holds;
+    ``target`` keeps its bits where it does not, whatever ``value`` holds (NaN included)."""
+    if mask is None:
+        target.copy_(value)
+    else:
+        target.copy_(torch.where(mask, value.to(target.dtype), target))
+
+
 def write_back(pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy each ``flat_view`` copy back into the tensor it was taken from."""
     for tensor, flat in pending:
@@ -126,9 +135,18 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
     # The state entry holding a bf16 weight's low part (the full-precision value is the
     # weight plus it: Collage's dtheta, a Kahan compensation), or None.
     low_part: str | None = None
-    # Asked before a step changes anything; False: the step leaves everything as it was
-    # (set by the ZeRO engine around DeepSpeed's step: engine.base.GateOnce).
-    step_gate: Callable[[], bool] | None = None
+    # Asked before a step changes anything (set by the ZeRO engine around DeepSpeed's step:
+    # engine.base.GateOnce): False leaves everything as it was; a 0-d bool device tensor
+    # becomes ``step_mask`` for the step.
+    step_gate: Callable[[], bool | torch.Tensor] | None = None
+    # Whether ``step`` honours ``step_mask`` (below); the optimizers that do set it True.
+    masks_on_device: bool = False
+    # A 0-d bool tensor on the parameters' device, or None: where it holds False the step
+    # changes nothing (weights, state, EDQ sums all zero) though it runs, so that whether a
+    # step applies can be decided on the device without the host reading it (the step
+    # guard, collage_train/guard.py). Integer step counts still advance: the caller that
+    # learns later that the step was refused takes them back (``rewind_steps``).
+    step_mask: torch.Tensor | None = None
 
     @property
     def track_edq(self) -> bool:
@@ -229,13 +247,32 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.step_gate is not None and not self.step_gate():
-            return loss
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                self._step_group(group, params)
+        mask = self.step_mask
+        if self.step_gate is not None:
+            decision = self.step_gate()
+            if not torch.is_tensor(decision):
+                if not decision:
+                    return loss
+            elif mask is None:
+                mask = decision
+        if mask is not None and not self.masks_on_device:
+            raise TypeError(f"{type(self).__name__} cannot mask its step on the device")
+        previous, self.step_mask = self.step_mask, mask
+        try:
+            for group in self.param_groups:
+                params = [p for p in group["params"] if p.grad is not None]
+                if params:
+                    self._step_group(group, params)
+        finally:
+            self.step_mask = previous
         return loss
+
+    def rewind_steps(self, count: int) -> None:
+        """Take back ``count`` steps from every parameter's integer step count: steps that
+        ran under a ``step_mask`` that turned out False changed nothing else."""
+        for state in self.state.values():
+            if "step" in state:
+                state["step"] -= count
 
     @abc.abstractmethod
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
@@ -319,14 +356,21 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
         update: torch.Tensor,
         start: int,
         sums: EdqSums | None,
+        mask: torch.Tensor | None = None,
     ) -> None:
         """``target[start:start + len(update)] += update``, the weight refreshed from it
-        where the target is a master, and (``sums`` given) the chunk's EDQ partials added."""
+        where the target is a master, and (``sums`` given) the chunk's EDQ partials added;
+        with a ``mask`` (``step_mask``) that holds False, nothing changes and the partials
+        are zero."""
         stop = start + update.numel()
         old = flat_weight[start:stop].clone() if sums is not None else None
-        flat_target[start:stop].add_(update)
+        if mask is None:
+            flat_target[start:stop].add_(update)
+        else:
+            update = torch.where(mask, update, 0.0)
+            commit_(flat_target[start:stop], flat_target[start:stop] + update, mask)
         if flat_target.data_ptr() != flat_weight.data_ptr():
-            flat_weight[start:stop].copy_(flat_target[start:stop])
+            commit_(flat_weight[start:stop], flat_target[start:stop], mask)
         if sums is not None:
             sums.add(start, old, flat_weight[start:stop], update)
 

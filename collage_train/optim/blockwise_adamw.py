@@ -65,6 +65,7 @@ class BlockwiseAdamW(AdamW):
     """
 
     unshaped_state = ("step", "exp_avg_absmax", "exp_avg_sq_absmax")
+    masks_on_device = False  # the guard reads its verdict on the host before the step
 
     def __init__(
         self,

@@ -27,6 +27,7 @@ class SplitMasterAdamW(AdamW):
     # The masters are rebuilt whole from weight and remainder (``_masters``) and split
     # again after the update, so a tracked step snapshots whole tensors as well.
     tracks_in_chunks = False
+    masks_on_device = False  # the guard reads its verdict on the host before the step
 
     def __init__(self, params: Any, **hyperparameters: Any) -> None:
         super().__init__(params, master_dtype=torch.float32, **hyperparameters)

@@ -57,6 +57,7 @@ class CollageAdamW(TrackingOptimizer):
     """
 
     low_part = "dtheta"  # modes light and plus: the weight is theta + dtheta
+    masks_on_device = True  # eager, C and Triton steps all honour ``step_mask``
 
     def __init__(
         self,
@@ -188,7 +189,7 @@ class CollageAdamW(TrackingOptimizer):
         return_update: bool,
     ) -> torch.Tensor | None:
         """The fused kernel where it runs (contiguous pieces), else the eager step."""
-        flags = {"track": track, "return_update": return_update}
+        flags = {"track": track, "return_update": return_update, "mask": self.step_mask}
         if self._runs_fused(tensors):
             step = fused_tensor_step(self.mode, tensors[0].device.type)
             return step(*tensors, *scalars, **flags)

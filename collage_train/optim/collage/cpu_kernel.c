@@ -489,13 +489,16 @@ static const variant_t VARIANTS[4][3] = {{step_000, step_010, step_001},
  * handed[0] and [1] get the number of blocks handed from SPLIT to CHECKED and to EXACT
  * (a diagnostic). SPLIT runs only with MXCSR's default control bits (round to nearest,
  * no flush-to-zero); the kernel leaves MXCSR as it found it. */
+/* keep: NULL, or one byte (a bool tensor's) that, when 0, makes the step change nothing
+   (the caller's zeroed sums and update stay zero). */
 void collage_step(int64_t n, int mode, int out, bf16 *theta, bf16 *dtheta, bf16 *exp_avg,
                   bf16 *exp_avg_sq, bf16 *dv, const bf16 *grad, bf16 *update,
-                  const scalars_t *c, double *sums, int64_t *handed) {
+                  const scalars_t *c, double *sums, int64_t *handed, const uint8_t *keep) {
     const int variant = mode == 2 && c->beta2_hi == 1.0f ? 3 : mode;
+    handed[0] = handed[1] = 0;
+    if (keep != NULL && *keep == 0) return;
     const uint32_t csr = read_csr();
     const int split = HAVE_SPLIT && (csr & CONTROL_BITS) == DEFAULT_CONTROL;
-    handed[0] = handed[1] = 0;
     VARIANTS[variant][out](split, n, theta, dtheta, exp_avg, exp_avg_sq, dv, grad, update, c,
                            sums, handed);
     if (HAVE_SPLIT) write_csr(csr);

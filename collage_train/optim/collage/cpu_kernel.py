@@ -176,6 +176,7 @@ def _declare(library: ctypes.CDLL) -> None:
         ctypes.POINTER(_Scalars),
         ctypes.POINTER(ctypes.c_double),
         ctypes.POINTER(ctypes.c_int64),
+        ctypes.c_void_p,
     ]
 
 
@@ -215,7 +216,7 @@ def cpu_tensor_step(mode: str) -> Callable[..., torch.Tensor | None]:
     """The fused step of ``mode`` for contiguous CPU bf16 tensors.
 
     Same positional tensors and scalars as ``step_math.collage_tensor_step`` (1-D),
-    ``track`` and ``return_update`` as keywords; returns the six EDQ partial sums (fp32)
+    ``track``, ``return_update`` and ``mask`` as keywords; returns the six EDQ partial sums (fp32)
     or the intended update. Raises KernelBuildError when the kernel cannot be built.
     """
     library, mode_id = load_library(), _MODES[mode]
@@ -238,6 +239,7 @@ def cpu_tensor_step(mode: str) -> Callable[..., torch.Tensor | None]:
         *,
         track: bool,
         return_update: bool,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         tensors = (theta, dtheta, exp_avg, exp_avg_sq, dv, grad)
         for tensor in tensors:
@@ -250,7 +252,12 @@ def cpu_tensor_step(mode: str) -> Callable[..., torch.Tensor | None]:
                 raise ValueError("the CPU Collage kernel takes contiguous bf16 CPU tensors")
         if (mode_id > 0 and dtheta is None) or (mode_id == 2 and dv is None):
             raise ValueError(f"mode {mode!r} needs its dtheta (and dv in plus) state")
-        update = torch.empty_like(theta) if track and return_update else None
+        if mask is not None and (mask.dtype != torch.bool or mask.device.type != "cpu"):
+            raise ValueError("the CPU Collage kernel's mask is a bool CPU tensor")
+        # zeroed where a False mask leaves it unwritten (the kernel reads the mask itself)
+        new_update = torch.empty_like if mask is None else torch.zeros_like
+        update = new_update(theta) if track and return_update else None
+        keep = mask.data_ptr() if mask is not None else None
         out = 0 if not track else (2 if return_update else 1)
         # 1 - beta2 in float64 first, then fp32: what the eager reference's scalar gets.
         scalars = _Scalars(
@@ -270,7 +277,7 @@ def cpu_tensor_step(mode: str) -> Callable[..., torch.Tensor | None]:
             start, end = bounds
             sums, handed = (ctypes.c_double * 6)(), (ctypes.c_int64 * 2)()
             shifted = [p + 2 * start if p is not None else None for p in pointers]
-            library.collage_step(end - start, mode_id, out, *shifted, scalars, sums, handed)
+            library.collage_step(end - start, mode_id, out, *shifted, scalars, sums, handed, keep)
             return list(sums), list(handed)
 
         ranges = _ranges(theta.numel(), torch.get_num_threads())

@@ -21,6 +21,7 @@ import math
 import torch
 
 from collage_train.metrics.edq import edq_partials
+from collage_train.optim.base import commit_
 from collage_train.optim.collage import mcf
 
 _BF16 = torch.bfloat16
@@ -48,8 +49,12 @@ def collage_tensor_step(
     mode: str,
     track: bool,
     return_update: bool = False,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One step of one tensor; ``step_size = -lr / (1 - beta1^t)``, ``decay = -lr * wd``.
+
+    ``mask`` (``TrackingOptimizer.step_mask``), where it holds False, leaves every tensor
+    as it was and makes the partial sums (or the returned update) zero.
 
     ``inv_sqrt_bias2`` is the fp32 reciprocal of sqrt(1 - beta2^t) (``step_scalars``):
     the bias correction of the denominator is a multiplication by it, written out so
@@ -79,13 +84,15 @@ def collage_tensor_step(
         result = update
     elif track:
         result = edq_partials(theta, new_theta, update, new_dtheta)
-    exp_avg.copy_(m)
-    exp_avg_sq.copy_(v)
+    if result is not None and mask is not None:
+        result = torch.where(mask, result, 0.0)
+    commit_(exp_avg, m, mask)
+    commit_(exp_avg_sq, v, mask)
     if dv_new is not None:
-        dv.copy_(dv_new)
+        commit_(dv, dv_new, mask)
     if new_dtheta is not None:
-        dtheta.copy_(new_dtheta)
-    theta.copy_(new_theta)
+        commit_(dtheta, new_dtheta, mask)
+    commit_(theta, new_theta, mask)
     return result
 
 
@@ -121,16 +128,28 @@ def step_scalars(
 
 # One entry point per mode, so that each compiles (and counts recompilations) on its
 # own: within one, only ``track``/``return_update`` vary (three graphs at most).
-def _none_step(*args: object, track: bool, return_update: bool) -> torch.Tensor | None:
-    return collage_tensor_step(*args, mode="none", track=track, return_update=return_update)
+def _none_step(
+    *args: object, track: bool, return_update: bool, mask: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    return collage_tensor_step(
+        *args, mode="none", track=track, return_update=return_update, mask=mask
+    )
 
 
-def _light_step(*args: object, track: bool, return_update: bool) -> torch.Tensor | None:
-    return collage_tensor_step(*args, mode="light", track=track, return_update=return_update)
+def _light_step(
+    *args: object, track: bool, return_update: bool, mask: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    return collage_tensor_step(
+        *args, mode="light", track=track, return_update=return_update, mask=mask
+    )
 
 
-def _plus_step(*args: object, track: bool, return_update: bool) -> torch.Tensor | None:
-    return collage_tensor_step(*args, mode="plus", track=track, return_update=return_update)
+def _plus_step(
+    *args: object, track: bool, return_update: bool, mask: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    return collage_tensor_step(
+        *args, mode="plus", track=track, return_update=return_update, mask=mask
+    )
 
 
 _ENTRY_POINTS = {"none": _none_step, "light": _light_step, "plus": _plus_step}
@@ -145,7 +164,7 @@ def compiled_tensor_step(mode: str):
     """``collage_tensor_step`` for ``mode`` compiled by TorchInductor into one fused kernel.
 
     Takes 1-D contiguous tensors (any length: shapes are dynamic) and the same
-    positional scalars, with ``track`` and ``return_update`` as keywords.
+    positional scalars, with ``track``, ``return_update`` and ``mask`` as keywords.
     """
     if mode not in _compiled:
         _compiled[mode] = torch.compile(

@@ -82,6 +82,7 @@ def _collage_step_kernel(
     g_ptr,
     update_ptr,
     partials_ptr,
+    keep_ptr,
     n,
     one_minus_beta1,
     beta2,
@@ -95,12 +96,18 @@ def _collage_step_kernel(
     MODE: tl.constexpr,
     TRACK: tl.constexpr,
     WRITE_UPDATE: tl.constexpr,
+    GATED: tl.constexpr,
     BLOCK: tl.constexpr,
     R: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
+    if GATED:  # a False *keep_ptr (the step guard's verdict): read all, write nothing
+        keep = tl.zeros([BLOCK], tl.int32) + tl.load(keep_ptr).to(tl.int32)  # a block of it
+        written = mask & (keep != 0)
+    else:
+        written = mask
     theta = tl.load(theta_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -116,7 +123,7 @@ def _collage_step_kernel(
         d = _rn(_rn(_rn(dv * beta2_hi, R) + _rn(v * beta2_lo, R), R) + e, R)
         v, dv = _fast_two_sum(p, d, R)
         v, dv = _grow(v, dv, _rn(_rn(square, R) * one_minus_beta2, R), R)
-        tl.store(dv_ptr + offsets, dv.to(tl.bfloat16), mask=mask)
+        tl.store(dv_ptr + offsets, dv.to(tl.bfloat16), mask=written)
     else:
         v = _rn(_rn(v * beta2, R) + one_minus_beta2 * square, R)
     denom = _rn(tl.sqrt_rn(v), R)
@@ -128,15 +135,15 @@ def _collage_step_kernel(
     else:
         dtheta = tl.load(dtheta_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         new_theta, dtheta = _grow(theta, dtheta, update, R)
-        tl.store(dtheta_ptr + offsets, dtheta.to(tl.bfloat16), mask=mask)
-    tl.store(m_ptr + offsets, m.to(tl.bfloat16), mask=mask)
-    tl.store(v_ptr + offsets, v.to(tl.bfloat16), mask=mask)
-    tl.store(theta_ptr + offsets, new_theta.to(tl.bfloat16), mask=mask)
-    if WRITE_UPDATE:
-        tl.store(update_ptr + offsets, update.to(tl.bfloat16), mask=mask)
+        tl.store(dtheta_ptr + offsets, dtheta.to(tl.bfloat16), mask=written)
+    tl.store(m_ptr + offsets, m.to(tl.bfloat16), mask=written)
+    tl.store(v_ptr + offsets, v.to(tl.bfloat16), mask=written)
+    tl.store(theta_ptr + offsets, new_theta.to(tl.bfloat16), mask=written)
+    if WRITE_UPDATE:  # zero where a False keep leaves everything as it was
+        tl.store(update_ptr + offsets, tl.where(written, update, 0.0).to(tl.bfloat16), mask=mask)
     if TRACK:  # this block's partial sums, in the order of metrics.edq.FIELDS
-        update = tl.where(mask, update, 0.0)
-        realised = tl.where(mask, new_theta - theta, 0.0)
+        update = tl.where(written, update, 0.0)
+        realised = tl.where(written, new_theta - theta, 0.0)
         moved = update != 0.0
         row = partials_ptr + pid * 6
         tl.store(row, tl.sum(realised * update, axis=0))
@@ -147,7 +154,7 @@ def _collage_step_kernel(
             tl.store(row + 4, 0.0)
             tl.store(row + 5, 0.0)
         else:
-            low = tl.where(mask, dtheta, 0.0)
+            low = tl.where(written, dtheta, 0.0)
             tl.store(row + 4, tl.sum(low * low, axis=0))
             tl.store(row + 5, tl.sum(low * update, axis=0))
 
@@ -157,7 +164,8 @@ def triton_tensor_step(
 ) -> Callable[..., torch.Tensor | None]:
     """A drop-in for ``step_math.compiled_tensor_step(mode)`` on contiguous CUDA tensors.
 
-    Same positional tensors and scalars, ``track``/``return_update`` as keywords; returns
+    Same positional tensors and scalars, ``track``/``return_update``/``mask`` as keywords
+    (``mask``: the 0-d bool ``TrackingOptimizer.step_mask``, read by the kernel); returns
     the six EDQ partial sums (fp32, on the device) or the intended update. ``block``,
     ``num_warps`` and ``bit_rounding`` (round on the bits instead of the conversion
     instruction) exist for scripts/tune_collage_triton.py; all variants are bitwise equal.
@@ -182,6 +190,7 @@ def triton_tensor_step(
         *,
         track: bool,
         return_update: bool,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         n = theta.numel()
         blocks = triton.cdiv(n, block)
@@ -201,6 +210,7 @@ def triton_tensor_step(
             grad,
             update,
             partials,
+            mask if mask is not None else partials,
             n,
             one_minus_beta1,
             beta2,
@@ -214,6 +224,7 @@ def triton_tensor_step(
             MODE=mode_id,
             TRACK=track and not return_update,
             WRITE_UPDATE=write_update,
+            GATED=mask is not None,
             BLOCK=block,
             R=bit_rounding,
             num_warps=num_warps,
