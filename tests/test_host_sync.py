@@ -170,7 +170,7 @@ def assert_syncs_only_when_settling(
         ("collage_plus", "true", 0),
         ("bf16", "true", 0),
         ("bf16", "false", 0),
-        ("adamw_8bit", "true", 1),  # its optimizer cannot mask a step: the verdict is read
+        ("split_fp32", "true", 1),  # its optimizer cannot mask a step: the verdict is read
     ],
 )
 def test_single_process_steps_never_wait_for_the_device(

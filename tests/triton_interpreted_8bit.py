@@ -62,39 +62,60 @@ def check(numel: int, bit_rounding: bool, block_size: int = 256) -> None:
     holder = Collage8bitAdamW([fused_param], kernel="eager", **hyper)  # state layout only
     state = holder._state_for(fused_param)
     for t, grad in enumerate(gradients(numel, seed=numel + 1), start=1):
-        track = t % 2 == 0
-        eager_param.grad = grad.clone()
-        eager.track_edq = track
-        eager.step()
-        state["step"] = t
-        one_minus_beta1, beta2, _, _, inv_sqrt_bias2, eps, step_size, decay = step_scalars(
-            1e-3, 0.9, 0.999, 1e-8, 0.1, t
-        )
-        sums = triton_eight_bit_step(
-            fused_param.detach(),
-            state["dtheta"],
-            grad,
-            state["exp_avg"],
-            state["exp_avg_absmax"],
-            state["exp_avg_sq"],
-            state["exp_avg_sq_absmax"],
-            (one_minus_beta1, beta2, 1.0 - beta2, inv_sqrt_bias2, eps, step_size, decay),
-            block_size=block_size,
-            seed=11,
-            stream=state["stream"],
-            step=t,
-            track=track,
-            bit_rounding=bit_rounding,
-        )
-        where = f"{numel} elements, blocks of {block_size}, step {t}, R={bit_rounding}"
-        if track:
-            assert partials_close(sums, eager.last_edq[eager_param]), where
-        pairs = [("theta", eager_param.detach(), fused_param.detach())]
-        reference = eager.state[eager_param]
-        pairs += [(key, reference[key], state[key]) for key in state if torch.is_tensor(state[key])]
-        for name, a, b in pairs:
-            same = torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-            assert same, f"{where}: {name} differs"
+        # step 2 is first refused by the step guard's mask, with NaN gradients: nothing
+        # may change, then the eager step count is taken back and step 2 runs for real
+        attempts = [(torch.tensor(False), grad * float("nan")), (None, grad)] if t == 2 else []
+        for mask, g in attempts or [(torch.tensor(True) if t == 3 else None, grad)]:
+            track = t % 2 == 0
+            kept = [fused_param.detach().clone()] + [
+                v.clone() for v in state.values() if torch.is_tensor(v)
+            ]
+            eager_param.grad = g.clone()
+            eager.track_edq = track
+            eager.step_mask = mask
+            eager.step()
+            eager.step_mask = None
+            state["step"] = t
+            sums = _triton_step(fused_param, state, g, t, block_size, track, mask, bit_rounding)
+            where = f"{numel} elements, blocks of {block_size}, step {t}, R={bit_rounding}"
+            if track:
+                assert partials_close(sums, eager.last_edq[eager_param]), where
+            pairs = [("theta", eager_param.detach(), fused_param.detach())]
+            reference = eager.state[eager_param]
+            pairs += [(k, reference[k], state[k]) for k in state if torch.is_tensor(state[k])]
+            for name, a, b in pairs:
+                same = torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                assert same, f"{where}: {name} differs"
+            if mask is not None and not mask:
+                now = [fused_param.detach()] + [v for v in state.values() if torch.is_tensor(v)]
+                for a, b in zip(now, kept, strict=True):
+                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "refused"
+                if track:
+                    assert torch.equal(sums, torch.zeros_like(sums)), "refused sums"
+                eager.rewind_steps(1)
+
+
+def _triton_step(param, state, grad, t, block_size, track, mask, bit_rounding):
+    one_minus_beta1, beta2, _, _, inv_sqrt_bias2, eps, step_size, decay = step_scalars(
+        1e-3, 0.9, 0.999, 1e-8, 0.1, t
+    )
+    return triton_eight_bit_step(
+        param.detach(),
+        state["dtheta"],
+        grad,
+        state["exp_avg"],
+        state["exp_avg_absmax"],
+        state["exp_avg_sq"],
+        state["exp_avg_sq_absmax"],
+        (one_minus_beta1, beta2, 1.0 - beta2, inv_sqrt_bias2, eps, step_size, decay),
+        block_size=block_size,
+        seed=11,
+        stream=state["stream"],
+        step=t,
+        track=track,
+        mask=mask,
+        bit_rounding=bit_rounding,
+    )
 
 
 def main() -> None:

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from collage_train.optim.base import commit_
+
 BLOCK_SIZE = 256
 _EXPONENT_BITS = 7  # decades of the map; bitsandbytes' default (8 bits in all)
 
@@ -203,8 +205,10 @@ class QuantizedMoment:
         values: torch.Tensor,
         noise: torch.Tensor | None = None,
         keep_nonzero: bool = False,
+        mask: torch.Tensor | None = None,
     ) -> None:
-        """Quantise fp32 ``values`` into elements ``[start, stop)`` (see ``quantize``)."""
+        """Quantise fp32 ``values`` into elements ``[start, stop)`` (see ``quantize``);
+        nothing is written where ``mask`` (``TrackingOptimizer.step_mask``) holds False."""
         codes, absmax = quantize(values, self.signed, self.block_size, noise, keep_nonzero)
-        self.codes[start:stop].copy_(codes.view(-1))
-        self.absmax[self._blocks(start, stop)].copy_(absmax)
+        commit_(self.codes[start:stop], codes.view(-1), mask)
+        commit_(self.absmax[self._blocks(start, stop)], absmax, mask)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from collage_train.optim.adamw import AdamW
-from collage_train.optim.base import EdqSums, flat_view, write_back
+from collage_train.optim.base import EdqSums, commit_, flat_view, write_back
 from collage_train.optim.blockwise8 import BLOCK_SIZE, QuantizedMoment
 
 MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (state name, signed map)
@@ -65,7 +65,7 @@ class BlockwiseAdamW(AdamW):
     """
 
     unshaped_state = ("step", "exp_avg_absmax", "exp_avg_sq_absmax")
-    masks_on_device = False  # the guard reads its verdict on the host before the step
+    masks_on_device = True  # ``step_mask``: each chunk's new values written where it holds
 
     def __init__(
         self,
@@ -120,6 +120,7 @@ class BlockwiseAdamW(AdamW):
         if self.track_edq:
             segments = self.edq_segments.get(param)
             edq = EdqSums(segments, weight.numel(), self.edq_view_dtype, weight.device)
+        mask = self.step_mask  # a False one: every chunk computed, nothing written
         for start, stop in self._chunks(weight.numel()):
             g = grad[start:stop].float()
             m, v = m_state.load(start, stop), v_state.load(start, stop)
@@ -127,21 +128,24 @@ class BlockwiseAdamW(AdamW):
             v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
             denom = (v.sqrt() / bias2_sqrt).add_(eps)
             target = (master if master is not None else weight)[start:stop]
-            p = target if target.dtype == torch.float32 else target.float()
+            in_place = target.dtype == torch.float32 and mask is None
+            p = target if in_place else target.to(torch.float32, copy=True)
             if edq is not None:
                 before = weight[start:stop].clone()
                 update = (m / denom) * (-lr / bias1)
                 if weight_decay > 0.0:
                     update += p * (-lr * weight_decay)
+                if mask is not None:
+                    update = torch.where(mask, update, 0.0)
             if weight_decay > 0.0:
                 p.mul_(1.0 - lr * weight_decay)
             p.addcdiv_(m, denom, value=-lr / bias1)
             if p is not target:
-                target.copy_(p)
+                commit_(target, p, mask)
             if master is not None:
-                weight[start:stop].copy_(p)
-            m_state.store(start, stop, m)
-            v_state.store(start, stop, v, keep_nonzero=self.keep_nonzero_v)
+                commit_(weight[start:stop], p, mask)
+            m_state.store(start, stop, m, mask=mask)
+            v_state.store(start, stop, v, keep_nonzero=self.keep_nonzero_v, mask=mask)
             if edq is not None:
                 edq.add(start, before, weight[start:stop], update)
         write_back(pending)

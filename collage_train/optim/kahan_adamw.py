@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from collage_train.metrics.edq import FIELDS, edq_metrics, edq_partials
-from collage_train.optim.base import TrackingOptimizer
+from collage_train.optim.base import TrackingOptimizer, commit_
 
 __all__ = ["KahanAdamW", "debiased_beta"]
 
@@ -85,15 +85,21 @@ def kahan_piece_step(
     grad: torch.Tensor,
     s: KahanScalars,
     track: bool,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One step of (a piece of) one tensor, in place; all five tensors bf16.
 
     With ``track``, returns the weight before the step and the intended update in fp32
     (``(-lr * m) / d`` as ``addcdiv_`` forms it, plus ``-lr * wd * theta``), for EDQ.
-    The one temporary is a bf16 tensor the size of the piece.
+    The one temporary is a bf16 tensor the size of the piece. Under a ``mask``
+    (``TrackingOptimizer.step_mask``) the same kernels run on copies of the four state
+    pieces, written back where it holds (a False one: nothing changes, the update is 0).
     """
     grad = grad.to(torch.bfloat16)
     before = weight.clone() if track else None
+    targets = (weight, comp, exp_avg, exp_avg_sq)
+    if mask is not None:
+        weight, comp, exp_avg, exp_avg_sq = (t.clone() for t in targets)
     if s.lr_wd != 0:
         weight.mul_(1.0 - s.lr_wd)  # optimi's factor, also evaluated in float64
     exp_avg.lerp_(grad, s.beta1_comp)
@@ -109,6 +115,10 @@ def kahan_piece_step(
     weight.add_(comp)
     scratch.sub_(weight)  # theta - theta': what the weight took, negated
     comp.add_(scratch)
+    if mask is not None:
+        for target, new in zip(targets, (weight, comp, exp_avg, exp_avg_sq), strict=True):
+            commit_(target, new, mask)
+        update = torch.where(mask, update, 0.0) if track else None
     return (before, update) if track else None
 
 
@@ -121,6 +131,7 @@ class KahanAdamW(TrackingOptimizer):
     """
 
     low_part = "kahan_comp"  # the full-precision value is theta + c
+    masks_on_device = True  # ``step_mask``: see ``kahan_piece_step``
 
     def __init__(
         self,
@@ -187,11 +198,13 @@ class KahanAdamW(TrackingOptimizer):
         sums = torch.zeros(len(ranges), len(FIELDS), device=tensors[0].device) if track else None
         for start, stop in chunks:
             piece = tensors if flat is None else [t[start:stop] for t in flat]
-            result = kahan_piece_step(*piece, scalars, track=track)
+            result = kahan_piece_step(*piece, scalars, track=track, mask=self.step_mask)
             if result is None:
                 continue
             before, update = (t.reshape(-1) for t in result)
             after, comp = piece[0].reshape(-1), piece[1].reshape(-1)
+            if self.step_mask is not None:  # a refused step's partials are all zero
+                comp = torch.where(self.step_mask, comp, 0.0)
             for row, (_, first, last) in enumerate(ranges):
                 low, high = max(first, start) - start, min(last, stop) - start
                 if low < high:

@@ -36,7 +36,7 @@ import torch
 
 from collage_train.metrics.edq import FIELDS, edq_partials
 from collage_train.optim import rounding_noise
-from collage_train.optim.base import TrackingOptimizer
+from collage_train.optim.base import TrackingOptimizer, commit_
 
 # (numel, stream, step, offset, device) -> int64 tensor of 32-bit values, one per element
 BitsSource = Callable[[int, int, int, int, torch.device], torch.Tensor]
@@ -54,11 +54,13 @@ def sr_adamw_piece(
     grad: torch.Tensor,
     bits: torch.Tensor,
     scalars: tuple[float, ...],
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One step of a (piece of a) tensor in place; returns the intended update, fp32.
 
     ``scalars`` = (lr, lr * wd, 1 - beta1, 1 - beta2, c1, sqrt(c2), eps) as ``step_scalars``
     makes them. The intended update is p - theta_old, the change SR realises in expectation.
+    ``mask`` (``TrackingOptimizer.step_mask``) holding False: nothing changes, update zero.
     """
     lr, decay, one_minus_beta1, one_minus_beta2, bias1, sqrt_bias2, eps = scalars
     old = weight.float()
@@ -66,13 +68,14 @@ def sr_adamw_piece(
     target = old - decay * old
     m32 = exp_avg.float().lerp(grad32, one_minus_beta1)
     v32 = exp_avg_sq.float().lerp(grad32.square(), one_minus_beta2)
-    exp_avg.copy_(m32)
-    exp_avg_sq.copy_(v32)
+    commit_(exp_avg, m32, mask)
+    commit_(exp_avg_sq, v32, mask)
     denom = v32.sqrt() / sqrt_bias2 + eps
     target = target - lr * (m32 / bias1) / denom
     del grad32, m32, v32, denom  # freed before the rounding's int64 temporaries
-    weight.copy_(rounding_noise.stochastic_round_to_bf16(target, bits))
-    return target - old
+    commit_(weight, rounding_noise.stochastic_round_to_bf16(target, bits), mask)
+    update = target - old
+    return update if mask is None else torch.where(mask, update, 0.0)
 
 
 def step_scalars(
@@ -95,6 +98,7 @@ class StochasticRoundingAdamW(TrackingOptimizer):
     """
 
     bits_source: BitsSource | None = None
+    masks_on_device = True  # ``step_mask``: each piece's new values written where it holds
 
     def __init__(
         self,
@@ -175,7 +179,7 @@ class StochasticRoundingAdamW(TrackingOptimizer):
         for start, stop, piece in pieces:
             bits = self._bits(stop - start, state["stream"], state["step"], start, param.device)
             before = piece[0].reshape(-1).clone() if track else None
-            update = sr_adamw_piece(*piece, bits, scalars)
+            update = sr_adamw_piece(*piece, bits, scalars, self.step_mask)
             if sums is None:
                 continue
             after, update = piece[0].reshape(-1), update.reshape(-1)

@@ -33,12 +33,13 @@ _POINTERS = {
     "theta_ptr": "*bf16",
     "dtheta_ptr": "*bf16",
     "g_ptr": "*bf16",
+    "keep_ptr": "*i1",
 }
 
 
-def compile_ptx(track: bool, capability: int, **options) -> str:
+def compile_ptx(track: bool, capability: int, gated: bool = False, **options) -> str:
     """PTX of the kernel as the optimizer launches it (blocks of 256) for sm_<capability>."""
-    constexprs = {"QBLOCK": 256, "ROWS": ROWS, "TRACK": track, "R": False}
+    constexprs = {"QBLOCK": 256, "ROWS": ROWS, "TRACK": track, "GATED": gated, "R": False}
 
     def kind(name: str) -> str:
         if name in constexprs:
@@ -68,9 +69,11 @@ def test_triton_kernel_is_bitwise_the_eager_step_in_the_interpreter():
 
 
 @pytest.mark.parametrize("capability", [80, 90])
-def test_the_kernel_compiles_to_exact_ptx(capability):
-    """The tracked variant (a superset of the untracked one's arithmetic)."""
-    ptx = compile_ptx(True, capability)
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_kernel_compiles_to_exact_ptx(capability, gated):
+    """The tracked variant (a superset of the untracked one's arithmetic), with and
+    without the step guard's mask."""
+    ptx = compile_ptx(True, capability, gated)
     assert f".target sm_{capability}" in ptx
     assert violations(ptx) == []
     assert re.search(r"\bdiv\.rn\.f32\b", ptx) and re.search(r"\bsqrt\.rn\.f32\b", ptx)

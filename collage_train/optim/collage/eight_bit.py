@@ -105,6 +105,7 @@ class Collage8bitAdamW(TrackingOptimizer):
 
     unshaped_state = ("step", "exp_avg_absmax", "exp_avg_sq_absmax")
     low_part = "dtheta"
+    masks_on_device = True  # eager, C and Triton steps all honour ``step_mask``
 
     def __init__(
         self,
@@ -207,6 +208,7 @@ class Collage8bitAdamW(TrackingOptimizer):
                     scalars,
                     step=step,
                     segments=bounds if self.track_edq else None,
+                    mask=self.step_mask,
                     **keys,
                 )
                 if sums is not None and segments is None:
@@ -222,6 +224,7 @@ class Collage8bitAdamW(TrackingOptimizer):
                     scalars,
                     step=step,
                     track=self.track_edq,
+                    mask=self.step_mask,
                     **keys,
                 )
             write_back(pending)
@@ -233,6 +236,7 @@ class Collage8bitAdamW(TrackingOptimizer):
         if self.track_edq:
             segments = self.edq_segments.get(param)
             edq = EdqSums(segments, theta.numel(), self.edq_view_dtype, theta.device)
+        mask = self.step_mask
         for start, stop in self._chunks(theta.numel()):
             g = grad[start:stop].float()
             m = m_state.load(start, stop)
@@ -242,7 +246,7 @@ class Collage8bitAdamW(TrackingOptimizer):
             old_theta, old_dtheta = theta[start:stop], dtheta[start:stop]
             update = ((m / denom) * step_size + decay * old_theta.float()).to(torch.bfloat16)
             new_theta, new_dtheta = mcf.grow(old_theta, old_dtheta, update)
-            m_state.store(start, stop, m)
+            m_state.store(start, stop, m, mask=mask)
             bits = rounding_noise.random_bits(
                 stop - start,
                 seed=self.seed,
@@ -251,9 +255,15 @@ class Collage8bitAdamW(TrackingOptimizer):
                 offset=start,
                 device=theta.device,
             )
-            v_state.store(start, stop, v, rounding_noise.uniform(bits), keep_nonzero=True)
+            noise = rounding_noise.uniform(bits)
+            v_state.store(start, stop, v, noise, keep_nonzero=True, mask=mask)
+            if mask is not None:  # a False one: unchanged, and zero partials
+                new_theta = torch.where(mask, new_theta, old_theta)
+                new_dtheta = torch.where(mask, new_dtheta, old_dtheta)
+                update = torch.where(mask, update, 0.0)
             if edq is not None:
-                edq.add(start, old_theta, new_theta, update, new_dtheta)
+                low = new_dtheta if mask is None else torch.where(mask, new_dtheta, 0.0)
+                edq.add(start, old_theta, new_theta, update, low)
             old_dtheta.copy_(new_dtheta)
             old_theta.copy_(new_theta)
         write_back(pending)

@@ -260,10 +260,14 @@ static inline __attribute__((always_inline)) void step_blocks(
     }
 }
 
+/* keep: NULL, or one byte (a bool tensor's) that, when 0, makes the step change nothing
+   (the caller's zeroed sums stay zero). */
 void collage8_step(int64_t n, int64_t block, int track, int64_t offset, uint32_t key1,
                    uint32_t key2, bf16 *theta, bf16 *dtheta, uint8_t *m_q, float *m_absmax,
                    uint8_t *v_q, float *v_absmax, const bf16 *grad, const scalars_t *c,
-                   const maps_t *maps, int64_t rows, const int64_t *bounds, double *sums) {
+                   const maps_t *maps, int64_t rows, const int64_t *bounds, double *sums,
+                   const uint8_t *keep) {
+    if (keep != NULL && *keep == 0) return;
     if (track)
         step_blocks(1, n, block, offset, key1, key2, theta, dtheta, m_q, m_absmax, v_q,
                     v_absmax, grad, c, maps, rows, bounds, sums);

@@ -118,6 +118,7 @@ def load_library() -> ctypes.CDLL:
         ctypes.c_int64,
         ctypes.POINTER(ctypes.c_int64),
         ctypes.POINTER(ctypes.c_double),
+        ctypes.c_void_p,
     ]
     library.collage8_search.restype = None
     library.collage8_search.argtypes = [
@@ -211,8 +212,10 @@ def eight_bit_step(
     stream: int,
     step: int,
     segments: Sequence[tuple[int, int]] | None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """One fused step of a whole tensor, in place.
+    """One fused step of a whole tensor, in place; nothing is written where ``mask`` (a
+    0-d bool CPU tensor: ``TrackingOptimizer.step_mask``, read by the kernel) is False.
 
     ``scalars``: ``(1 - beta1, beta2, 1 - beta2, inv_sqrt_bias2, eps, step_size, decay)``
     as the eager step uses them. ``segments``: None (no EDQ tracking) or the ``[start,
@@ -223,6 +226,9 @@ def eight_bit_step(
     if not 1 <= block_size <= MAX_BLOCK:
         raise ValueError(f"the CPU 8-bit Collage kernel takes blocks of 1..{MAX_BLOCK}")
     tensors.check(block_size)
+    if mask is not None and (mask.dtype != torch.bool or mask.device.type != "cpu"):
+        raise ValueError("the CPU 8-bit Collage kernel's mask is a bool CPU tensor")
+    keep = mask.data_ptr() if mask is not None else None
     library, maps = load_library(), _maps()
     c_scalars = _Scalars(*scalars)
     key1, key2 = rounding_noise.stream_keys(seed, stream, step)
@@ -254,6 +260,7 @@ def eight_bit_step(
             len(rows),
             local,
             sums,
+            keep,
         )
         return list(sums)
 

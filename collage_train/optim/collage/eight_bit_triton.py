@@ -68,6 +68,7 @@ def _eight_bit_kernel(
     v_code_ptr,
     cells_ptr,
     partials_ptr,
+    keep_ptr,
     n,
     key1,
     key2,
@@ -82,6 +83,7 @@ def _eight_bit_kernel(
     QBLOCK: tl.constexpr,
     ROWS: tl.constexpr,
     TRACK: tl.constexpr,
+    GATED: tl.constexpr,
     R: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -89,6 +91,12 @@ def _eight_bit_kernel(
     offsets = blocks[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
     mask = offsets < n
     block_mask = blocks * QBLOCK < n
+    if GATED:  # a False *keep_ptr (the step guard's verdict): read all, write nothing
+        keep = tl.zeros([ROWS], tl.int32) + tl.load(keep_ptr).to(tl.int32)
+        block_written = block_mask & (keep != 0)
+        written = mask & block_written[:, None]
+    else:
+        block_written, written = block_mask, mask
     g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     m_codes = tl.load(mq_ptr + offsets, mask=mask, other=0).to(tl.int32)
     v_codes = tl.load(vq_ptr + offsets, mask=mask, other=0).to(tl.int32)
@@ -103,8 +111,8 @@ def _eight_bit_kernel(
     dtheta = tl.load(dtheta_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     update = _rn(tl.div_rn(m, denom) * step_size + decay * theta, R)
     new_theta, new_dtheta = _grow(theta, dtheta, update, R)
-    tl.store(theta_ptr + offsets, new_theta.to(tl.bfloat16), mask=mask)
-    tl.store(dtheta_ptr + offsets, new_dtheta.to(tl.bfloat16), mask=mask)
+    tl.store(theta_ptr + offsets, new_theta.to(tl.bfloat16), mask=written)
+    tl.store(dtheta_ptr + offsets, new_dtheta.to(tl.bfloat16), mask=written)
 
     # blockwise8._scaled: a whole block scales by the reciprocal of max(absmax, tiny) and
     # keeps its absmax; a shorter (last) block divides by max(absmax, tiny) and keeps that
@@ -112,8 +120,8 @@ def _eight_bit_kernel(
     m_max = tl.max(tl.where(mask, tl.abs(m), 0.0), axis=1)
     v_max = tl.max(tl.where(mask, tl.abs(v), 0.0), axis=1)
     m_div, v_div = tl.maximum(m_max, tiny), tl.maximum(v_max, tiny)
-    tl.store(m_absmax_ptr + blocks, tl.where(whole, m_max, m_div), mask=block_mask)
-    tl.store(v_absmax_ptr + blocks, tl.where(whole, v_max, v_div), mask=block_mask)
+    tl.store(m_absmax_ptr + blocks, tl.where(whole, m_max, m_div), mask=block_written)
+    tl.store(v_absmax_ptr + blocks, tl.where(whole, v_max, v_div), mask=block_written)
     one = tl.full([ROWS], 1.0, tl.float32)
     m_rcp, v_rcp = tl.div_rn(one, m_div), tl.div_rn(one, v_div)
     xm = tl.where(whole[:, None], m * m_rcp[:, None], tl.div_rn(m, m_div[:, None]))
@@ -124,7 +132,7 @@ def _eight_bit_kernel(
     # m: the nearest code (ties to the lower); cells hold the least count per bf16 interval
     k = tl.load(cells_ptr + _cell(xm)) & 0xFF
     k += (tl.load(m_mid_ptr + k) < xm).to(tl.int32)
-    tl.store(mq_ptr + offsets, k.to(tl.uint8), mask=mask)
+    tl.store(mq_ptr + offsets, k.to(tl.uint8), mask=written)
     # v: between codes c_k <= x <= c_k+1, up with probability (x - c_k) / (c_k+1 - c_k)
     k = (tl.load(cells_ptr + _cell(xv)) >> 8) & 0xFF
     k += (tl.load(v_code_ptr + k) <= xv).to(tl.int32)
@@ -135,12 +143,12 @@ def _eight_bit_kernel(
     noise = (bits >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
     index = below + (noise < tl.div_rn(xv - low, high - low)).to(tl.int32)
     index = tl.where((index == 0) & (xv > 0.0), 1, index)  # a positive v is never 0
-    tl.store(vq_ptr + offsets, index.to(tl.uint8), mask=mask)
+    tl.store(vq_ptr + offsets, index.to(tl.uint8), mask=written)
 
     if TRACK:  # this program's partial sums, in the order of metrics.edq.FIELDS
-        update = tl.where(mask, update, 0.0)
-        realised = tl.where(mask, new_theta - theta, 0.0)
-        low_part = tl.where(mask, new_dtheta, 0.0)
+        update = tl.where(written, update, 0.0)
+        realised = tl.where(written, new_theta - theta, 0.0)
+        low_part = tl.where(written, new_dtheta, 0.0)
         moved = update != 0.0
         row = partials_ptr + pid * 6
         tl.store(row, tl.sum(tl.sum(realised * update, axis=1), axis=0))
@@ -171,12 +179,14 @@ def triton_eight_bit_step(
     stream: int,
     step: int,
     track: bool,
+    mask: torch.Tensor | None = None,
     bit_rounding: bool = _INTERPRETED,
 ) -> torch.Tensor | None:
     """One fused step of a whole flat tensor, in place (contiguous tensors on one device).
 
     ``scalars`` as ``eight_bit_kernel.eight_bit_step``'s; ``block_size`` a power of two.
-    Returns the six EDQ partial sums (fp32) when ``track``, else None.
+    Returns the six EDQ partial sums (fp32) when ``track``, else None. ``mask``: the 0-d
+    bool ``TrackingOptimizer.step_mask``, read by the kernel (False: nothing written).
     """
     if block_size & (block_size - 1):
         raise ValueError(f"the Triton 8-bit kernel takes power-of-two blocks, not {block_size}")
@@ -199,6 +209,7 @@ def triton_eight_bit_step(
             tables["v_code"],
             tables["cells"],
             partials,
+            mask if mask is not None else partials,
             n,
             key1,
             key2,
@@ -207,6 +218,7 @@ def triton_eight_bit_step(
             QBLOCK=block_size,
             ROWS=ROWS,
             TRACK=track,
+            GATED=mask is not None,
             R=bit_rounding,
             num_warps=NUM_WARPS,
             enable_fp_fusion=False,
