@@ -2,9 +2,11 @@
 
 ``Trainer.fit`` reads like the algorithm: for each optimizer step, accumulate
 gradients over micro-batches, let the engine clip and step at the scheduled lr unless
-the step guard refuses the step (``collage_train.guard``); every so often settle the
-window's statistics, log, validate and checkpoint, or roll back to the newest
-checkpoint when the guard has refused too many steps in a row. The trainer
+the step guard refuses the step (``collage_train.guard``: a verdict that masks the
+update on the device, read at the settle); every so often settle the window's
+statistics (taking back a refused step and the steps held behind it, ``_rewind``), log,
+validate and checkpoint, or roll back to the newest checkpoint when the guard has
+refused too many steps in a row. The trainer
 talks to the engine only (``engine.base.Engine``: ``step(lr, track_edq) ->
 StepOutcome``), never to the optimizer's internals. State that a resumed run needs
 (step, loader position, RNG) goes through ``state_dict``/``load_state_dict``; the

@@ -2,9 +2,11 @@
 
 Two measurements, side by side in one script run:
 
-- the guard alone: its verdict (``StepGuard.judge``), its window update (``accept``) and
-  the one host read of the verdict, timed over ``--calls`` steps on the device, as a
-  fraction of the model's measured step time;
+- the guard alone, timed over ``--calls`` steps on the device as a fraction of the
+  model's measured step time, both ways it runs: on the device (``StepGuard.judge``,
+  ``admit`` and the RNG snapshot a step keeps should it be taken again: what one process
+  and ZeRO do with an optimizer that masks its step) and read on the host (``judge``,
+  ``accept`` and the one read of the verdict: split_fp32, Scalify, replicas);
 - whole steps: the real CLI trained with the guard on and off, interleaved
   (on, off, on, off, ...: ``--reps`` pairs), each run's steady step time (the first
   step excluded), and the ratio on/off. On a shared or loaded machine this ratio carries
@@ -28,8 +30,9 @@ from runs import append_results, run_training
 from collage_train.guard import GuardSettings, StepGuard
 
 
-def guard_seconds_per_step(device: torch.device, calls: int) -> float:
-    """Median seconds of one judge + accept + host read of the verdict, on ``device``."""
+def guard_seconds_per_step(device: torch.device, calls: int, on_device: bool) -> float:
+    """Median seconds of the guard's work per step on ``device``: judge + admit + the RNG
+    snapshot (``on_device``), or judge + accept + the host read of the verdict."""
     guard = StepGuard(GuardSettings(), device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     losses = (3.0 + 0.1 * torch.randn(calls, generator=gen)).to(device)
@@ -39,9 +42,17 @@ def guard_seconds_per_step(device: torch.device, calls: int) -> float:
         loss, norm = losses[index], norms[index]
         start = time.perf_counter()
         verdict = guard.judge(loss, norm)
-        guard.accept(verdict)
-        bool(verdict.ok)  # the engine's one read (waits for the device on a GPU)
+        if on_device:
+            guard.admit(verdict)  # the optimizer's mask: nothing read
+            torch.get_rng_state()  # what Trainer._redo_point keeps
+            if device.type == "cuda":
+                torch.cuda.get_rng_state(device)
+        else:
+            guard.accept(verdict)
+            bool(verdict.ok)  # the engine's one read (waits for the device on a GPU)
         times.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return statistics.median(times[calls // 10 :])  # the first tenth warms up
 
 
@@ -68,7 +79,8 @@ def main() -> None:
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    alone = guard_seconds_per_step(device, args.calls)
+    alone = guard_seconds_per_step(device, args.calls, on_device=True)
+    alone_read = guard_seconds_per_step(device, args.calls, on_device=False)
     overrides = [
         f"model={args.model}",
         f"precision={args.precision}",
@@ -102,6 +114,7 @@ def main() -> None:
         "model": args.model,
         "device": str(device),
         "guard_alone_s": alone,
+        "guard_alone_read_s": alone_read,
         "step_s_guard_off": step,
         "step_s_guard_on": step_on,
         "guard_alone_frac": alone / step,
@@ -113,7 +126,10 @@ def main() -> None:
         [
             "| measure | value |",
             "|---|---|",
-            f"| guard alone (judge + accept + one read), per step | {1e6 * alone:.0f} us |",
+            f"| guard alone on the device (judge + admit + RNG snapshot), per step "
+            f"| {1e6 * alone:.0f} us |",
+            f"| guard alone read on the host (judge + accept + one read), per step "
+            f"| {1e6 * alone_read:.0f} us |",
             f"| {args.model} step, guard off (mean of {len(off)} runs) | {step:.3f} s |",
             f"| {args.model} step, guard on (mean of {len(on)} runs) | {step_on:.3f} s |",
             f"| guard alone / step | {100 * result['guard_alone_frac']:.4f}% |",

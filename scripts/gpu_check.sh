@@ -9,10 +9,11 @@
 #    scripts/bench_8bit_step.py), 3. a 1-GPU ZeRO-2 run launched with `deepspeed`,
 #    4. a Scalify fp8 run, 5. a short gpt_125m training benchmark of mixed_fp32 against
 #    collage_plus and the 8-byte collage_8bit and bf16_sr (steps 1-5: under 10 minutes on
-#    one H100), the step guard's cost per step (guard_cost), then start-up (startup: launch
-#    to first step and peak host RSS of gpt_1.3b, scripts/bench_startup.py; fit_refusal:
-#    the whole-step memory check refuses gpt_6.7b collage_plus on one 80 GB GPU in one line,
-#    exit status 2), 6. the LM loss with full
+#    one H100), the step guard (guard_masks: masked steps and replays on the GPU;
+#    guard_cost: its cost per step), then start-up (startup: launch to first step and
+#    peak host RSS of gpt_1.3b, scripts/bench_startup.py; fit_refusal: the whole-step
+#    memory check refuses gpt_6.7b collage_plus on one 80 GB GPU in one line, exit
+#    status 2), 6. the LM loss with full
 #    logits against blocks (loss_bench: 128256-token vocabulary, the allocator's peak and
 #    the step time), 7-9. throughput where users
 #    feel it (scripts/bench_throughput.py): gpt_1.3b at sequence 2048, mixed_fp32 / bf16 /
@@ -119,8 +120,12 @@ step scalify_fp8 "$python" -m collage_train model=gpt_125m precision=scalify \
 step train_bench "$python" scripts/bench_train.py --model gpt_125m \
     --strategies mixed_fp32 collage_plus collage_8bit bf16_sr --steps 20 --no-search --no-append \
     --json "$out/train.json"
-# the step guard's cost per step on the GPU, where its one read of the verdict waits for
-# backward (scripts/bench_guard.py: the guard alone, and whole runs on/off interleaved)
+# the step guard on the GPU: the masked optimizer steps (the real Triton kernels under a
+# False verdict write nothing) and a refusal read at the settle, taken back and replayed
+step guard_masks "$python" -m pytest -q -rs -p no:cacheprovider --device cuda \
+    tests/optim/test_step_mask.py tests/test_guard.py -k "refused or masked or held"
+# its cost per step (scripts/bench_guard.py: the guard alone, and whole runs on/off
+# interleaved; collage_plus masks its update with the verdict, no host read)
 step guard_cost "$python" scripts/bench_guard.py --model gpt_125m --seq-len 2048 \
     --micro-batch 8 --steps 20 --reps 2 --no-append --json "$out/guard.json"
 step startup "$python" scripts/bench_startup.py --model gpt_1.3b --precision collage_plus \

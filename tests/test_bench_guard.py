@@ -27,6 +27,7 @@ def test_the_guard_benchmark_reports_its_cost_as_a_fraction_of_the_step(tmp_path
     result = json.loads(out.read_text())
     assert [(r["guard"], r["skipped_steps"]) for r in result["runs"]] == [(True, 0), (False, 0)]
     assert 0 < result["guard_alone_s"] < result["step_s_guard_off"]
+    assert 0 < result["guard_alone_read_s"] < result["step_s_guard_off"]
     assert result["guard_alone_frac"] == pytest.approx(
         result["guard_alone_s"] / result["step_s_guard_off"]
     )

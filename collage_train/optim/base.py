@@ -94,6 +94,8 @@ def commit_(target: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
     ``target`` keeps its bits where it does not, whatever ``value`` holds (NaN included)."""
     if mask is None:
         target.copy_(value)
+    elif target.is_contiguous():  # in place: one pass, no temporary
+        torch.where(mask, value.to(target.dtype), target, out=target)
     else:
         target.copy_(torch.where(mask, value.to(target.dtype), target))
 

@@ -29,7 +29,7 @@ from collage_train.optim.base import commit_
 from collage_train.optim.collage import cpu_kernel
 from collage_train.optim.collage.step_math import collage_tensor_step, step_scalars
 
-OK, REFUSED = torch.tensor(True), torch.tensor(False)
+OK, REFUSED = torch.tensor(True), torch.tensor(False)  # moved to the suite's device in use
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -51,10 +51,14 @@ def _same(a: list, b: list) -> bool:
     )
 
 
-def _params(dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
+def _params(
+    dtype: torch.dtype, seed: int = 0, device: torch.device | str = "cpu"
+) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
     shapes = [(33, 17), (70_001,), (5,)]
-    return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.05).to(dtype)) for s in shapes]
+    return [
+        torch.nn.Parameter((torch.randn(s, generator=gen) * 0.05).to(device, dtype)) for s in shapes
+    ]
 
 
 def _grads(params: list[torch.Tensor], step: int, nan: bool = False) -> None:
@@ -63,7 +67,7 @@ def _grads(params: list[torch.Tensor], step: int, nan: bool = False) -> None:
         grad = torch.randn(param.shape, generator=gen) * 1e-2
         if nan:
             grad.view(-1)[::97] = float("nan")
-        param.grad = grad.to(param.dtype)
+        param.grad = grad.to(param.device, param.dtype)
 
 
 OPTIMIZERS = {
@@ -82,18 +86,21 @@ OPTIMIZERS = {
 }
 
 
-def _build(name: str, seed: int = 0):
-    if name.endswith("_c") and cpu_kernel.c_compiler() is None:
+def _build(name: str, device: torch.device, seed: int = 0):
+    """The optimizer ``name`` over three parameters on ``device``; the ``_c`` ones run their
+    fused kernel: the C kernel on CPU, the Triton kernel on CUDA."""
+    if name.endswith("_c") and device.type == "cpu" and cpu_kernel.c_compiler() is None:
         pytest.skip("the C kernel needs a C compiler")
     dtype, make = OPTIMIZERS[name]
-    params = _params(dtype, seed)
+    params = _params(dtype, seed, device)
     optimizer = make([{"params": params, "weight_decay": 0.1, "lr": 1e-3}])
     optimizer.step_chunk_numel = 1 << 14  # several chunks in the large tensor
     return params, optimizer
 
 
 def _step(optimizer, mask=None, track=False) -> None:
-    optimizer.step_mask = mask
+    device = optimizer.param_groups[0]["params"][0].device
+    optimizer.step_mask = mask.to(device) if mask is not None else None
     optimizer.track_edq = track
     try:
         optimizer.step()
@@ -103,9 +110,9 @@ def _step(optimizer, mask=None, track=False) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_a_refused_step_changes_nothing_and_rewinds_to_an_unstepped_run(name):
-    params, optimizer = _build(name)
-    ref_params, reference = _build(name)
+def test_a_refused_step_changes_nothing_and_rewinds_to_an_unstepped_run(name, device):
+    params, optimizer = _build(name, device)
+    ref_params, reference = _build(name, device)
     for t in range(1, 3):
         for p in (params, ref_params):
             _grads(p, t)
@@ -132,9 +139,9 @@ def test_a_refused_step_changes_nothing_and_rewinds_to_an_unstepped_run(name):
 
 
 @pytest.mark.parametrize("name", ["collage_plus_eager", "mixed_fp32"])
-def test_an_applied_masked_step_tracks_the_same_descent(name):
-    params, optimizer = _build(name)
-    ref_params, reference = _build(name)
+def test_an_applied_masked_step_tracks_the_same_descent(name, device):
+    params, optimizer = _build(name, device)
+    ref_params, reference = _build(name, device)
     for p in (params, ref_params):
         _grads(p, 1)
     _step(optimizer, OK, track=True)
@@ -143,6 +150,7 @@ def test_an_applied_masked_step_tracks_the_same_descent(name):
         assert torch.equal(optimizer.last_edq[param], reference.last_edq[ref])
 
 
+@pytest.mark.cpu_only("the C kernel steps CPU tensors (Triton's: tests/triton_interpreted.py)")
 @pytest.mark.parametrize("mode", ["none", "light", "plus"])
 def test_the_c_kernel_and_the_eager_step_mask_alike(mode):
     """Bitwise: the kernel reads the mask itself (no host read), the eager step writes
