@@ -104,14 +104,18 @@ def planned_setting(
     ranks: its ZeRO stage (0 for one whole model per process, replicas included), offloads,
     gradient dtypes and whether the optimizer step runs fused."""
     dist = cfg.distributed
-    stage = 0 if dist.name == "unsharded" or uses_replicas(cfg.comm) else int(dist.zero_stage)
+    replicas = uses_replicas(cfg.comm)
+    stage = 0 if dist.name == "unsharded" or replicas else int(dist.zero_stage)
+    masked = bool(cfg.train.guard.enabled) and not replicas  # Trainer.verdicts_on_device
     if stage == 0:
-        return Setting(strategy, 0, fused_optimizer=optimizer_kernel != "eager")
+        fused = optimizer_kernel != "eager"
+        return Setting(strategy, 0, fused_optimizer=fused, masked_step=masked)
     return Setting(
         strategy,
         stage,
         gpus=world_size,
         fused_optimizer=optimizer_kernel != "eager",
+        masked_step=masked,
         offload_optimizer=bool(dist.offload_optimizer),
         offload_param=bool(dist.offload_param),
         gradient_dtypes=gradient_dtypes(dist, strategy, stage),

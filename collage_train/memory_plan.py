@@ -136,11 +136,24 @@ STEP_TRANSIENT = {
     # fp32 copies of the moments and the update (bf16_moments, adamw_8bit: + dequantised
     # codes and their map indices), the SR step's int64 random bits (bf16_sr, collage_8bit;
     # on CPU they step at most 2^17 elements at a time), Kahan's bf16 scratch.
-    "adamw_bf16": (0.0, 36.7),
+    "adamw_bf16": (0.0, 26.0),
     "adamw_blockwise8": (0.0, 34.0),
     "collage_blockwise8": (0.0, 62.0),
     "stochastic_rounding": (0.0, 44.7),
     "kahan": (0.0, 19.0),
+}
+
+# Under the step guard's mask (``Setting.masked_step``, ``TrackingOptimizer.step_mask``),
+# where it costs more (per chunk element, measured as above): AdamW steps a chunk at a
+# time (fp32 copies of the moments, the masked update and the new target; bf16 weights:
+# + the widened gradient and the rounded weight); the others keep a copy of what they
+# used to update in place (Kahan's four bf16 pieces, the 8-bit step's fp32 weight).
+MASKED_STEP_TRANSIENT = {
+    "adamw_fp32": (0.0, 25.0),
+    "adamw_master": (0.0, 30.0),
+    "adamw_bf16": (0.0, 30.0),
+    "adamw_blockwise8": (0.0, 38.0),
+    "kahan": (0.0, 21.0),
 }
 
 CHUNKED_KINDS = (
@@ -255,6 +268,9 @@ class Setting:
     gradient_dtypes: GradientDtypes | None = None
     # ZeRO: distributed.deepspeed.zero_optimization keys, which win over the derived buckets
     zero_overrides: dict[str, Any] = field(default_factory=dict)
+    # The step guard masks the optimizer's update on the device (train.guard on, one process
+    # or ZeRO): AdamW then steps a chunk at a time (AdamW._step_in_chunks)
+    masked_step: bool = True
 
 
 @dataclass
@@ -368,6 +384,15 @@ def step_transient_kind(setting: Setting) -> str:
     return "adamw_fp32"  # fp32, or mixed_fp32 under ZeRO (DeepSpeed hands it fp32 masters)
 
 
+def step_transient(setting: Setting) -> tuple[float, float]:
+    """``STEP_TRANSIENT``'s row for the setting's optimizer, or ``MASKED_STEP_TRANSIENT``'s
+    where the step guard's mask costs more."""
+    kind = step_transient_kind(setting)
+    if setting.masked_step and kind in MASKED_STEP_TRANSIENT:
+        return MASKED_STEP_TRANSIENT[kind]
+    return STEP_TRANSIENT[kind]
+
+
 def model_state(shape: ModelShape, setting: Setting) -> MemoryEstimate:
     """Per-GPU bytes of weights, gradients, master weights and each optimizer component."""
     n, strategy = shape.num_params, setting.strategy
@@ -478,7 +503,7 @@ def estimate(
     updated = shape.num_params / (setting.gpus if setting.stage else 1)
     largest = updated if setting.stage else shape.largest_tensor  # ZeRO: one flat partition
     kind = step_transient_kind(setting)
-    per_param, per_largest = STEP_TRANSIENT[kind]
+    per_param, per_largest = step_transient(setting)
     if kind in CHUNKED_KINDS:
         largest = min(largest, chunk_numel_for(plan.persistent + plan.gradients))
         if setting.stage and not kind.startswith("scaled_adamw"):  # tracking: in its bytes

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from collage_train.comm.settings import uses_replicas
 from collage_train.engine.deepspeed_config import GradientDtypes, gradient_dtypes
 from collage_train.errors import CollageError, ConfigError
 from collage_train.fit_check import zero_overrides
@@ -138,6 +139,8 @@ def make_plan(cfg: Any) -> Plan:
     # that fails to build or to match): plan for the eager step's chunk, so a fallback
     # still fits; only compiled is certain to run fused.
     fused = cfg.optim.kernel == "compiled"
+    # the step guard masks the optimizer's update (not a replica's: Trainer.verdicts_on_device)
+    masked = bool(cfg.train.guard.enabled) and not uses_replicas(cfg.comm)
     stages = ([0] if plan_cfg.gpus == 1 else []) + [1, 2, 3]
     rows = []
     for name in available():
@@ -151,6 +154,7 @@ def make_plan(cfg: Any) -> Plan:
                 row_stage,
                 gpus=plan_cfg.gpus,
                 fused_optimizer=fused,
+                masked_step=masked,
                 offload_optimizer=is_chosen and bool(cfg.distributed.offload_optimizer),
                 offload_param=is_chosen and bool(cfg.distributed.offload_param),
                 gradient_dtypes=_gradient_dtypes(cfg.distributed, strategy, row_stage, is_chosen),

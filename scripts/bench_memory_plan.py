@@ -86,7 +86,10 @@ def bench_row(args: argparse.Namespace, precision: str, checkpointing: bool) -> 
             cfg.model, vocab_size=trainer.data.tokenizer.vocab_size, seq_len=cfg.data.seq_len
         )
         setting = Setting(
-            get_strategy(precision), 0, fused_optimizer=trainer.optimizer_kernel != "eager"
+            get_strategy(precision),
+            0,
+            fused_optimizer=trainer.optimizer_kernel != "eager",
+            masked_step=trainer.verdicts_on_device,
         )
         train = cfg.train
         planned = estimate(

@@ -13,7 +13,6 @@ import torch
 from collage_train.batch import accumulation_steps, micro_batch_choices
 from collage_train.engine.deepspeed_config import GradientDtypes
 from collage_train.memory_plan import (
-    STEP_TRANSIENT,
     ModelShape,
     Setting,
     block_backward_bytes_per_token,
@@ -22,7 +21,7 @@ from collage_train.memory_plan import (
     estimate,
     largest_micro_batch,
     model_state,
-    step_transient_kind,
+    step_transient,
 )
 from collage_train.metrics.live_memory import LiveTensorBytes
 from collage_train.models import build_model
@@ -50,7 +49,12 @@ def planned_step_peak(trainer: Trainer, cfg) -> float:
     train = cfg.train
     plan = estimate(
         shape,
-        Setting(get_strategy(cfg.precision.name), stage=0, fused_optimizer=False),
+        Setting(
+            get_strategy(cfg.precision.name),
+            stage=0,
+            fused_optimizer=False,
+            masked_step=trainer.verdicts_on_device,
+        ),
         micro_batch=train.micro_batch_size,
         accum_steps=accumulation_steps(train.global_batch_size, train.micro_batch_size, 1),
         checkpointing=train.activation_checkpointing,
@@ -229,20 +233,25 @@ def test_block_activations_are_what_transformers_saves(family, dtype):
     assert per_block == pytest.approx(block_bytes_per_token(shape, dtype.itemsize), rel=0.01)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
 @pytest.mark.parametrize("name", available())
-def test_optimizer_step_temporaries_match_the_table(name):
+def test_optimizer_step_temporaries_match_the_table(name, masked):
+    """Unmasked, and under the step guard's mask (``step_mask``) where the optimizer
+    takes one: the planner's ``Setting.masked_step``."""
     strategy = get_strategy(name)
     sizes = [(512, 256), (256,), (256, 768), (768,), (768, 256)]
     params = [torch.nn.Parameter(torch.randn(s).to(strategy.param_dtype)) for s in sizes]
     module = torch.nn.ParameterList(params)
     optim_cfg = SimpleNamespace(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     optimizer = strategy.build_optimizer(decay_param_groups(module, 0.1), optim_cfg)
+    if masked and not optimizer.masks_on_device:
+        pytest.skip(f"{type(optimizer).__name__} takes no mask: the guard reads its verdict")
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-    assert_step_temporaries_match_the_table(strategy, params, optimizer)
+    assert_step_temporaries_match_the_table(strategy, params, optimizer, masked=masked)
 
 
-def assert_step_temporaries_match_the_table(strategy, params, optimizer) -> None:
+def assert_step_temporaries_match_the_table(strategy, params, optimizer, masked=False) -> None:
     """A tracked step's live-tensor peak above the state (gradients set) is the planner's
     STEP_TRANSIENT row for the strategy's optimizer, within 10%."""
     optimizer.step()  # creates the state
@@ -251,12 +260,13 @@ def assert_step_temporaries_match_the_table(strategy, params, optimizer) -> None
         live.track(p.grad for p in params)
         before = live.current
         optimizer.track_edq = True
+        optimizer.step_mask = torch.tensor(True) if masked else None
         optimizer.step()
+        optimizer.step_mask = None
     numel = sum(p.numel() for p in params)
     largest = max(p.numel() for p in params)
-    per_param, per_largest = STEP_TRANSIENT[
-        step_transient_kind(Setting(strategy, 0, fused_optimizer=False))
-    ]
+    setting = Setting(strategy, 0, fused_optimizer=False, masked_step=masked)
+    per_param, per_largest = step_transient(setting)
     assert live.peak - before == pytest.approx(per_param * numel + per_largest * largest, rel=0.1)
 
 
@@ -299,8 +309,14 @@ def test_gradient_dtypes_change_what_a_zero_rank_holds():
     fp32, bf16 = torch.float32, torch.bfloat16
 
     def plan(strategy, reduce, accumulate, stage=2):
+        # unmasked: AdamW's whole-tensor step, whose transients do not depend on the
+        # chunk size (a masked step's chunk grows with the state these dtypes change)
         setting = Setting(
-            strategy, stage, gpus=8, gradient_dtypes=GradientDtypes(reduce, accumulate)
+            strategy,
+            stage,
+            gpus=8,
+            gradient_dtypes=GradientDtypes(reduce, accumulate),
+            masked_step=False,
         )
         return estimate(shape, setting, micro_batch=1, accum_steps=1, checkpointing=True)
 

@@ -124,14 +124,14 @@ class AdamW(TrackingOptimizer):
         beta1, beta2 = group["betas"]
         states = [self._state_for(p) for p in params]
         targets = self._masters(params, states)
-        grads = [p.grad.to(t.dtype) for p, t in zip(params, targets, strict=True)]
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         for s in states:
             s["step"] += 1
         if self.moment_dtype is not None or self.step_mask is not None:
             self._step_in_chunks(group, params, states, targets)
             return
+        grads = [p.grad.to(t.dtype) for p, t in zip(params, targets, strict=True)]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
 
         torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
