@@ -9,10 +9,11 @@ standard deviations above the window's mean (the test of OLMo-core's skip-step
 optimizer; only upward spikes count, a falling loss is the point of training). The
 verdict is a device tensor, and a refused step leaves weights, optimizer state and the lr
 schedule's position exactly as if it had not been taken (docs/runs.md, "The step guard").
-Where the optimizer can mask its update with it (one process and ZeRO), the host never
-waits for it: the step runs masked (``admit``), every later step is held back until the
-host reads the verdicts at its next settle and takes the held steps again. Elsewhere
-(replicas, optimizers that cannot mask) the engine reads it before the optimizer step.
+On one process and under ZeRO the host never waits for it: the optimizer's update is
+masked with it (``admit``; ``optim.base.TrackingOptimizer.step_mask``), every later step
+is held back until the host reads the verdicts at its next settle and takes the held
+steps again. A DiLoCo/SparseLoCo replica, which steps alone, or an optimizer that cannot
+mask its step has the engine read it before the optimizer step.
 
 Invariant: the window changes only through ``accept`` or ``admit`` of a verdict that
 ``judge`` returned, so two runs that judge the same values decide the same.

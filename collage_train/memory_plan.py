@@ -146,14 +146,16 @@ STEP_TRANSIENT = {
 # Under the step guard's mask (``Setting.masked_step``, ``TrackingOptimizer.step_mask``),
 # where it costs more (per chunk element, measured as above): AdamW steps a chunk at a
 # time (fp32 copies of the moments, the masked update and the new target; bf16 weights:
-# + the widened gradient and the rounded weight); the others keep a copy of what they
-# used to update in place (Kahan's four bf16 pieces, the 8-bit step's fp32 weight).
+# + the widened gradient and the rounded weight; split_fp32 beside its rebuilt masters);
+# the others keep a copy of what they used to update in place (Kahan's four bf16 pieces,
+# the 8-bit step's fp32 weight).
 MASKED_STEP_TRANSIENT = {
     "adamw_fp32": (0.0, 25.0),
     "adamw_master": (0.0, 30.0),
     "adamw_bf16": (0.0, 30.0),
     "adamw_blockwise8": (0.0, 38.0),
     "kahan": (0.0, 21.0),
+    "split_master": (4.0, 30.0),  # the rebuilt fp32 masters, whole, and AdamW's chunk
 }
 
 CHUNKED_KINDS = (
@@ -504,7 +506,7 @@ def estimate(
     largest = updated if setting.stage else shape.largest_tensor  # ZeRO: one flat partition
     kind = step_transient_kind(setting)
     per_param, per_largest = step_transient(setting)
-    if kind in CHUNKED_KINDS:
+    if kind in CHUNKED_KINDS or (setting.masked_step and kind in MASKED_STEP_TRANSIENT):
         largest = min(largest, chunk_numel_for(plan.persistent + plan.gradients))
         if setting.stage and not kind.startswith("scaled_adamw"):  # tracking: in its bytes
             per_largest += TRACKED_FLAT_BYTES["adamw" if kind.startswith("adamw") else "collage"]

@@ -167,7 +167,7 @@ def test_a_nan_and_a_spike_are_skipped_as_if_their_batches_were_never_there(
     assert [r["skipped_steps"] for r in train] == [0] * 5 + [1, 1, 2, 2, 2]
 
 
-@pytest.mark.parametrize("precision", ["collage_plus", "mixed_fp32"])
+@pytest.mark.parametrize("precision", ["collage_plus", "mixed_fp32", "bf16_sr", "scalify"])
 def test_steps_held_back_behind_a_refused_one_are_taken_again(
     make_cfg, tmp_path, patched_trainer, precision
 ):

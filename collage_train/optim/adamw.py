@@ -38,6 +38,8 @@ class AdamW(TrackingOptimizer):
     """
 
     tracks_in_chunks = True  # False: a subclass whose masters are not plain tensors
+    # True: ``_masters`` rebuilds the masters for each step, ``_store_masters`` keeps them
+    masters_rebuilt = False
     masks_on_device = True  # a masked step (``step_mask``) runs as ``_step_in_chunks``
 
     def __init__(
@@ -128,6 +130,8 @@ class AdamW(TrackingOptimizer):
             s["step"] += 1
         if self.moment_dtype is not None or self.step_mask is not None:
             self._step_in_chunks(group, params, states, targets)
+            if self.masters_rebuilt:
+                self._store_masters(params, states, targets)
             return
         grads = [p.grad.to(t.dtype) for p, t in zip(params, targets, strict=True)]
         exp_avgs = [s["exp_avg"] for s in states]

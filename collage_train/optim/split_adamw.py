@@ -27,7 +27,11 @@ class SplitMasterAdamW(AdamW):
     # The masters are rebuilt whole from weight and remainder (``_masters``) and split
     # again after the update, so a tracked step snapshots whole tensors as well.
     tracks_in_chunks = False
-    masks_on_device = False  # the guard reads its verdict on the host before the step
+    masters_rebuilt = True
+    # Under a ``step_mask`` the rebuilt masters are stepped a chunk at a time, written where
+    # it holds, and split again: a refused step's masters split into the same weight,
+    # remainder and ties (``remainder``: join and split are exact inverses).
+    masks_on_device = True
 
     def __init__(self, params: Any, **hyperparameters: Any) -> None:
         super().__init__(params, master_dtype=torch.float32, **hyperparameters)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from collage_train.optim.base import EdqSums, TrackingOptimizer, flat_view, write_back
+from collage_train.optim.base import EdqSums, TrackingOptimizer, commit_, flat_view, write_back
 from collage_train.scalify.params import (
     holds_exactly,
     is_scaled,
@@ -69,6 +69,7 @@ class ScaledAdamW(TrackingOptimizer):
     """AdamW with scaled-fp16 ``exp_avg`` / ``exp_avg_sq`` (and master if ``master="fp16"``)."""
 
     unshaped_state = ("step", "exp_avg_scale", "exp_avg_sq_scale", "master_scale", "piece_lengths")
+    masks_on_device = True  # ``step_mask``: the old scales kept and no data written if False
 
     def __init__(
         self,
@@ -382,30 +383,35 @@ class ScaledAdamW(TrackingOptimizer):
                 layout.add_squares(sums, new_weight(lo, hi, *new_moments(lo, hi))[0], lo, hi)
             new_scales[fresh_weight] = layout.scales(sums, self.scaled)
 
+        mask = self.step_mask  # a False one: the old scales kept, nothing written
+        if mask is not None:
+            new_scales = {k: torch.where(mask, s, old_scales[k]) for k, s in new_scales.items()}
         edq = self._edq_rows(param) if self.track_edq else None
         for lo, hi in chunks:
             m, v = new_moments(lo, hi)
             for name, value in (("exp_avg", m), ("exp_avg_sq", v)):
-                _store_chunk(moments[name], lo, hi, value, layout, new_scales[name])
+                _store_chunk(moments[name], lo, hi, value, layout, new_scales[name], mask)
             weight, update = new_weight(lo, hi, m, v)
             del m, v
+            if mask is not None:
+                update = torch.where(mask, update, 0.0)
             before = self._model_chunk(kind, flat_param, old_scales, layout, lo, hi, copy=True)
             if kind == "param":
-                flat_param[lo:hi].copy_(weight)
+                commit_(flat_param[lo:hi], weight, mask)
             elif kind == "fp32_copy":
-                master[lo:hi].copy_(weight)
-                flat_param[lo:hi].copy_(weight)
+                commit_(master[lo:hi], weight, mask)
+                commit_(flat_param[lo:hi], weight, mask)
             elif kind == "scaled_copy":
-                master[lo:hi].copy_(weight)
-                _store_chunk(flat_param, lo, hi, weight, layout, new_scales["param"])
+                commit_(master[lo:hi], weight, mask)
+                _store_chunk(flat_param, lo, hi, weight, layout, new_scales["param"], mask)
             elif kind == "in_param":  # the fp32 parameter holds the fp16 master's value
                 scale = layout.scale_of(new_scales["weight"], lo, hi)
-                flat_param[lo:hi].copy_(_scaled_chunk(weight, scale)[1])
+                commit_(flat_param[lo:hi], _scaled_chunk(weight, scale)[1], mask)
             else:  # fp16 data under the new scale: the parameter itself, or a copy beside it
                 data = flat_param if kind == "scaled" else master
-                stored = _store_chunk(data, lo, hi, weight, layout, new_scales["weight"])
+                stored = _store_chunk(data, lo, hi, weight, layout, new_scales["weight"], mask)
                 if kind == "fp16_copy":
-                    flat_param[lo:hi].copy_(stored)
+                    commit_(flat_param[lo:hi], stored, mask)
             if edq is not None:
                 after_scales = {**old_scales, **new_scales}
                 after = self._model_chunk(kind, flat_param, after_scales, layout, lo, hi)
@@ -458,15 +464,16 @@ def _store_chunk(
     value: torch.Tensor,
     layout: PieceChunks,
     scale: torch.Tensor,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write ``value`` (fp32, the elements ``[lo, hi)``) into ``data`` under ``scale``:
-    fp16 data clamped to the fp16 range, or the value itself for fp32 data. Returns the
-    value stored (``data * scale``)."""
+    fp16 data clamped to the fp16 range, or the value itself for fp32 data, where ``mask``
+    (``TrackingOptimizer.step_mask``) holds. Returns the value stored (``data * scale``)."""
     if data.dtype == torch.float32:
-        data[lo:hi].copy_(value)
+        commit_(data[lo:hi], value, mask)
         return value
     stored, value_stored = _scaled_chunk(value, layout.scale_of(scale, lo, hi))
-    data[lo:hi].copy_(stored)
+    commit_(data[lo:hi], stored, mask)
     return value_stored
 
 

@@ -6,7 +6,8 @@ step; ``rewind_steps`` takes back the step count a refused masked step advanced,
 which the optimizer goes on as if the step had never run. For CollageAdamW, in the eager
 step, the C kernel and (tests/triton_interpreted.py) the Triton kernel; for AdamW in its
 fp32, mixed_fp32 and bf16_moments forms; for the SR, Kahan and 8-bit rivals (Collage-8bit's
-Triton kernel: tests/triton_interpreted_8bit.py). Optimizers that cannot mask refuse one.
+Triton kernel: tests/triton_interpreted_8bit.py), split_fp32's and Scalify's (their scales
+kept). An optimizer that cannot mask refuses one.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from collage_train.optim import (
     SplitMasterAdamW,
     StochasticRoundingAdamW,
 )
-from collage_train.optim.base import commit_
+from collage_train.optim.base import TrackingOptimizer, commit_
 from collage_train.optim.collage import cpu_kernel
 from collage_train.optim.collage.step_math import collage_tensor_step, step_scalars
+from collage_train.scalify.adamw import ScaledAdamW
 
 OK, REFUSED = torch.tensor(True), torch.tensor(False)  # moved to the suite's device in use
 
@@ -83,6 +85,9 @@ OPTIMIZERS = {
     "adamw_8bit_fp32": (torch.float32, lambda p: BlockwiseAdamW(p)),
     "collage_8bit_eager": (torch.bfloat16, lambda p: Collage8bitAdamW(p, kernel="eager")),
     "collage_8bit_c": (torch.bfloat16, lambda p: Collage8bitAdamW(p, kernel="compiled")),
+    "split_fp32": (torch.bfloat16, lambda p: SplitMasterAdamW(p)),
+    "scalify_fp16_master": (torch.float32, lambda p: ScaledAdamW(p, master="fp16")),
+    "scalify_fp32_state": (torch.bfloat16, lambda p: ScaledAdamW(p, state="fp32")),
 }
 
 
@@ -201,10 +206,16 @@ def test_commit_keeps_the_old_bits_under_a_false_mask():
 
 
 def test_an_optimizer_that_cannot_mask_refuses_a_mask():
-    """SplitMasterAdamW's remainder ties have a data-dependent size: the trainer reads
-    the guard's verdict on the host for it instead."""
-    params = _params(torch.bfloat16)
-    optimizer = SplitMasterAdamW(params)
+    """One written elsewhere against TrackingOptimizer, without ``masks_on_device``: the
+    trainer reads the guard's verdict on the host for it instead."""
+
+    class PlainSGD(TrackingOptimizer):
+        def _step_group(self, group, params):
+            for param in params:
+                param.detach().add_(param.grad, alpha=-group["lr"])
+
+    params = _params(torch.float32)
+    optimizer = PlainSGD(params, lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
     _grads(params, 1)
     optimizer.step_mask = REFUSED
     with pytest.raises(TypeError, match="cannot mask"):
