@@ -3,7 +3,7 @@
 ``train`` prepares the run directory (refusing to overwrite a finished run unless
 resuming), builds the trainer and the sinks, and runs it. ``hydra_main`` wraps it so
 that bad input ends in one ``error:`` line and a non-zero exit. Before ``hydra_main``
-runs, the Hydra callback of ``collage_train/rundir.py`` has validated the configuration
+runs, the Hydra callback of ``collage_train/run/directory.py`` has validated the configuration
 and locked the run directory against a second launch.
 """
 
@@ -33,8 +33,8 @@ from collage_train.errors import (
 )
 from collage_train.metrics import ConsoleSink, JsonlSink, Sink, WandbSink
 from collage_train.metrics.sinks import wandb_mode
-from collage_train.resume import check_resume, choose_checkpoint, record_changes
-from collage_train.rundir import write_hydra_record
+from collage_train.run.directory import write_hydra_record
+from collage_train.run.resume import check_resume, choose_checkpoint, record_changes
 from collage_train.trainer import Trainer
 
 

@@ -3,7 +3,7 @@
 Each job of a sweep runs in its own directory under the sweep directory
 (``hydra.sweep.dir``, by default ``outputs/sweeps/<start time>``; a job's subdirectory is
 its number). A job is validated and its directory locked as a single run's is (for a
-single run ``rundir.RunDirectoryCallback`` does this before Hydra starts; it is not called
+single run ``run.directory.RunDirectoryCallback`` does this before Hydra starts; it is not called
 for a sweep's jobs, so the job does it here). Unless ``logging.wandb.group`` is set, every
 job streams to one W&B group named after the sweep directory.
 
@@ -39,8 +39,8 @@ def run_sweep_job(
 ) -> float:
     """One job of a sweep in ``run_dir``; ``run_job`` is ``cli.run_reporting``. Returns the
     final validation loss, NaN when the job failed or stopped early."""
-    from collage_train.rundir import lock_run_dir
-    from collage_train.validate import validate
+    from collage_train.run.directory import lock_run_dir
+    from collage_train.run.validate import validate
 
     if cfg.logging.wandb.group is None:  # the jobs of one sweep: one W&B group
         with open_dict(cfg):

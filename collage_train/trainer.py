@@ -10,7 +10,7 @@ refused too many steps in a row. The trainer
 talks to the engine only (``engine.base.Engine``: ``step(lr, track_edq) ->
 StepOutcome``), never to the optimizer's internals. State that a resumed run needs
 (step, loader position, RNG) goes through ``state_dict``/``load_state_dict``; the
-model and optimizer state through the engine (``run_checkpoint``).
+model and optimizer state through the engine (``run.checkpointing``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from collage_train import checkpoint, init_from, report, resume, run_checkpoint, watchdog
+from collage_train import checkpoint, init_from, report, watchdog
 from collage_train.batch import accumulation_steps
 from collage_train.comm.settings import align_to_outer_steps
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm, probe_gflops
@@ -65,8 +65,9 @@ from collage_train.models import (
 from collage_train.optim import decay_param_groups, warmup_cosine_lr
 from collage_train.optim.collage.kernels import choose_kernel
 from collage_train.precision import strategy_for
-from collage_train.run_checkpoint import CheckpointSaver
-from collage_train.stop_signal import StopAgreement, StopRequest, stop_group
+from collage_train.run import checkpointing, resume
+from collage_train.run.checkpointing import CheckpointSaver
+from collage_train.run.stop_signal import StopAgreement, StopRequest, stop_group
 
 
 class Trainer:
@@ -294,7 +295,7 @@ class Trainer:
     def save_checkpoint(self, *, background: bool = False) -> Path:
         """Checkpoint the current step on every rank, refusing to store non-finite weights;
         ``background``: return once the state is copied to the host, the files written while
-        training goes on (``run_checkpoint.CheckpointSaver``)."""
+        training goes on (``run.checkpointing.CheckpointSaver``)."""
         return self.saver.save(
             self.step,
             background=background,
@@ -312,7 +313,7 @@ class Trainer:
         one written by another engine or number of ranks (read per parameter)."""
         names = {param: name for name, param in self.model.named_parameters()}
         groups = decay_param_groups(self.model, self.cfg.optim.weight_decay)
-        client_state = run_checkpoint.restore(
+        client_state = checkpointing.restore(
             self.engine,
             self.model,
             path,

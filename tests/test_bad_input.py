@@ -15,7 +15,7 @@ from hydra.errors import HydraException
 
 from collage_train import cli
 from collage_train.__main__ import check_overrides
-from collage_train.rundir import RunDirectoryCallback
+from collage_train.run.directory import RunDirectoryCallback
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from collage_train.batch import accumulation_steps
 from collage_train.comm.settings import align_to_outer_steps, check_engine
 from collage_train.errors import ConfigError
 from collage_train.precision import strategy_for
-from collage_train.validate import validate
+from collage_train.run.validate import validate
 
 CONFIGS = Path(cli.config_dir())
 GROUPS = ("model", "precision", "data", "distributed", "comm", "optim", "train", "logging")

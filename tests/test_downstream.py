@@ -156,7 +156,7 @@ def test_tasks_run_in_the_training_loop_at_their_cadence(
 )
 def test_bad_eval_settings_are_refused_before_training(make_cfg, local_task, overrides, message):
     from collage_train.errors import ConfigError
-    from collage_train.validate import validate
+    from collage_train.run.validate import validate
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(make_cfg(*overrides, f"eval.include_path={local_task}"))

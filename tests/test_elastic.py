@@ -16,7 +16,7 @@ from collage_train.checkpoint.full_state import open_full_state
 from collage_train.checkpoint.pieces import Piece, check_tiling, zero3_rank_pieces
 from collage_train.errors import CheckpointError, ConfigError
 from collage_train.optim import remainder
-from collage_train.resume import check_resume
+from collage_train.run.resume import check_resume
 from collage_train.trainer import Trainer
 
 

@@ -22,8 +22,8 @@ from collage_train import checkpoint
 from collage_train.errors import ConfigError, TrainingDiverged
 from collage_train.guard import REASONS, GuardSettings, StepGuard, describe_skip
 from collage_train.metrics import RecordingSink
+from collage_train.run.validate import validate
 from collage_train.trainer import Trainer
-from collage_train.validate import validate
 
 # ------------------------------------------------------------------ the test
 

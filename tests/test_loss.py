@@ -240,7 +240,7 @@ def test_a_block_size_that_is_no_count_is_one_config_error(value):
 
 
 def test_a_block_size_for_scalify_is_refused_at_start_up(make_cfg):
-    from collage_train.validate import validate
+    from collage_train.run.validate import validate
 
     validate(make_cfg("precision=scalify"))  # auto: Scalify keeps its full-logits loss
     with pytest.raises(ConfigError, match=r"train\.loss_chunk_tokens=64: .*Scalify"):

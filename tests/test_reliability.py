@@ -30,7 +30,7 @@ from hydra import compose, initialize_config_dir
 
 from collage_train import checkpoint, cli, export, generate
 from collage_train.data.cache import remove_stale_staging, staged_directory
-from collage_train.rundir import LOCK_FILE, RunDirectoryCallback
+from collage_train.run.directory import LOCK_FILE, RunDirectoryCallback
 
 pytestmark = pytest.mark.slow
 
@@ -338,7 +338,7 @@ def test_zero_launch_on_a_locked_directory_is_refused_by_rank_zero(corpus_dir, c
 HOLD_LOCK = """
 import sys
 from pathlib import Path
-from collage_train.rundir import lock_run_dir
+from collage_train.run.directory import lock_run_dir
 lock_run_dir(Path(sys.argv[1]))
 print("locked", flush=True)
 sys.stdin.read()

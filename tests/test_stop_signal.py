@@ -1,4 +1,4 @@
-"""collage_train.stop_signal: a stop signal acted on at the same step on every rank, within
+"""collage_train.run.stop_signal: a stop signal acted on at the same step on every rank, within
 two optimizer steps of landing, through a host-only all-reduce read one step late."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from collage_train.stop_signal import StopAgreement, StopRequest, stop_group
+from collage_train.run.stop_signal import StopAgreement, StopRequest, stop_group
 
 MAX_STEPS = 60  # a loop that has not stopped by then never will (the test then fails)
 

@@ -107,7 +107,7 @@ def test_a_netrc_entry_for_the_clients_own_host_counts_as_credentials(tmp_path, 
     releases: the start-up check asks the client rather than assuming one."""
     import wandb
 
-    from collage_train.validate import wandb_credentials_found
+    from collage_train.run.validate import wandb_credentials_found
 
     for key in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
         monkeypatch.delenv(key, raising=False)

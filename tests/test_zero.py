@@ -36,7 +36,7 @@ from collage_train.errors import ConfigError
 from collage_train.export import main as export_main
 from collage_train.precision import get_strategy
 from collage_train.precision.adamw_8bit import SCALE_BYTES
-from collage_train.resume import check_resume
+from collage_train.run.resume import check_resume
 from collage_train.trainer import Trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.zero]

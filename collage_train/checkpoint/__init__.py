@@ -9,7 +9,7 @@ directories holding ``meta.json`` (written last) count as checkpoints.
 (``files``), computed after the files were written (under ZeRO each rank checksums a
 share of the files: ``manifest_share``). ``damage`` checks a checkpoint against that
 list, so that a resume can tell a complete checkpoint from one truncated or altered
-since, and take the newest intact one (``collage_train.resume``).
+since, and take the newest intact one (``collage_train.run.resume``).
 
 No checkpoint file is ever unpickled with code execution allowed: our own files load
 with ``weights_only=True``, and every ``.pt`` file of a checkpoint, DeepSpeed's shards

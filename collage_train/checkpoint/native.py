@@ -59,7 +59,7 @@ MOVES_ELEMENTS = ("round_robin_gradients", "parameter_alignment")
 
 def check_reshards(meta: dict[str, Any]) -> None:
     """Refuse, in one line, to convert a checkpoint whose strategy does not reshard (its
-    optimizer state is cut by the writer's layout); resume.py refuses to reshard it too."""
+    optimizer state is cut by the writer's layout); run/resume.py refuses to reshard it too."""
     config = meta.get("config")
     if not isinstance(config, dict) or "precision" not in config:
         return  # nothing says which strategy wrote it: read per element as before

@@ -9,7 +9,7 @@ CUBLAS_WORKSPACE_CONFIG under ``train.deterministic``), ``model.extra`` keys tha
 transformers config does not know or that the model builder already sets, and W&B
 ``online`` without credentials (which would otherwise hang in ``wandb.init``).
 ``validate`` runs once per launch, in the Hydra callback that also locks the run
-directory (``collage_train/rundir.py``), so a refused run has prepared no data and
+directory (``collage_train/run/directory.py``), so a refused run has prepared no data and
 touched no run directory.
 """
 

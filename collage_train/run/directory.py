@@ -9,7 +9,7 @@ rank 0 whether the launch may go on.
 The lock is taken in ``RunDirectoryCallback.on_run_start``, a Hydra callback (registered
 in ``configs/config.yaml``) that runs after Hydra composed the configuration and before
 it creates the run directory, writes anything or opens its log file there. The callback
-first validates the configuration (``collage_train.validate``), so a refused launch
+first validates the configuration (``collage_train.run.validate``), so a refused launch
 creates and changes nothing. Hydra's own ``.hydra/`` writing is off
 (``hydra.output_subdir: null``): ``write_hydra_record`` writes the same three files once
 the run has been accepted, resume checks included, so that no refused launch overwrites
@@ -114,7 +114,7 @@ class RunDirectoryCallback(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from collage_train.engine.launch import launched_rank, launched_world_size
-        from collage_train.validate import validate
+        from collage_train.run.validate import validate
 
         rank = launched_rank()
         refusal: str | None = None
