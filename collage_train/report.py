@@ -225,6 +225,6 @@ def write_summary(run_dir: Path, summary: dict[str, Any], *, plots: bool) -> Non
     """``summary.json``, atomically, and ``plots/`` from ``metrics.jsonl`` when asked."""
     write_json_atomic(run_dir / "summary.json", summary)
     if plots and (run_dir / "metrics.jsonl").is_file():
-        from collage_train.compare import load_run, write_report  # imports matplotlib
+        from collage_train.metrics.plots import load_run, write_report  # imports matplotlib
 
         write_report([load_run(run_dir)], run_dir / "plots")

@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from collage_train import compare
 from collage_train.cli import build_sinks, config_dir
+from collage_train.metrics import plots
 from collage_train.trainer import Trainer
 
 
@@ -57,14 +58,14 @@ def test_compare_writes_valid_plots_that_show_every_run(two_runs, tmp_path, caps
     assert "1: mixed_fp32" in table and "2: collage_plus" in table
     assert "mixed_fp32" in capsys.readouterr().out
 
-    runs = [compare.load_run(path) for path in two_runs]
-    compare.label_runs(runs)
-    for plot in (compare.plot_loss, compare.plot_edq, compare.plot_throughput_memory):
+    runs = [plots.load_run(path) for path in two_runs]
+    plots.label_runs(runs)
+    for plot in (plots.plot_loss, plots.plot_edq, plots.plot_throughput_memory):
         figure = plot(runs)
         legend = [text.get_text() for text in figure.legends[0].get_texts()]
         assert legend == ["1: mixed_fp32", "2: collage_plus"]
         lines = [line for ax in figure.axes for line in ax.get_lines()]
-        assert plot is compare.plot_throughput_memory or len(lines) >= 2  # one curve per run
+        assert plot is plots.plot_throughput_memory or len(lines) >= 2  # one curve per run
 
 
 def test_not_a_run_is_one_error_line(two_runs, tmp_path, capsys):

@@ -15,7 +15,7 @@ from tiny_config import compose_tiny
 
 from collage_train import evaluate, export
 from collage_train.cli import train
-from collage_train.compare import load_run, summary_table
+from collage_train.metrics.plots import load_run, summary_table
 
 QUESTIONS = [
     ("def f(x):\n    return", [" x", " import", " class"], 0),

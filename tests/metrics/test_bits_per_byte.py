@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from collage_train.cli import train
-from collage_train.compare import load_run, summary_table
 from collage_train.metrics import RecordingSink
 from collage_train.metrics.bits_per_byte import bits_per_byte, target_text_size
+from collage_train.metrics.plots import load_run, summary_table
 from collage_train.trainer import Trainer
 
 
