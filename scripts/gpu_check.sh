@@ -151,9 +151,9 @@ step throughput_deterministic "${throughput[@]}" --strategies collage_plus --com
 # The whole suite on the GPU: the files that drive the device hardest first (the compiled
 # and Triton steps, host syncs, resume, ZeRO), then every other test, within SUITE_LIMIT.
 suite_limit=${SUITE_LIMIT:-570}
-suite_first=(tests/test_fused_optimizer.py tests/test_host_sync.py tests/test_trainer.py
-    tests/test_resume_integrity.py tests/test_cli_e2e.py tests/test_elastic.py
-    tests/test_engine.py tests/test_zero.py tests/test_collage_adamw.py tests/test_loss.py)
+suite_first=(tests/optim/test_fused_optimizer.py tests/test_host_sync.py tests/test_trainer.py
+    tests/run/test_resume_integrity.py tests/test_cli_e2e.py tests/checkpoint/test_elastic.py
+    tests/engine/test_engine.py tests/engine/test_zero.py tests/optim/test_collage_adamw.py tests/test_loss.py)
 cuda_suite() {
     local pytest=("$python" -m pytest -q -rfEs -p no:cacheprovider --device cuda)
     local ignore=() file start=$SECONDS status=0 rest=0 left

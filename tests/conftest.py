@@ -1,11 +1,20 @@
 """Shared fixtures: a small real-text corpus, a runner for the real CLI, and the device
-switch (``--device cpu|cuda``, tests/suite_device.py)."""
+switch (``--device cpu|cuda``, tests/support/suite_device.py).
+
+tests/ mirrors the package: a folder per subpackage (tests/optim/ for collage_train/optim/),
+tests/scripts/ for the benchmark scripts, top-level modules' tests at the top. The helpers
+every folder shares (the CLI runner, the tiny configuration, launched-rank entry points)
+live in tests/support/, which this file puts on ``sys.path``.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 import sysconfig
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 import pytest
 import suite_device

@@ -1,12 +1,11 @@
 """Hydra composition: groups, presets, experiments, schema validation."""
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
+from tiny_config import compose_cfg
 
 from collage_train.__main__ import strip_local_rank
-from collage_train.cli import config_dir
 from collage_train.config import register_schemas
 
 register_schemas()
@@ -19,11 +18,6 @@ PAPER = {
     "gpt_2.7b": (2560, 32, 32, 512, 1.6e-4),
     "gpt_6.7b": (4096, 32, 32, 256, 1.2e-4),
 }
-
-
-def compose_cfg(*overrides):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 def test_default_config(monkeypatch):

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from documented_commands import COMMANDS, Command
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from test_documented_validation import COMMANDS, Command
 
 from collage_train import cli, config
 from collage_train.batch import accumulation_steps
@@ -60,7 +60,8 @@ def test_every_group_option_works_with_the_other_defaults(override):
 
 
 def readme_commands() -> list[Command]:
-    """The training launches README.md shows (tests/test_documented_validation.py finds them)."""
+    """The training launches README.md shows (tests/run/test_documented_validation.py
+    finds them)."""
     return [c for c in COMMANDS if c.where.startswith("README.md:")]
 
 

@@ -1,5 +1,5 @@
 """The step guard (collage_train/guard.py): its test against a float64 reference, and runs
-with bad batches injected (tests/fault_batch.py; the guard itself is never mocked): the
+with bad batches injected (tests/support/fault_batch.py; the guard itself is never mocked): the
 refused steps leave weights, optimizer state and lr schedule exactly as a run whose data
 lacked those batches, on one process and on two ZeRO-2 ranks; a persistent fault rolls
 back to the newest checkpoint and then stops with one error line; the guard off trains
@@ -259,7 +259,7 @@ def test_a_persistent_fault_rolls_back_then_stops_with_one_error_line(
     run_dir = tmp_path / "run"
     monkeypatch.setenv("FAULT_KIND", "nan")
     monkeypatch.setenv("FAULT_STEPS", "6-")
-    monkeypatch.setenv("PYTHONPATH", f"{REPO / 'tests'}")
+    monkeypatch.setenv("PYTHONPATH", f"{REPO / 'tests' / 'support'}")
     done = run_cli(
         *tiny_overrides(corpus_dir, cache_dir, run_dir),
         "train.max_steps=12",
@@ -300,7 +300,7 @@ def test_two_zero2_ranks_skip_the_same_steps_and_end_as_without_the_batches(
     guarded = run_torchrun(
         *tiny_overrides(corpus_dir, cache_dir, guarded_dir),
         *common,
-        entry=f"{REPO}/tests/fault_batch.py",
+        entry=f"{REPO}/tests/support/fault_batch.py",
     )
     assert guarded.returncode == 0, guarded.stderr[-3000:]
     monkeypatch.setenv("FAULT_KIND", "drop")
@@ -310,7 +310,7 @@ def test_two_zero2_ranks_skip_the_same_steps_and_end_as_without_the_batches(
         *tiny_overrides(corpus_dir, cache_dir, reference_dir),
         *common,
         "train.stop_at_step=7",
-        entry=f"{REPO}/tests/fault_batch.py",
+        entry=f"{REPO}/tests/support/fault_batch.py",
     )
     assert reference.returncode == 0, reference.stderr[-3000:]
     summary = json.loads((guarded_dir / "summary.json").read_text())
@@ -388,7 +388,7 @@ def test_a_replica_skips_its_own_bad_steps_and_both_roll_back_together(
         "train.keep_checkpoints=5",
         "train.guard.min_history=2",
         "train.guard.max_consecutive_skips=2",
-        entry=f"{REPO}/tests/fault_batch.py",
+        entry=f"{REPO}/tests/support/fault_batch.py",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

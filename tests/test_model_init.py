@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -168,7 +167,7 @@ def test_two_zero3_ranks_start_from_the_one_process_weights(corpus_dir, cache_di
     """Under ZeRO-3 each rank materialises its partitions only, and the gathered weights are
     the one-process run's bit for bit."""
     script = tmp_path / "initial_weights.py"
-    script.write_text(INITIAL_WEIGHTS_RANK.format(tests=str(Path(__file__).parent)))
+    script.write_text(INITIAL_WEIGHTS_RANK.format(tests=str(Path(__file__).parent / "support")))
     result = run_torchrun(
         str(corpus_dir), str(cache_dir), str(tmp_path), "3", entry=str(script), cwd=REPO
     )
@@ -176,7 +175,6 @@ def test_two_zero3_ranks_start_from_the_one_process_weights(corpus_dir, cache_di
     saved = torch.load(tmp_path / "weights.pt", weights_only=True)
     assert saved["partitioned"] > 0  # the ranks hold partitions, not whole weights
 
-    sys.path.insert(0, str(Path(__file__).parent))
     from tiny_config import compose_tiny
 
     cfg = compose_tiny(

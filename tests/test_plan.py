@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from plan_checks import assert_step_temporaries_match_the_table
 
 from collage_train.batch import accumulation_steps, micro_batch_choices
 from collage_train.engine.deepspeed_config import GradientDtypes
@@ -21,7 +22,6 @@ from collage_train.memory_plan import (
     estimate,
     largest_micro_batch,
     model_state,
-    step_transient,
 )
 from collage_train.metrics.live_memory import LiveTensorBytes
 from collage_train.models import build_model
@@ -248,25 +248,6 @@ def test_optimizer_step_temporaries_match_the_table(name, masked):
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     assert_step_temporaries_match_the_table(strategy, params, optimizer, masked=masked)
-
-
-def assert_step_temporaries_match_the_table(strategy, params, optimizer, masked=False) -> None:
-    """A tracked step's live-tensor peak above the state (gradients set) is the planner's
-    STEP_TRANSIENT row for the strategy's optimizer, within 10%."""
-    optimizer.step()  # creates the state
-    with LiveTensorBytes() as live:
-        live.track_training_state(params, optimizer)
-        live.track(p.grad for p in params)
-        before = live.current
-        optimizer.track_edq = True
-        optimizer.step_mask = torch.tensor(True) if masked else None
-        optimizer.step()
-        optimizer.step_mask = None
-    numel = sum(p.numel() for p in params)
-    largest = max(p.numel() for p in params)
-    setting = Setting(strategy, 0, fused_optimizer=False, masked_step=masked)
-    per_param, per_largest = step_transient(setting)
-    assert live.peak - before == pytest.approx(per_param * numel + per_largest * largest, rel=0.1)
 
 
 def _shape(**overrides) -> ModelShape:

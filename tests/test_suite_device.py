@@ -1,4 +1,4 @@
-"""The suite's device switch (``pytest --device cpu|cuda``, tests/suite_device.py) reaches
+"""The suite's device switch (``pytest --device cpu|cuda``, tests/support/suite_device.py) reaches
 every place a test run gets its device: composed configs, CLI overrides, launched ranks,
 and the skips of what cannot run on a GPU.
 
@@ -86,7 +86,8 @@ def test_the_option_reaches_the_tests_and_cuda_needs_a_gpu():
     test = "tests/test_suite_device.py::test_this_run_uses_the_device_it_was_given"
     cpu_only = "tests/test_cpu_bf16.py::test_trainer_emulates_reports_and_records_the_choice"
     launch = (
-        "tests/test_zero.py::test_nan_loss_under_zero_is_one_error_line_and_leaves_no_shm_files"
+        "tests/engine/test_zero.py::"
+        "test_nan_loss_under_zero_is_one_error_line_and_leaves_no_shm_files"
     )
     on_cuda = {**os.environ, suite_device.VARIABLE: "cuda"}
     done = run_pytest("-q", "--device", "cpu", test, env=on_cuda)

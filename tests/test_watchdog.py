@@ -181,7 +181,7 @@ def test_a_rank_asleep_in_a_step_ends_the_launch_intact_and_the_run_resumes(
         "logging.log_every=1",
         f"train.hang_timeout_s={bound}",
     ]
-    entry = str(REPO / "tests/hang_rank.py")
+    entry = str(REPO / "tests/support/hang_rank.py")
     hung = run_torchrun(*args, entry=entry, timeout=300)
     assert hung.returncode != 0, hung.stderr[-3000:]
     assert re.search(rf"exitcode\s*:\s*{HUNG}\b", hung.stderr), hung.stderr[-3000:]

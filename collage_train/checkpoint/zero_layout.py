@@ -30,7 +30,7 @@ What DeepSpeed 0.19's ``save_checkpoint`` writes (``engine._save_checkpoint``,
 
 Where each element lies is ``pieces``' arithmetic. Checked against DeepSpeed itself: the
 files equal what it saves after loading them (1 rank, stages 1-3) and what a 2-rank ZeRO-2
-run saved (tests/test_convert_native.py, tests/test_zero.py).
+run saved (tests/checkpoint/test_convert_native.py, tests/engine/test_zero.py).
 
 Memory: each rank's flat partitions with their optimizer state are held while they are
 filled (the run's state bytes per parameter / N: what that rank holds when it trains), one

@@ -102,7 +102,7 @@ def hardware_scaled_mm(
 ) -> torch.Tensor:
     """``torch._scaled_mm`` with the layouts and scales it requires: ``a8`` row-major,
     ``b8`` column-major, fp32 scales. Runs on meta tensors too, where torch checks the
-    arguments as the CUDA kernel would (tests/test_scalify_float8.py)."""
+    arguments as the CUDA kernel would (tests/scalify/test_scalify_float8.py)."""
     column_major_b = b8.t().contiguous().t()
     return torch._scaled_mm(
         a8.contiguous(),

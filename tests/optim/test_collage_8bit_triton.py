@@ -1,7 +1,7 @@
 """The Triton kernel of Collage8bitAdamW (optim/collage/eight_bit_triton) without a GPU:
 bitwise against the eager step in Triton's CPU interpreter (both of its rounding
-branches, tests/triton_interpreted_8bit.py), and compiled ahead of time for sm_80 and
-sm_90 to PTX that keeps the arithmetic exact (tests/test_triton_ptx.py's checks). On a
+branches, tests/optim/triton_interpreted_8bit.py), and compiled ahead of time for sm_80 and
+sm_90 to PTX that keeps the arithmetic exact (tests/optim/test_triton_ptx.py's checks). On a
 GPU, tests/optim/test_collage_8bit_kernel.py runs the real kernel against the eager step."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 triton = pytest.importorskip("triton")  # a dev dependency; absent only off Linux x86-64
 
-from test_triton_ptx import violations  # noqa: E402
+from ptx_checks import violations  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -59,7 +59,7 @@ def compile_ptx(track: bool, capability: int, gated: bool = False, **options) ->
 
 
 def test_triton_kernel_is_bitwise_the_eager_step_in_the_interpreter():
-    script = Path(__file__).parents[1] / "triton_interpreted_8bit.py"
+    script = Path(__file__).with_name("triton_interpreted_8bit.py")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600

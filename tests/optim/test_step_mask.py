@@ -4,9 +4,9 @@ A False mask leaves weights and every state tensor bit for bit as they were, eve
 NaN gradients, and makes the EDQ partials zero; a True mask gives the bits of an unmasked
 step; ``rewind_steps`` takes back the step count a refused masked step advanced, after
 which the optimizer goes on as if the step had never run. For CollageAdamW, in the eager
-step, the C kernel and (tests/triton_interpreted.py) the Triton kernel; for AdamW in its
+step, the C kernel and (tests/optim/triton_interpreted.py) the Triton kernel; for AdamW in its
 fp32, mixed_fp32 and bf16_moments forms; for the SR, Kahan and 8-bit rivals (Collage-8bit's
-Triton kernel: tests/triton_interpreted_8bit.py), split_fp32's and Scalify's (their scales
+Triton kernel: tests/optim/triton_interpreted_8bit.py), split_fp32's and Scalify's (their scales
 kept). An optimizer that cannot mask refuses one.
 """
 
@@ -155,7 +155,9 @@ def test_an_applied_masked_step_tracks_the_same_descent(name, device):
         assert torch.equal(optimizer.last_edq[param], reference.last_edq[ref])
 
 
-@pytest.mark.cpu_only("the C kernel steps CPU tensors (Triton's: tests/triton_interpreted.py)")
+@pytest.mark.cpu_only(
+    "the C kernel steps CPU tensors (Triton's: tests/optim/triton_interpreted.py)"
+)
 @pytest.mark.parametrize("mode", ["none", "light", "plus"])
 def test_the_c_kernel_and_the_eager_step_mask_alike(mode):
     """Bitwise: the kernel reads the mask itself (no host read), the eager step writes

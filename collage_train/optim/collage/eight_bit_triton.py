@@ -13,7 +13,7 @@ separate IEEE fp32 operations (``enable_fp_fusion=False``), ``div_rn`` and ``sqr
 bf16 roundings to nearest even (on the bits under Triton's CPU interpreter, whose casts
 truncate: ``R``), the same search tables (``eight_bit_kernel.search_tables``) and the
 same 32-bit hash. Checked against the eager step in the interpreter
-(tests/triton_interpreted_8bit.py); not yet run on a GPU.
+(tests/optim/triton_interpreted_8bit.py); not yet run on a GPU.
 """
 
 from __future__ import annotations

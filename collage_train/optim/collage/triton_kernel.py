@@ -14,11 +14,11 @@ contracted into an FMA, which eager kernels never do across operations); divisio
 square root are the correctly rounded ``div_rn``/``sqrt_rn``; and conversions to bf16
 round to nearest even, as PyTorch's do. Triton's CPU interpreter truncates conversions,
 so under ``TRITON_INTERPRET=1`` the kernel rounds on the bits instead, which lets the
-arithmetic be checked bitwise on CPU (tests/triton_interpreted.py). Without a GPU the
+arithmetic be checked bitwise on CPU (tests/optim/triton_interpreted.py). Without a GPU the
 conversion branch is checked too: under the interpreter with its cast patched to round
 to nearest even, and in the PTX compiled ahead of time for sm_80 and sm_90
-(tests/test_triton_ptx.py: correctly rounded division and square root, no FMA, no
-flush-to-zero); on a GPU, tests/test_fused_optimizer.py runs the real kernel.
+(tests/optim/test_triton_ptx.py: correctly rounded division and square root, no FMA, no
+flush-to-zero); on a GPU, tests/optim/test_fused_optimizer.py runs the real kernel.
 """
 
 from __future__ import annotations

@@ -1,0 +1,609 @@
+"""DeepSpeed ZeRO through the real ``deepspeed`` launcher: 2 CPU processes with gloo.
+
+Every ZeRO run here is compared with a single-process run of the same global batch
+and data order. The comparison tolerance is relative 1e-3 on loss, gradient norm and
+EDQ: the two paths compute the same gradients (the rank split only changes a
+power-of-two scaling, which is exact) but DeepSpeed's clipping coefficient and its
+fp32 norm use a different formula and summation order than ours, which may flip the
+rounding of an occasional bf16 element; over 8 steps of this model such flips move
+the loss by well under 1e-4 relative, while a wrong reduction (sum instead of mean,
+ranks reading the same data) moves the gradient norm by a factor and the loss by
+more than 1e-2. On this machine the collage_plus runs agree bitwise; mixed_fp32 is
+discussed in its test.
+
+Run these alone with ``pytest -m zero``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_checks import (
+    assert_same_deepspeed_files,
+)
+from cli_runner import Result, rank_threads, run_cli, run_deepspeed, run_torchrun, tiny_overrides
+from safetensors.torch import load_file
+from tiny_config import compose_tiny
+
+from collage_train import checkpoint
+from collage_train.checkpoint.__main__ import main as convert_main
+from collage_train.checkpoint.full_state import open_full_state
+from collage_train.engine.zero_memory import zero_state_bytes
+from collage_train.errors import ConfigError
+from collage_train.export import main as export_main
+from collage_train.precision import get_strategy
+from collage_train.precision.adamw_8bit import SCALE_BYTES
+from collage_train.run.resume import check_resume
+from collage_train.trainer import Trainer
+
+pytestmark = [pytest.mark.slow, pytest.mark.zero]
+
+RTOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def runs(corpus_dir, cache_dir, tmp_path_factory):
+    """Runs of the tiny setup, each launched once per module: ``runs(engine, precision)``."""
+    done: dict[tuple[str, ...], tuple[Path, Result]] = {}
+
+    def _run(distributed: str, precision: str, *extra: str) -> tuple[Path, Result]:
+        key = (distributed, precision, *extra)
+        if key not in done:
+            run_dir = tmp_path_factory.mktemp(f"{distributed}-{precision}") / "run"
+            args = [
+                *tiny_overrides(corpus_dir, cache_dir, run_dir),
+                "logging.log_every=1",
+                # 3 validation micro-batches on 2 ranks: rank 1's second forward is padding,
+                # which ZeRO-3 needs run and the mean must not count (data/validation.py)
+                "train.eval_batches=3",
+                f"precision={precision}",
+                f"distributed={distributed}",
+                *extra,
+            ]
+            if distributed == "unsharded":  # at a rank's thread count: the same GEMM roundings
+                result = run_cli(*args, threads=rank_threads(2))
+            else:
+                result = run_deepspeed(*args)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            assert not result.leftover_shm, result.leftover_shm  # engine/zero.py unlinks them
+            done[key] = (run_dir, result)
+        return done[key]
+
+    return _run
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_records(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in records(run_dir) if "loss" in r}
+
+
+def optimizer_shards(run_dir: Path, step: int) -> list[dict]:
+    """Per rank: the client optimizer's state and DeepSpeed's master partitions."""
+    shards = []
+    for rank in range(2):
+        (path,) = (run_dir / "checkpoints" / f"step-{step}").glob(
+            f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        )
+        saved = checkpoint.open_restricted(path)["optimizer_state_dict"]
+        state = (saved.get("base_optimizer_state") or saved["optimizer_state_dict"])["state"]
+        masters = saved.get("single_partition_of_fp32_groups") or saved["fp32_flat_groups"]
+        shards.append({"state": state, "masters": masters})
+    return shards
+
+
+def assert_matches_single_process(
+    zero_dir: Path,
+    single_dir: Path,
+    edq_keys: tuple[str, ...],
+    edq_rtol: float = RTOL,
+    grad_norm_rtol: float = RTOL,
+) -> None:
+    zero, single = train_records(zero_dir), train_records(single_dir)
+    assert sorted(zero) == sorted(single) == list(range(1, 9))
+    for step in single:
+        assert zero[step]["loss"] == pytest.approx(single[step]["loss"], rel=RTOL), step
+        assert zero[step]["grad_norm"] == pytest.approx(
+            single[step]["grad_norm"], rel=grad_norm_rtol
+        ), step
+        for key in edq_keys:
+            assert zero[step][key] == pytest.approx(single[step][key], rel=edq_rtol), (
+                step,
+                key,
+            )
+    val = [r["val_loss"] for r in records(zero_dir) if "val_loss" in r]
+    val_single = [r["val_loss"] for r in records(single_dir) if "val_loss" in r]
+    assert val == pytest.approx(val_single, rel=RTOL)  # the same held-out windows
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_collage_plus_under_zero_matches_single_process_with_half_the_state(runs, stage):
+    single_dir, _ = runs("unsharded", "collage_plus")
+    zero_dir, result = runs(f"zero{stage}", "collage_plus")
+    assert_matches_single_process(
+        zero_dir, single_dir, ("edq", "edq_normalized", "lost_update_frac", "dtheta_norm")
+    )
+    # the validation above ran a padding forward on rank 1, said once (by rank 0)
+    notes = [line for line in result.stdout.splitlines() if line.startswith("validation: ")]
+    assert len(notes) == 1 and "; 1 padding forward(s)" in notes[0], notes
+
+    summary = json.loads((zero_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["distributed"] == f"zero{stage}"
+    rendered = json.loads((zero_dir / "deepspeed_config.json").read_text())  # what DS was told
+    assert rendered["zero_optimization"]["stage"] == stage
+    assert rendered["bf16"]["bf16_optimizer_states"] is True
+    # auto: a strategy without fp32 copies reduces and accumulates its gradients in bf16
+    assert rendered["communication_data_type"] == summary["reduce_dtype"] == "bf16"
+    assert rendered["data_types"]["grad_accum_dtype"] == summary["grad_accum_dtype"] == "bf16"
+    assert summary["skipped_steps"] == 0
+    # Only rank 0 logs: one describe line, one summary, one metrics stream.
+    assert result.stdout.count("precision=collage_plus (") == 1
+    assert not list(zero_dir.glob("*/metrics.jsonl"))
+
+    shards = optimizer_shards(zero_dir, 8)
+    numel = [
+        {key: sum(s[key].numel() for s in shard["state"].values()) for key in ("exp_avg", "dv")}
+        for shard in shards
+    ]
+    total = summary["num_params"]
+    for per_rank in numel:
+        for key, count in per_rank.items():
+            assert abs(count - total / 2) <= 64, (key, count, total)  # half, up to alignment
+    assert sum(n["exp_avg"] for n in numel) >= total
+    for shard in shards:
+        assert set(next(iter(shard["state"].values()))) >= {"exp_avg", "exp_avg_sq", "dtheta", "dv"}
+        tensors = [v for s in shard["state"].values() for v in s.values() if torch.is_tensor(v)]
+        tensors += list(shard["masters"])
+        assert tensors and all(t.dtype == torch.bfloat16 for t in tensors if t.dim() > 0)
+
+
+def test_chunked_loss_under_zero3_matches_single_process_and_exports(runs, tmp_path):
+    """The chunked loss (collage_train.loss: blocks of 48 of a micro-batch's 128 tokens) runs
+    inside the top-level model call, where ZeRO-3 gathers the head's partitioned weight:
+    the run equals the single-process one with the same loss, stays within the tolerance
+    of the full-logits ZeRO-3 run, and its export is a standard transformers model whose
+    weights the export command consolidates from its shards alike."""
+    chunk = "train.loss_chunk_tokens=48"
+    single_dir, _ = runs("unsharded", "collage_plus", chunk)
+    zero_dir, _ = runs("zero3", "collage_plus", chunk)
+    edq = ("edq", "edq_normalized", "lost_update_frac", "dtheta_norm")
+    assert_matches_single_process(zero_dir, single_dir, edq)
+    plain_dir, _ = runs("zero3", "collage_plus")
+    assert_matches_single_process(zero_dir, plain_dir, ())
+    assert json.loads((zero_dir / "summary.json").read_text())["loss_chunk_tokens"] == 48
+    assert json.loads((plain_dir / "summary.json").read_text())["loss_chunk_tokens"] is None
+
+    out = tmp_path / "exported"
+    result = run_cli(str(zero_dir), "--out", str(out), module="collage_train.export")
+    assert result.returncode == 0, result.stderr[-2000:]
+    exported, at_end = (
+        load_file(out / "model.safetensors"),
+        load_file(zero_dir / "hf" / "model.safetensors"),
+    )
+    assert (
+        exported.keys() == at_end.keys() == load_file(plain_dir / "hf" / "model.safetensors").keys()
+    )
+    assert all(torch.equal(exported[k], at_end[k]) for k in at_end)
+    config = json.loads((zero_dir / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"]
+
+
+def test_mixed_fp32_under_zero2_keeps_fp32_masters_and_matches(runs):
+    single_dir, _ = runs("unsharded", "mixed_fp32")
+    zero_dir, _ = runs("zero2", "mixed_fp32")
+    # DeepSpeed clips the fp32 copy of the gradient; one process clips the bf16 gradient
+    # and then widens it. The updates differ by about one fp32 rounding, which moves EDQ
+    # by up to ~2e-3 and flips the bf16 rounding of ~1% of the weights that barely move
+    # (so lost_update_frac is not compared), while the loss still agrees to ~1e-5. The
+    # gradient norm of the two slightly different trajectories then differs by up to
+    # 4e-4 (native bf16 GEMMs) or 1.2e-3 (fp32 GEMMs, cpu_bf16) relative: 3e-3 still
+    # catches a wrong reduction, which moves it by a factor.
+    assert_matches_single_process(
+        zero_dir, single_dir, ("edq", "edq_normalized"), 1e-2, grad_norm_rtol=3e-3
+    )
+    # auto: the fp32 baseline reduces and accumulates in fp32 (DeepSpeed's fp32 partition)
+    summary = json.loads((zero_dir / "summary.json").read_text())
+    assert (summary["reduce_dtype"], summary["grad_accum_dtype"]) == ("fp32", "fp32")
+    for shard in optimizer_shards(zero_dir, 8):
+        assert all(m.dtype == torch.float32 for m in shard["masters"])
+        assert all(
+            s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.float32
+            for s in shard["state"].values()
+        )
+    exported = load_file(zero_dir / "hf" / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in exported.values())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_scalify_under_zero_matches_single_process_with_a_scale_per_piece(runs, stage):
+    """``scalify_fp32_params`` under ZeRO: fp32 weights and gradients through DeepSpeed,
+    the scaled-fp16 master (held by the weight partition) and moments sharded, each
+    piece of a parameter in a partition under a power-of-two scale of its own."""
+    single_dir, _ = runs("unsharded", "scalify_fp32_params")
+    zero_dir, _ = runs(f"zero{stage}", "scalify_fp32_params")
+    assert_matches_single_process(zero_dir, single_dir, ("edq", "edq_normalized"))
+    summary = json.loads((zero_dir / "summary.json").read_text())
+    assert (summary["reduce_dtype"], summary["grad_accum_dtype"]) == ("fp32", "fp32")
+    total = summary["num_params"]
+    for shard in optimizer_shards(zero_dir, 8):
+        states = list(shard["state"].values())  # one per parameter group (decay or not)
+        assert len(states) == len(shard["masters"]) == 2
+        assert abs(sum(s["exp_avg"].numel() for s in states) - total / 2) <= 64  # a half
+        for state, master in zip(states, shard["masters"], strict=True):
+            assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float16
+            lengths = state["piece_lengths"]
+            assert int(lengths.sum()) == master.numel() == state["exp_avg"].numel()
+            for key in ("exp_avg", "exp_avg_sq", "master"):  # one scale per piece
+                assert state[f"{key}_scale"].shape == lengths.shape
+            data = master.float() / torch.repeat_interleave(state["master_scale"], lengths)
+            assert torch.equal(data.half().float(), data)  # the weights hold the fp16 master
+        pieces = torch.cat([s["exp_avg_sq_scale"] for s in states])
+        assert pieces.numel() > 4 and len(set(pieces.tolist())) > 2  # each at its own RMS
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_scalify_under_zero_resumes_on_its_layout_only(
+    runs, corpus_dir, cache_dir, tmp_path, stage
+):
+    """Stopped at step 4 (the full run's own step-4 checkpoint), resumed by 2 ranks: the
+    same weights and losses as the run that never stopped (the per-piece scales and piece
+    lengths come back with DeepSpeed's optimizer state). On one process: refused."""
+    full_dir, _ = runs(f"zero{stage}", "scalify_fp32_params")
+    # exported from its shards on one CPU process: the run's own hf/ export
+    step_8 = full_dir / "checkpoints" / "step-8"
+    assert export_main([str(step_8), "--out", str(tmp_path / "x")]) == 0
+    exported = load_file(tmp_path / "x" / "model.safetensors")
+    full = load_file(full_dir / "hf" / "model.safetensors")
+    assert exported.keys() == full.keys() and all(torch.equal(exported[k], full[k]) for k in full)
+    run_dir = rewound_to_step_4(full_dir, tmp_path / "run")
+    args = [
+        *tiny_overrides(corpus_dir, cache_dir, run_dir),
+        "logging.log_every=1",
+        "precision=scalify_fp32_params",
+        "train.resume=true",
+    ]
+    one_process = compose_tiny(corpus_dir, cache_dir, "precision=scalify_fp32_params")
+    with pytest.raises(ConfigError, match="resumes only with the engine and number of proc"):
+        check_resume(run_dir / "checkpoints" / "step-4", one_process, world_size=1)
+
+    resumed = run_deepspeed(*args, f"distributed=zero{stage}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    weights = load_file(run_dir / "hf" / "model.safetensors")
+    assert weights.keys() == full.keys()
+    assert all(torch.equal(weights[k], full[k]) for k in full)
+    assert train_records(run_dir)[8]["loss"] == train_records(full_dir)[8]["loss"]
+
+
+def test_global_edq_per_layer_group_equals_single_process(runs):
+    """Step 1: same initial weights and same reduced gradient, so the same update."""
+    single = train_records(runs("unsharded", "collage_plus")[0])[1]
+    for stage in (2, 3):
+        zero = train_records(runs(f"zero{stage}", "collage_plus")[0])[1]
+        keys = [k for k in single if k.startswith(("edq", "lost_update_frac", "dtheta"))]
+        assert any(k.endswith(".block_1") for k in keys) and any(".head" in k for k in keys)
+        assert set(keys) <= set(zero)
+        for key in keys:
+            assert zero[key] == pytest.approx(single[key], rel=1e-5, abs=1e-9), (stage, key)
+
+
+def test_zero2_resume_continues_to_the_same_weights(runs, corpus_dir, cache_dir, tmp_path):
+    """The 8-step run rewound to its step-4 checkpoint (as a run stopped there leaves it:
+    test_cli_e2e stops and resumes for real) and resumed by 2 ranks: the same weights."""
+    full_dir, _ = runs("zero2", "collage_plus")
+    run_dir = rewound_to_step_4(full_dir, tmp_path / "run")
+    args = [
+        *tiny_overrides(corpus_dir, cache_dir, run_dir),
+        "logging.log_every=1",
+        "precision=collage_plus",
+        "distributed=zero2",
+    ]
+    # both ranks' shards are listed with sizes and checksums, and the checkpoint is intact
+    step_4 = run_dir / "checkpoints" / "step-4"
+    listed = json.loads((step_4 / "meta.json").read_text())["files"]
+    on_disk = {p.relative_to(step_4).as_posix() for p in step_4.rglob("*") if p.is_file()}
+    assert set(listed) == on_disk - {"meta.json"}
+    assert any("zero_pp_rank_1" in name for name in listed)
+    assert all(checkpoint.damage(step_4, rank, 2) is None for rank in (0, 1))
+    second = run_deepspeed(*args, "train.resume=true")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+    resumed = load_file(run_dir / "hf" / "model.safetensors")
+    full = load_file(full_dir / "hf" / "model.safetensors")
+    assert resumed.keys() == full.keys()
+    assert all(torch.equal(resumed[k], full[k]) for k in full)
+    assert train_records(run_dir)[8]["loss"] == train_records(full_dir)[8]["loss"]
+
+
+RIVALS = ("bf16_sr", "bf16_kahan", "bf16_moments", "adamw_8bit", "collage_8bit")
+# ZeRO-2 resumes these bit for bit: stochastic rounding's streams and the 8-bit codes and
+# block scales come back with DeepSpeed's optimizer state.
+RESUMED_BITWISE = ("bf16_sr", "collage_8bit")
+
+
+@pytest.mark.parametrize("precision", RIVALS)
+def test_rival_strategy_under_zero2_matches_its_single_process_run(
+    runs, corpus_dir, cache_dir, tmp_path, capsys, precision
+):
+    """Each rival strategy on 2 ZeRO-2 ranks: the loss of every step within RTOL (1e-3
+    relative) of one process's. Not bitwise: the ranks step flat partitions, so the 8-bit
+    blocks of 256 and the stochastic-rounding streams and element indices are cut
+    elsewhere than per parameter (measured: at most 7e-5 relative over the 8 steps); a
+    wrong reduction moves the loss by more than 1e-2. Each rank holds the state bytes the
+    planner (engine.zero_memory) gives, up to a block scale per partly filled block.
+    bf16_sr and collage_8bit resume bit for bit; collage_8bit's checkpoint, whose block
+    scales belong to the ranks' partitions, is refused elsewhere in one line."""
+    single_dir, _ = runs("unsharded", precision)
+    zero_dir, _ = runs("zero2", precision)
+    zero, single = train_records(zero_dir), train_records(single_dir)
+    assert sorted(zero) == sorted(single) == list(range(1, 9))
+    for step in single:
+        assert math.isfinite(zero[step]["loss"]), step
+        assert zero[step]["loss"] == pytest.approx(single[step]["loss"], rel=RTOL), step
+    summary = json.loads((zero_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["skipped_steps"] == 0
+    strategy = get_strategy(precision)
+    accumulate = {"bf16": torch.bfloat16, "fp32": torch.float32}[summary["grad_accum_dtype"]]
+    planned = zero_state_bytes(strategy, 2, 2, accumulate).persistent
+    assert summary["expected_state_bytes_per_param"] == planned
+    blocks = 2 * 2 * SCALE_BYTES * 256 / summary["num_params"]  # 2 groups x 2 moments
+    slack = blocks if strategy.optimizer.moments == "blockwise8" else 0.0
+    assert planned <= summary["state_bytes_per_param"] <= planned + slack
+    if precision not in RESUMED_BITWISE:
+        return
+    # Stopped at step 4 (the run's own step-4 checkpoint) and resumed by 2 ranks: the
+    # uninterrupted run's weights and loss, bit for bit.
+    run_dir = rewound_to_step_4(zero_dir, tmp_path / "run")
+    args = [
+        *tiny_overrides(corpus_dir, cache_dir, run_dir),
+        "logging.log_every=1",
+        "train.eval_batches=3",
+        f"precision={precision}",
+    ]
+    if not strategy.reshards:  # elastic: 2 ranks -> 1 process, refused, nothing changed
+        saved = files_of(run_dir / "checkpoints")
+        refused = run_cli(*args, "train.resume=true")
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        (line,) = refused.error_lines
+        assert "resumes only with the engine and number of processes" in line, line
+        assert "per block of 256 elements" in line, line
+        capsys.readouterr()
+        for layout in ("universal", "unsharded"):  # nor converted to another layout
+            out = tmp_path / layout
+            assert convert_main(["convert", str(run_dir), str(out), "--to", layout]) == 2
+            (line,) = capsys.readouterr().err.splitlines()
+            assert line.startswith("error:") and "per block of 256 elements" in line, line
+            assert not out.exists()
+        assert files_of(run_dir / "checkpoints") == saved
+    resumed = run_deepspeed(*args, "distributed=zero2", "train.resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "elastic resume" not in resumed.stdout
+    weights = load_file(run_dir / "hf" / "model.safetensors")
+    full = load_file(zero_dir / "hf" / "model.safetensors")
+    assert weights.keys() == full.keys()
+    assert all(torch.equal(weights[k], full[k]) for k in full)
+    after, before = train_records(run_dir), train_records(zero_dir)
+    assert [after[s]["loss"] for s in range(5, 9)] == [before[s]["loss"] for s in range(5, 9)]
+
+
+def test_nan_loss_under_zero_is_one_error_line_and_leaves_no_shm_files(
+    corpus_dir, cache_dir, tmp_path
+):
+    """A ZeRO run that fails mid-training ends like a single-process one, and DeepSpeed's
+    CPU all-reduce files are gone although the run failed."""
+    args = [
+        *tiny_overrides(corpus_dir, cache_dir, tmp_path / "run"),
+        "train.max_steps=4",
+        "optim.lr=1e38",
+        "precision=collage_plus",
+        "distributed=zero2",
+    ]
+    result = run_deepspeed(*args)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = result.error_lines  # rank 0 reports, once
+    assert "became" in line and "at step" in line and "optim.lr" in line, line
+    assert not result.leftover_shm, result.leftover_shm
+
+
+def test_export_command_consolidates_zero3_shards(runs, tmp_path):
+    zero_dir, _ = runs("zero3", "collage_plus")
+    out = tmp_path / "exported"
+    result = run_cli(str(zero_dir), "--out", str(out), module="collage_train.export")
+    assert result.returncode == 0, result.stderr[-2000:]
+    exported = load_file(out / "model.safetensors")
+    at_end = load_file(zero_dir / "hf" / "model.safetensors")
+    assert exported.keys() == at_end.keys()
+    assert all(torch.equal(exported[k], at_end[k]) for k in at_end)
+    assert (out / "tokenizer.model").is_file()
+
+
+def test_torchrun_ranks_share_the_default_run_directory(corpus_dir, cache_dir, tmp_path):
+    """No hydra.run.dir: both ranks still write into rank 0's timestamped directory."""
+    args = [
+        arg
+        for arg in tiny_overrides(corpus_dir, cache_dir, tmp_path / "unused")
+        if not arg.startswith("hydra.run.dir=")
+    ]
+    result = run_torchrun(
+        *args, "train.max_steps=2", "precision=bf16", "distributed=zero1", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    assert (run_dir / "summary.json").is_file() and (run_dir / "hf" / "config.json").is_file()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+
+
+# ------------------------------------------------------------------ elastic resume
+#
+# Each source is the step-4 checkpoint of an 8-step run above (keep_checkpoints=2), as a
+# run stopped there; the resumed run must match an uninterrupted run to RTOL (the
+# tolerance justified at the top: the layouts compute the same gradients) and hold the
+# saved optimizer state element for element after the reshard.
+
+
+def rewound_to_step_4(finished: Path, run_dir: Path) -> Path:
+    """A copy of a finished 8-step run as it stood when it stopped at step 4."""
+    shutil.copytree(finished, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step-8")
+    shutil.rmtree(run_dir / "hf")
+    (run_dir / "summary.json").unlink()
+    return run_dir
+
+
+def files_of(path: Path) -> dict[str, bytes]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("precision", ["collage_plus", "mixed_fp32", "bf16_sr"])
+def test_zero2_on_two_ranks_resumes_on_one_process(
+    runs, corpus_dir, cache_dir, tmp_path, capsys, precision
+):
+    """In process (no launch): the state of each parameter is the ranks' partitions of
+    DeepSpeed's flat groups, concatenated, bit for bit; the loss curve goes on as one
+    process's."""
+    zero_dir, single_dir = runs("zero2", precision)[0], runs("unsharded", precision)[0]
+    step_4 = zero_dir / "checkpoints" / "step-4"
+    args = [a for a in tiny_overrides(corpus_dir, cache_dir, tmp_path) if "hydra" not in a]
+    cfg = compose_tiny(corpus_dir, cache_dir, *args, f"precision={precision}")
+    trainer = Trainer(cfg, tmp_path)
+    capsys.readouterr()
+    trainer.resume_from(step_4)
+    assert trainer.step == 4
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("elastic")]
+    # a stochastic-rounding stream named a tensor of the writer's layout: drawn anew
+    assert ("stochastic-rounding streams" in line) == (precision == "bf16_sr"), line
+    named = dict(trainer.model.named_parameters())
+    shapes = checkpoint.open_restricted(step_4 / "mp_rank_00_model_states.pt")["param_shapes"]
+    shards = optimizer_shards(zero_dir, 4)
+    keys = ("exp_avg", "exp_avg_sq") + (("dtheta", "dv") if precision == "collage_plus" else ())
+    for group, names in enumerate(shapes):
+        states = [trainer.optimizer.state[named[name]] for name in names]
+        for key in keys:
+            mine = torch.cat([state[key].reshape(-1) for state in states])
+            saved = torch.cat([shard["state"][group][key] for shard in shards])
+            assert torch.equal(saved[: mine.numel()], mine), (group, key)
+        masters = [s["master"] if "master" in s else named[n].detach()
+                   for s, n in zip(states, names, strict=True)]  # fmt: skip
+        mine = torch.cat([master.reshape(-1) for master in masters])
+        assert torch.equal(torch.cat([shard["masters"][group] for shard in shards]), mine)
+        assert all(state["step"] == 4 for state in states)
+    losses = [trainer.train_step()["loss"] for _ in range(4)]
+    uninterrupted = train_records(single_dir)
+    assert losses == pytest.approx([uninterrupted[s]["loss"] for s in range(5, 9)], rel=RTOL)
+
+
+def relative_gap(mine: torch.Tensor, theirs: torch.Tensor) -> float:
+    mine, theirs = mine.double(), theirs.double()
+    return ((mine - theirs).norm() / theirs.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize(
+    ("source", "precision", "target", "reference"),
+    [
+        ("unsharded", "collage_plus", "zero3", "zero3"),
+        ("zero1", "collage_plus", "zero3", "zero3"),
+        # no 8-step zero3 run of mixed_fp32 above: ZeRO-2 clips in fp32 as ZeRO-3 does
+        ("unsharded", "mixed_fp32", "zero3", "zero2"),
+        # a stage-2 target: its flat partitions cut through parameters
+        ("unsharded", "collage_plus", "zero2", "zero2"),
+    ],
+)
+def test_resume_on_two_zero_ranks_from_another_layout(
+    runs, corpus_dir, cache_dir, tmp_path, source, precision, target, reference
+):
+    run_dir = rewound_to_step_4(runs(source, precision)[0], tmp_path / "run")
+    saved = files_of(run_dir / "checkpoints" / "step-4")
+    result = run_deepspeed(
+        *tiny_overrides(corpus_dir, cache_dir, run_dir), "logging.log_every=1",
+        f"precision={precision}", f"distributed={target}", "train.resume=true",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith("elastic resume:")]
+    assert f"written by {source} on " in line and f"distributed={target} on 2" in line, line
+    assert "not carried over: per-rank RNG streams" in line, line
+    assert files_of(run_dir / "checkpoints" / "step-4") == saved  # read, never changed
+    # the same run: its records go on from step 5, no step twice
+    resumed, before = train_records(run_dir), train_records(runs(source, precision)[0])
+    assert [r["step"] for r in records(run_dir) if "loss" in r] == list(range(1, 9))
+    assert all(resumed[s]["loss"] == before[s]["loss"] for s in range(1, 5))
+    uninterrupted = train_records(runs(reference, precision)[0])
+    for step in range(5, 9):
+        assert resumed[step]["loss"] == pytest.approx(uninterrupted[step]["loss"], rel=RTOL), step
+    # Four steps after the reshard, the model's state is the uninterrupted run's up to the
+    # rounding differences of the two paths (~1e-3 of its norm; runs may pick different
+    # CPU bf16 GEMMs, and a tiny bias that started at zero can differ by 20% after such a
+    # difference, so whole components are compared); a slice put in the wrong place would
+    # be off by its whole norm. Collage's dtheta and dv are the rounding residuals
+    # themselves (a one-ulp change of a weight changes them wholly): they are compared bit
+    # for bit at the reshard (test_zero2_on_two_ranks_resumes_on_one_process,
+    # test_elastic.py), which fills every component through the same slices as exp_avg.
+    mine = open_full_state(run_dir / "checkpoints" / "step-8")
+    theirs = open_full_state(runs(reference, precision)[0] / "checkpoints" / "step-8")
+    assert mine.shapes == theirs.shapes and mine.layout == target
+    first = next(iter(theirs.shapes))
+    assert mine.read(first).keys() == theirs.read(first).keys()
+    for key in set(theirs.read(first)) - {"dtheta", "dv"}:
+        ours = torch.cat([mine.read(name)[key] for name in theirs.shapes])
+        other = torch.cat([theirs.read(name)[key] for name in theirs.shapes])
+        assert relative_gap(ours, other) < 0.05, key
+
+
+def test_corrupted_shard_or_other_strategy_is_one_line_and_leaves_the_checkpoint(
+    runs, corpus_dir, cache_dir, tmp_path
+):
+    run_dir = rewound_to_step_4(runs("zero2", "collage_plus")[0], tmp_path / "run")
+    args = [*tiny_overrides(corpus_dir, cache_dir, run_dir), "train.resume=true"]
+    other = run_cli(*args, "precision=mixed_fp32")  # a different strategy: another run
+    assert other.returncode == 2 and len(other.error_lines) == 1, other.stderr[-2000:]
+    assert "precision=collage_plus" in other.error_lines[0]
+    (shard,) = (run_dir / "checkpoints" / "step-4").glob("*zero_pp_rank_1_*optim_states.pt")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = files_of(run_dir / "checkpoints")
+    result = run_cli(*args, "precision=collage_plus")  # elastic: 2 ranks -> 1 process
+    assert result.returncode == 2, result.stderr[-2000:]
+    (line,) = result.error_lines
+    assert "no intact checkpoint" in line and "checksum" in line and shard.name in line, line
+    assert files_of(run_dir / "checkpoints") == before
+
+
+def test_zero2_through_universal_and_back_resumes_with_deepspeeds_loader(
+    runs, corpus_dir, cache_dir, tmp_path
+):
+    """2-rank ZeRO-2 -> universal -> ZeRO-2 on 2 ranks (``checkpoint convert --to zero2``)
+    gives DeepSpeed's own files (every tensor, record and mapping as it saved them), which a
+    2-rank launch resumes through DeepSpeed's loader, not the elastic reader, to the very
+    losses and weights of the original resumed (test_zero2_resume_continues_to_the_same_weights:
+    those of the uninterrupted run)."""
+    full_dir, _ = runs("zero2", "collage_plus")
+    run_dir = rewound_to_step_4(full_dir, tmp_path / "run")
+    step_4 = run_dir / "checkpoints" / "step-4"
+    universal, back = tmp_path / "universal", tmp_path / "zero2"
+    assert convert_main(["convert", str(step_4), str(universal)]) == 0
+    to_zero2 = ["--to", "zero2", "--world-size", "2"]
+    assert convert_main(["convert", str(universal), str(back), *to_zero2]) == 0
+    assert_same_deepspeed_files(back, step_4)
+    shutil.rmtree(step_4)
+    back.rename(step_4)
+    result = run_deepspeed(
+        *tiny_overrides(corpus_dir, cache_dir, run_dir), "logging.log_every=1",
+        "precision=collage_plus", "distributed=zero2", "train.resume=true",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout and "elastic resume" not in result.stdout
+    resumed, full = train_records(run_dir), train_records(full_dir)
+    assert [resumed[s]["loss"] for s in range(5, 9)] == [full[s]["loss"] for s in range(5, 9)]
+    weights = load_file(run_dir / "hf" / "model.safetensors")
+    at_end = load_file(full_dir / "hf" / "model.safetensors")
+    assert weights.keys() == at_end.keys()
+    assert all(torch.equal(weights[k], at_end[k]) for k in at_end)

@@ -1,0 +1,36 @@
+"""scripts/bench_guard.py at a tiny size: it times the guard alone and whole runs with the
+guard on and off, and reports both as fractions of the step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_guard_benchmark_reports_its_cost_as_a_fraction_of_the_step(tmp_path):
+    out = tmp_path / "guard.json"
+    command = [
+        sys.executable, str(SCRIPTS / "bench_guard.py"), "--model", "gpt_tiny",
+        "--seq-len", "32", "--micro-batch", "2", "--steps", "3", "--reps", "1",
+        "--calls", "50", "--no-append", "--json", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(command, cwd=SCRIPTS, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(r["guard"], r["skipped_steps"]) for r in result["runs"]] == [(True, 0), (False, 0)]
+    assert 0 < result["guard_alone_s"] < result["step_s_guard_off"]
+    assert 0 < result["guard_alone_read_s"] < result["step_s_guard_off"]
+    assert result["guard_alone_frac"] == pytest.approx(
+        result["guard_alone_s"] / result["step_s_guard_off"]
+    )
+    on, off = result["step_s_guard_on"], result["step_s_guard_off"]
+    assert result["whole_step_ratio_on_off"] == pytest.approx(on / off)
+    assert "| guard alone / step |" in proc.stdout
