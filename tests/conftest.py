@@ -64,7 +64,30 @@ def pytest_report_header(config: pytest.Config) -> str:
     return "device: cpu"
 
 
+def _share_cores_among_workers() -> None:
+    """Under pytest-xdist (``make test`` runs ``-n auto``), each worker and the runs it
+    starts take their share of the cores as OpenMP threads, so two workers on two cores do
+    not fight over four threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+_share_cores_among_workers()
+
+# Multi-process launches (each already uses every core) run one after another on one
+# worker under ``--dist loadgroup``; everything else is shared out among the workers.
+_LAUNCH_MARKERS = ("zero", "replicas")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(name) for name in _LAUNCH_MARKERS):
+            item.add_marker(pytest.mark.xdist_group("launches"))
     if config.getoption("--device") != "cuda":
         return
     for item in items:
