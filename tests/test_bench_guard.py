@@ -19,8 +19,8 @@ def test_the_guard_benchmark_reports_its_cost_as_a_fraction_of_the_step(tmp_path
     out = tmp_path / "guard.json"
     command = [
         sys.executable, str(SCRIPTS / "bench_guard.py"), "--model", "gpt_tiny",
-        "--seq-len", "32", "--micro-batch", "2", "--steps", "3", "--reps", "1",
-        "--calls", "50", "--no-append", "--json", str(out),
+        "--seq-len", "32", "--micro-batch", "2", "--steps", "3", "--repeats", "1",
+        "--calls", "50", "--no-record", "--json", str(out),
     ]  # fmt: skip
     proc = subprocess.run(command, cwd=SCRIPTS, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -21,7 +21,7 @@ def test_a_tiny_real_run_holds_less_with_blocks(tmp_path):
     command = [
         sys.executable, str(SCRIPT), "--vocab", "2048", "--seq-len", "64", "--micro-batch",
         "2", "--hidden", "32", "--layers", "1", "--chunk", "32", "--repeats", "1",
-        "--no-plan", "--no-append", "--json", str(out),
+        "--no-plan", "--no-record", "--json", str(out),
     ]  # fmt: skip
     proc = subprocess.run(command, cwd=SCRIPT.parent, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -64,7 +64,7 @@ def test_a_tiny_run_writes_the_rows_the_issue_names(tmp_path):
     out = tmp_path / "rows.json"
     only = ["collage_plus (compiled)", "collage_plus (compiled, EDQ every step)"]
     command = [sys.executable, str(SCRIPTS / "bench_optimizer.py"), "--params", "2e5"]
-    command += ["--tensors", "2", "--steps", "2", "--no-append", "--json", str(out), "--only"]
+    command += ["--tensors", "2", "--steps", "2", "--no-record", "--json", str(out), "--only"]
     result = subprocess.run([*command, *only], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(out.read_text())
