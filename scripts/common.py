@@ -43,7 +43,7 @@ STRATEGIES = (
 )
 
 # The flags a script may take, with their help; the script gives the default.
-_NAMED = {
+NAMED_FLAGS = {
     "model": {"help": "model preset (configs/model/)"},
     "steps": {"type": int, "help": "training (or timed) steps per run"},
     "repeats": {"type": int, "help": "runs of each configuration, in rotating order"},
@@ -81,7 +81,7 @@ def flags(*, json: bool = True, record: bool = True, **named: Any) -> argparse.A
     overrides = named.pop("overrides", False)
     for name, value in named.items():
         default, help_text = value if isinstance(value, tuple) else (value, None)
-        options = dict(_NAMED[name])
+        options = dict(NAMED_FLAGS[name])
         if help_text:
             options["help"] = help_text
         parent.add_argument("--" + name.replace("_", "-"), default=default, **options)

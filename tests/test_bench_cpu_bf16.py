@@ -40,7 +40,7 @@ def test_ratios_are_against_the_fp32_step_of_the_same_instruction_set():
             "final_train_loss": 1.0,
         }
 
-    text = bench_cpu_bf16.table(
+    text = bench_cpu_bf16.render(
         [
             row("native", "fp32", "n/a", 0.5),
             row("native", "bf16", "fp32", 0.6),

@@ -97,8 +97,14 @@ def test_repeats_run_in_rotating_order_and_the_search_runs_once(monkeypatch):
 
     def run(precision, micro_batch, steps, extra):
         calls.append((precision, micro_batch))
-        return {"tokens_per_s": 1.0, "final_train_loss": 1.0, "mfu": None,
-                "peak_mem_bytes": 1, "state_bytes_per_param": 2.0, "final_val_loss": 1.0}  # fmt: skip
+        return {
+            "tokens_per_s": 1.0,
+            "final_train_loss": 1.0,
+            "mfu": None,
+            "peak_mem_bytes": 1,
+            "state_bytes_per_param": 2.0,
+            "final_val_loss": 1.0,
+        }
 
     monkeypatch.setattr(runner, "run", run)
     monkeypatch.setattr(runner, "fits", lambda precision, micro, extra: (micro <= 2, {}))

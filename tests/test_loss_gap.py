@@ -13,7 +13,7 @@ import pytest
 from cli_runner import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-import loss_gap  # noqa: E402
+import loss_gap
 
 
 def run_dir(path: Path, losses: dict[int, float]) -> Path:
