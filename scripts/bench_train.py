@@ -15,7 +15,7 @@ data order:
   trial that runs out of memory does not fit; on CPU ``--mem-budget-gb`` bounds the
   peak RSS), and tokens/s at that micro-batch (``--no-search`` skips it);
 - ratios against ``--baseline`` (default ``mixed_fp32``; the Collage paper,
-  arXiv:2405.18710: 15-23% less memory, up to 3.7x throughput, mostly from the larger
+  arXiv:2405.03637: 15-23% less memory, up to 3.7x throughput, mostly from the larger
   micro-batch the saved memory allows).
 
 ``--strategies`` takes strategy names or a set: ``all`` (every strategy, the default)
