@@ -166,7 +166,7 @@ CHUNKED_KINDS = (
 # Under ZeRO, per element of a tracked chunk of a flat partition: Collage copies the bf16
 # weights before the step and keeps the bf16 update; AdamW (mixed_fp32's fp32 partition)
 # also rounds the chunk before and after to bf16 and forms the partials from them (16
-# bytes per chunk element measured by scripts/bench_edq_memory.py, 2.3 counted above).
+# bytes per chunk element measured by scripts/bench_edq.py --measure memory, 2.3 counted above).
 TRACKED_FLAT_BYTES = {"collage": 4.0, "adamw": 13.7}
 
 GIB = 2**30

@@ -11,20 +11,17 @@ step when the eager one's ratio exceeds 2.
 
     python scripts/bench_8bit_step.py --numel 16e6 --rounds 5
 
-The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-record`` to skip).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from runs import append_results
+from common import default_device, parser, publish, table
 
 from collage_train.optim import CollageAdamW
 from collage_train.optim.blockwise_adamw import BlockwiseAdamW
@@ -50,13 +47,10 @@ def sync(device: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=float, default=16e6)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
-    args = parser.parse_args()
+    cli = parser(__doc__, device=default_device())
+    cli.add_argument("--numel", type=float, default=16e6)
+    cli.add_argument("--rounds", type=int, default=5)
+    args = cli.parse_args()
     numel = int(args.numel)
     gen = torch.Generator().manual_seed(0)
     start = (torch.randn(numel, generator=gen) * 0.02).to(args.device, torch.bfloat16)
@@ -85,27 +79,23 @@ def main() -> None:
         }
         for name, t in times.items()
     ]
-    lines = [
-        "| optimizer | best ns/element | median ns/element | x collage_plus (compiled) |",
-        "|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r['name']} | {r['ns_per_element']:.2f} | {r['ns_per_element_median']:.2f} | "
-        f"{r['x_collage_plus_compiled']:.1f} |"
-        for r in rows
-    ]
-    table = "\n".join(lines)
-    print(table)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    if not args.no_append:
-        append_results(
-            "8-bit-moment optimizer steps against Collage's",
-            f"One bf16 tensor of {numel / 1e6:.1f}M elements on {args.device}, default "
-            f"step chunks; {args.rounds} rounds, the rows stepping in turn; best and median "
-            "per row.",
-            table,
-        )
+    text = table(
+        ["optimizer", "best ns/element", "median ns/element", "x collage_plus (compiled)"],
+        (
+            [r["name"], f"{r['ns_per_element']:.2f}", f"{r['ns_per_element_median']:.2f}",
+             f"{r['x_collage_plus_compiled']:.1f}"]
+            for r in rows
+        ),
+    )  # fmt: skip
+    publish(
+        args,
+        text,
+        rows,
+        "8-bit-moment optimizer steps against Collage's",
+        f"One bf16 tensor of {numel / 1e6:.1f}M elements on {args.device}, default "
+        f"step chunks; {args.rounds} rounds, the rows stepping in turn; best and median "
+        "per row.",
+    )
 
 
 if __name__ == "__main__":

@@ -16,17 +16,16 @@ times in each mode, one training step before each save:
     python scripts/bench_checkpoint.py --model gpt_1.3b --precision bf16 --seq-len 128
     python scripts/bench_checkpoint.py --distributed zero2 --nproc 2 --device cuda
 
-The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-record`` to skip).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from pathlib import Path
 
-from runs import append_results, launch_worker_ranks
+from common import parser, publish, table
+from runs import launch_ranks, rank_output
 
 GIB = 2**30
 
@@ -93,13 +92,13 @@ def worker(out: Path, overrides: list[str], saves: int) -> None:
         "steps_during_write": steps_during,
         "torch": torch.__version__,
     }
-    Path(f"{out}.rank{rank}").write_text(json.dumps(row))
+    rank_output(out, row)
     trainer.engine.close()
 
 
 def launch(distributed: str, ranks: int, overrides: list[str], saves: int) -> list[dict]:
     args = ["--saves", str(saves), "--", *overrides, f"distributed={distributed}"]
-    rows = launch_worker_ranks(Path(__file__).resolve(), args, ranks, label=distributed)
+    rows = launch_ranks(Path(__file__).resolve(), args, ranks, label=distributed)
     for row in rows:
         row["distributed"] = distributed
         steady = row["async_blocked_s"][1:] or row["async_blocked_s"]
@@ -111,41 +110,40 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def table(rows: list[dict], model: str, precision: str) -> str:
-    lines = [
-        "| model | precision | engine | rank | checkpoint (GiB, this rank's files) | "
-        "sync save (s) | async: loop blocked (s), first / steady | async: written in "
-        "background (s) | steps run during the write | blocked / sync (steady) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in rows:
+def render(rows: list[dict], model: str, precision: str) -> str:
+    def cells(row: dict) -> list[object]:
         blocked = row["async_blocked_s"]
         steady = blocked[1:] or blocked
-        lines.append(
-            f"| {model} | {precision} | {row['distributed']} | {row['rank']} of "
-            f"{row['world_size']} | {row['checkpoint_bytes'] / GIB:.2f} | "
-            f"{mean(row['sync_s']):.2f} | {blocked[0]:.2f} / {mean(steady):.2f} | "
-            f"{mean(row['async_written_s']):.2f} | "
-            f"{', '.join(map(str, row['steps_during_write']))} | "
-            f"{row['blocked_ratio']:.1%} |"
-        )
-    return "\n".join(lines)
+        return [
+            model, precision, row["distributed"], f"{row['rank']} of {row['world_size']}",
+            f"{row['checkpoint_bytes'] / GIB:.2f}", f"{mean(row['sync_s']):.2f}",
+            f"{blocked[0]:.2f} / {mean(steady):.2f}", f"{mean(row['async_written_s']):.2f}",
+            ", ".join(map(str, row["steps_during_write"])), f"{row['blocked_ratio']:.1%}",
+        ]  # fmt: skip
+
+    return table(
+        ["model", "precision", "engine", "rank", "checkpoint (GiB, this rank's files)",
+         "sync save (s)", "async: loop blocked (s), first / steady",
+         "async: written in background (s)", "steps run during the write",
+         "blocked / sync (steady)"],
+        map(cells, rows),
+    )  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt_125m", help="model preset (configs/model/)")
-    parser.add_argument("--precision", default="collage_plus")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--device", default="auto", help="train.device: auto, cpu or cuda")
-    parser.add_argument("--distributed", default="unsharded", help="unsharded, zero1/2/3")
-    parser.add_argument("--nproc", type=int, default=1, help="ranks (torchrun) for ZeRO")
-    parser.add_argument("--saves", type=int, default=3, help="saves in each mode")
-    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
-    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for the run")
-    args = parser.parse_args()
+    cli = parser(
+        __doc__,
+        model="gpt_125m",
+        seq_len=256,
+        device=("auto", "train.device: auto, cpu or cuda"),
+        overrides=True,
+        worker=True,
+    )
+    cli.add_argument("--precision", default="collage_plus")
+    cli.add_argument("--distributed", default="unsharded", help="unsharded, zero1/2/3")
+    cli.add_argument("--nproc", type=int, default=1, help="ranks (torchrun) for ZeRO")
+    cli.add_argument("--saves", type=int, default=3, help="saves in each mode")
+    args = cli.parse_args()
     if args.worker_out is not None:
         worker(args.worker_out, args.overrides, args.saves)
         return
@@ -158,21 +156,18 @@ def main() -> None:
         *args.overrides,
     ]  # fmt: skip
     rows = launch(args.distributed, args.nproc, overrides, args.saves)
-    text = table(rows, args.model, args.precision)
-    print(text)
-    if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    if not args.no_append:
-        append_results(
-            f"Checkpoint save: loop blocked, sync against async ({args.model}, "
-            f"{args.precision}, {args.distributed} x {args.nproc})",
-            f"One training step before each save, {args.saves} saves per mode, sequence "
-            f"{args.seq_len}, micro-batch 1, the embedded default corpus; the run directory "
-            "on the machine's local disk. Async: steps keep running while the files are "
-            "written; the host buffers were allocated in the background after the first step (as "
-            "in training), before the timed saves.",
-            text,
-        )
+    publish(
+        args,
+        render(rows, args.model, args.precision),
+        rows,
+        f"Checkpoint save: loop blocked, sync against async ({args.model}, "
+        f"{args.precision}, {args.distributed} x {args.nproc})",
+        f"One training step before each save, {args.saves} saves per mode, sequence "
+        f"{args.seq_len}, micro-batch 1, the embedded default corpus; the run directory "
+        "on the machine's local disk. Async: steps keep running while the files are "
+        "written; the host buffers were allocated in the background after the first step (as "
+        "in training), before the timed saves.",
+    )
 
 
 if __name__ == "__main__":

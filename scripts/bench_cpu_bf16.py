@@ -11,21 +11,18 @@ did (torch's CPU capability, the start-up probe's GFLOP/s) and what ``auto`` pic
 
     python scripts/bench_cpu_bf16.py --steps 8 --repeats 2
 
-The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-record`` to skip).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from runs import REPO, append_results, run_training
+from common import parser, publish, table
+from runs import python_json, quiet_run, run_training
 
 ISAS = {
     "native": {},
@@ -40,15 +37,7 @@ _PROBE = (
 
 def probe(env: dict[str, str]) -> tuple[str, float, float]:
     """(torch's CPU capability, native bf16 GFLOP/s, emulated GFLOP/s) under ``env``."""
-    done = subprocess.run(
-        [sys.executable, "-c", _PROBE],
-        cwd=REPO,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    capability, native, emulated = json.loads(done.stdout.strip().splitlines()[-1])
+    capability, native, emulated = python_json(_PROBE, env=env)
     return capability, native, emulated
 
 
@@ -67,14 +56,7 @@ def step_seconds(isa: str, precision: str, gemm: str, args: argparse.Namespace) 
     overrides = [
         f"precision={precision}",
         f"train.cpu_bf16_gemm={gemm}",
-        f"train.max_steps={args.steps}",
-        f"train.eval_every={args.steps}",
-        f"train.checkpoint_every={args.steps}",
-        f"logging.log_every={args.steps}",
-        "logging.console=none",
-        "logging.wandb.mode=disabled",
-        "logging.plots=false",
-        "train.export_hf=false",
+        *quiet_run(args.steps),
         *args.overrides,
     ]
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,32 +68,27 @@ def step_seconds(isa: str, precision: str, gemm: str, args: argparse.Namespace) 
     }
 
 
-def table(rows: list[dict]) -> str:
-    lines = [
-        "| instruction set | precision | bf16 GEMMs | step s (median) | range | x fp32 step "
-        "| final train loss |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
+def render(rows: list[dict]) -> str:
+    def cells(r: dict) -> list[object]:
         base = next(b for b in rows if b["isa"] == r["isa"] and b["precision"] == "fp32")
-        lines.append(
-            f"| {r['isa']} | {r['precision']} | {r['gemm']} | {r['step_s']:.3f} "
-            f"| {r['step_s_range'][0]:.3f}-{r['step_s_range'][1]:.3f} "
-            f"| {r['step_s'] / base['step_s']:.2f} | {r['final_train_loss']:.4f} |"
-        )
-    return "\n".join(lines)
+        low, high = r["step_s_range"]
+        return [
+            r["isa"], r["precision"], r["gemm"], f"{r['step_s']:.3f}", f"{low:.3f}-{high:.3f}",
+            f"{r['step_s'] / base['step_s']:.2f}", f"{r['final_train_loss']:.4f}",
+        ]  # fmt: skip
+
+    return table(
+        ["instruction set", "precision", "bf16 GEMMs", "step s (median)", "range",
+         "x fp32 step", "final train loss"],
+        map(cells, rows),
+    )  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per configuration")
-    parser.add_argument("--isa", nargs="+", choices=list(ISAS), default=list(ISAS))
-    parser.add_argument("--precisions", nargs="+", default=list(STRATEGIES))
-    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
-    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
-    args = parser.parse_args()
+    cli = parser(__doc__, steps=8, repeats=2, overrides=True)
+    cli.add_argument("--isa", nargs="+", choices=list(ISAS), default=list(ISAS))
+    cli.add_argument("--precisions", nargs="+", default=list(STRATEGIES))
+    args = cli.parse_args()
 
     probes = {isa: probe(ISAS[isa]) for isa in args.isa}
     configs = configurations(args.isa, args.precisions)
@@ -141,18 +118,15 @@ def main() -> None:
             f"- {isa}: torch CPU capability {capability}; 256^3 GEMM native bf16 "
             f"{native:.1f} GFLOP/s, as fp32 {emulated:.1f} GFLOP/s; auto picks {pick}"
         )
-    text = "\n".join(notes) + "\n\n" + table(rows)
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps({"probes": probes, "rows": rows}, indent=2) + "\n")
-    if not args.no_append:
-        append_results(
-            "CPU training step: native against fp32-emulated bf16 GEMMs",
-            f"gpt_tiny, default batch (16 x 256 tokens), {args.steps} steps per run, "
-            f"{args.repeats} repeats in rotating order; step time = tokens per step / "
-            "steady tokens/s (first step excluded), median over repeats.",
-            text,
-        )
+    publish(
+        args,
+        "\n".join(notes) + "\n\n" + render(rows),
+        {"probes": probes, "rows": rows},
+        "CPU training step: native against fp32-emulated bf16 GEMMs",
+        f"gpt_tiny, default batch (16 x 256 tokens), {args.steps} steps per run, "
+        f"{args.repeats} repeats in rotating order; step time = tokens per step / "
+        "steady tokens/s (first step excluded), median over repeats.",
+    )
 
 
 if __name__ == "__main__":

@@ -16,17 +16,14 @@ Three measurements, corpora generated here from the embedded one (the standard l
 
     python scripts/bench_data.py --text-mb 40 --launch-gb 1
 
-The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-record`` to skip).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import sysconfig
 import tempfile
 import time
@@ -34,7 +31,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-from runs import REPO, append_results
+from common import parser, publish, table
+from runs import python_json, quiet_run, start_training
 
 from collage_train.data.progress import write_json_atomic
 from collage_train.data.settings import DataSettings
@@ -166,40 +164,25 @@ print(json.dumps({"growth": rss() - before, "samples": loader.num_samples}))
 
 
 def loader_rss(directory: Path, batches: int) -> dict[str, int]:
-    done = subprocess.run(
-        [sys.executable, "-c", _RSS_PROBE, str(directory), str(batches)],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=REPO,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return python_json(_RSS_PROBE, str(directory), str(batches))
 
 
 def launch_to_first_step(corpus: Path, cache: Path, run_dir: Path) -> float:
     """Seconds from launching a one-step training run to its first metrics line."""
     metrics = run_dir / "metrics.jsonl"
-    args = [
-        sys.executable,
-        "-m",
-        "collage_train",
+    overrides = [
         "data=files",
         f"data.paths=[{corpus}]",
         f"data.cache_dir={cache}",
-        "train.max_steps=1",
+        *quiet_run(1),
         "train.eval_every=1000",
-        "train.export_hf=false",
-        "logging.log_every=1",
-        "logging.console=none",
-        "logging.wandb.mode=disabled",
-        "logging.plots=false",
         f"hydra.run.dir={run_dir}",
     ]
     started = time.perf_counter()
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = start_training(overrides)
     while not (metrics.is_file() and metrics.read_text().strip()):
         if proc.poll() is not None:
-            raise RuntimeError(f"training exited: {proc.stderr.read().decode()[-2000:]}")
+            raise RuntimeError(f"training exited: {proc.stderr.read()[-2000:]}")
         time.sleep(0.05)
     seconds = time.perf_counter() - started
     proc.wait()
@@ -207,15 +190,13 @@ def launch_to_first_step(corpus: Path, cache: Path, run_dir: Path) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--text-mb", type=float, default=40.0, help="throughput corpus size")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--rss-tokens", type=int, default=1 << 26, help="1x corpus, tokens")
-    parser.add_argument("--batches", type=int, default=500)
-    parser.add_argument("--launch-gb", type=float, default=1.0, help="0 skips the launch test")
-    parser.add_argument("--json", type=Path, help="write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
-    args = parser.parse_args()
+    cli = parser(__doc__)
+    cli.add_argument("--text-mb", type=float, default=40.0, help="throughput corpus size")
+    cli.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    cli.add_argument("--rss-tokens", type=int, default=1 << 26, help="1x corpus, tokens")
+    cli.add_argument("--batches", type=int, default=500)
+    cli.add_argument("--launch-gb", type=float, default=1.0, help="0 skips the launch test")
+    args = cli.parse_args()
     rows: list[dict[str, object]] = []
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
@@ -290,21 +271,18 @@ def main() -> None:
                     "seconds": seconds,
                 }
             )
-    table = "| measure | value | ratio |\n|---|---|---|\n" + "\n".join(
-        f"| {r['measure']} | {r['value']} | {r['ratio']} |" for r in rows
+    publish(
+        args,
+        table(
+            ["measure", "value", "ratio"], ([r["measure"], r["value"], r["ratio"]] for r in rows)
+        ),
+        rows,
+        "Data pipeline at corpus scale (scripts/bench_data.py)",
+        "Preparation with the same 8192-piece SentencePiece tokenizer in every row; "
+        "loader RSS growth measured in a fresh process per corpus size. Load average "
+        f"when the benchmark started: {load:.2f} (other processes on the same cores "
+        "lower the parallel rows).",
     )
-    print(table)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    if not args.no_append:
-        append_results(
-            "Data pipeline at corpus scale (scripts/bench_data.py)",
-            "Preparation with the same 8192-piece SentencePiece tokenizer in every row; "
-            "loader RSS growth measured in a fresh process per corpus size. Load average "
-            f"when the benchmark started: {load:.2f} (other processes on the same cores "
-            "lower the parallel rows).",
-            table,
-        )
 
 
 if __name__ == "__main__":

@@ -7,11 +7,12 @@ standard library (a line's start, its true rest against three other lines' rests
 as an lm-evaluation-harness task folder, ``--questions`` of them.
 
     python scripts/bench_downstream.py [--steps 200] [--questions 100] [--every 0] [--json F]
+
+The table is printed and appended to docs/results-history.md (``--no-record`` to skip).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sysconfig
@@ -19,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from runs import append_results, run_training
+from common import parser, publish, table
+from runs import run_training
 
 
 def write_task(folder: Path, questions: int, seed: int = 0) -> None:
@@ -52,18 +54,15 @@ def write_task(folder: Path, questions: int, seed: int = 0) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--questions", type=int, default=100)
-    parser.add_argument("--every", type=int, default=0, help="eval.every (0: the end only)")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
-    args = parser.parse_args()
+    cli = parser(__doc__, steps=200, overrides=True)
+    cli.add_argument("--questions", type=int, default=100)
+    cli.add_argument("--every", type=int, default=0, help="eval.every (0: the end only)")
+    args = cli.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="bench_downstream_"))
     (scratch / "tasks").mkdir()
     write_task(scratch / "tasks", args.questions)
     common = [f"train.max_steps={args.steps}", "logging.wandb.mode=disabled",
-              "logging.plots=false", "logging.console=plain"]  # fmt: skip
+              "logging.plots=false", "logging.console=plain", *args.overrides]  # fmt: skip
     tasks = ["eval.tasks=[stdlib_lines]", f"eval.every={args.every}",
              f"eval.include_path={scratch / 'tasks'}"]  # fmt: skip
     rows = []
@@ -77,25 +76,22 @@ def main() -> None:
     ratio = rows[1]["wall_s"] / rows[0]["wall_s"]
     # the evaluation's own share of the run that had it: no other run's noise in it
     share = rows[1]["eval_s"] / rows[1]["train_wall_s"]
-    table = "\n".join(
-        ["| run | wall time (s), launch to exit | fit wall time (s) | in evaluation (s) | "
-         "downstream |", "|---|---|---|---|---|"]
-        + [f"| {r['run']} eval.tasks | {r['wall_s']:.1f} | {r['train_wall_s']:.1f} | "
-           f"{r['eval_s']:.1f} | {r['downstream'] or '-'} |" for r in rows]
+    text = table(
+        ["run", "wall time (s), launch to exit", "fit wall time (s)", "in evaluation (s)",
+         "downstream"],
+        [[f"{r['run']} eval.tasks", f"{r['wall_s']:.1f}", f"{r['train_wall_s']:.1f}",
+          f"{r['eval_s']:.1f}", r["downstream"] or "-"] for r in rows],
     )  # fmt: skip
-    print(table)
     print(f"with / without: {ratio:.3f}; evaluation / fit wall time: {share:.4f}")
-    if args.json:
-        result = {"rows": rows, "ratio": ratio, "eval_share": share}
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    if not args.no_append:
-        append_results(
-            "In-loop downstream evaluation: wall time with and without, gpt_tiny",
-            f"{args.questions} local multiple-choice questions, eval.every={args.every}, "
-            f"{args.steps} steps. With / without: {ratio:.3f}; the evaluation's share of "
-            f"the fit wall time of the run with it: {share:.4f}.",
-            table,
-        )
+    publish(
+        args,
+        text,
+        {"rows": rows, "ratio": ratio, "eval_share": share},
+        "In-loop downstream evaluation: wall time with and without, gpt_tiny",
+        f"{args.questions} local multiple-choice questions, eval.every={args.every}, "
+        f"{args.steps} steps. With / without: {ratio:.3f}; the evaluation's share of "
+        f"the fit wall time of the run with it: {share:.4f}.",
+    )
 
 
 if __name__ == "__main__":

@@ -8,24 +8,25 @@ Two measurements, side by side in one script run:
   and ZeRO do with an optimizer that masks its step) and read on the host (``judge``,
   ``accept`` and the one read of the verdict: split_fp32, Scalify, replicas);
 - whole steps: the real CLI trained with the guard on and off, interleaved
-  (on, off, on, off, ...: ``--reps`` pairs), each run's steady step time (the first
+  (on, off, on, off, ...: ``--repeats`` pairs), each run's steady step time (the first
   step excluded), and the ratio on/off. On a shared or loaded machine this ratio carries
   the machine's noise; the first measurement is the guard's own time.
 
-    python scripts/bench_guard.py --model gpt_125m --steps 12 --reps 2 [--json F]
+    python scripts/bench_guard.py --model gpt_125m --steps 12 --repeats 2 [--json F]
+
+The table is printed and appended to docs/results-history.md (``--no-record`` to skip).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from runs import append_results, run_training
+from common import parser, publish, table
+from runs import quiet_run, run_training
 
 from collage_train.guard import GuardSettings, StepGuard
 
@@ -66,17 +67,18 @@ def steady_step_time(records: list[dict]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="gpt_125m")
-    parser.add_argument("--precision", default="collage_plus")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--reps", type=int, default=2, help="on/off pairs of whole runs")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--calls", type=int, default=2000, help="guard-alone timing calls")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
-    args = parser.parse_args()
+    cli = parser(
+        __doc__,
+        model="gpt_125m",
+        steps=12,
+        repeats=(2, "on/off pairs of whole runs"),
+        seq_len=256,
+        overrides=True,
+    )
+    cli.add_argument("--precision", default="collage_plus")
+    cli.add_argument("--micro-batch", type=int, default=4)
+    cli.add_argument("--calls", type=int, default=2000, help="guard-alone timing calls")
+    args = cli.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     alone = guard_seconds_per_step(device, args.calls, on_device=True)
@@ -87,19 +89,13 @@ def main() -> None:
         f"data.seq_len={args.seq_len}",
         f"train.micro_batch_size={args.micro_batch}",
         f"train.global_batch_size={args.micro_batch}",
-        f"train.max_steps={args.steps}",
-        f"train.eval_every={args.steps}",
         "train.eval_batches=1",
-        f"train.checkpoint_every={args.steps}",
-        "train.export_hf=false",
-        "logging.log_every=1",
-        "logging.console=none",
-        "logging.plots=false",
-        "logging.wandb.mode=disabled",
+        *quiet_run(args.steps, log_every=1),
+        *args.overrides,
     ]
     runs = []
     scratch = Path(tempfile.mkdtemp(prefix="bench_guard_"))
-    for rep in range(args.reps):
+    for rep in range(args.repeats):
         for enabled in ("true", "false"):
             run_dir = scratch / f"{enabled}-{rep}"
             summary, records = run_training([*overrides, f"train.guard.enabled={enabled}"], run_dir)
@@ -122,31 +118,28 @@ def main() -> None:
         "pair_ratios": [a / b for a, b in zip(on, off, strict=True)],
         "runs": runs,
     }
-    table = "\n".join(
+    text = table(
+        ["measure", "value"],
         [
-            "| measure | value |",
-            "|---|---|",
-            f"| guard alone on the device (judge + admit + RNG snapshot), per step "
-            f"| {1e6 * alone:.0f} us |",
-            f"| guard alone read on the host (judge + accept + one read), per step "
-            f"| {1e6 * alone_read:.0f} us |",
-            f"| {args.model} step, guard off (mean of {len(off)} runs) | {step:.3f} s |",
-            f"| {args.model} step, guard on (mean of {len(on)} runs) | {step_on:.3f} s |",
-            f"| guard alone / step | {100 * result['guard_alone_frac']:.4f}% |",
-            f"| whole steps, on / off | {result['whole_step_ratio_on_off']:.4f} "
-            f"(pairs: {', '.join(f'{r:.4f}' for r in result['pair_ratios'])}) |",
-        ]
+            ["guard alone on the device (judge + admit + RNG snapshot), per step",
+             f"{1e6 * alone:.0f} us"],
+            ["guard alone read on the host (judge + accept + one read), per step",
+             f"{1e6 * alone_read:.0f} us"],
+            [f"{args.model} step, guard off (mean of {len(off)} runs)", f"{step:.3f} s"],
+            [f"{args.model} step, guard on (mean of {len(on)} runs)", f"{step_on:.3f} s"],
+            ["guard alone / step", f"{100 * result['guard_alone_frac']:.4f}%"],
+            ["whole steps, on / off", f"{result['whole_step_ratio_on_off']:.4f} (pairs: "
+             f"{', '.join(f'{r:.4f}' for r in result['pair_ratios'])})"],
+        ],
+    )  # fmt: skip
+    publish(
+        args,
+        text,
+        result,
+        "Step guard cost",
+        f"{args.model}, precision {args.precision}, micro-batch {args.micro_batch} x "
+        f"{args.seq_len} tokens, {args.steps} steps per run, {args.repeats} on/off pairs.",
     )
-    print(table)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
-    if not args.no_append:
-        append_results(
-            "Step guard cost",
-            f"{args.model}, precision {args.precision}, micro-batch {args.micro_batch} x "
-            f"{args.seq_len} tokens, {args.steps} steps per run, {args.reps} on/off pairs.",
-            table,
-        )
 
 
 if __name__ == "__main__":

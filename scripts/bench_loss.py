@@ -17,9 +17,9 @@ sequence 2048 on 8 x 80 GB, with ZeRO-2 and ZeRO-3, collage_plus and mixed_fp32,
 activation checkpointing off and on, before (``off``) and after (``auto``).
 
     python scripts/bench_loss.py
-    python scripts/bench_loss.py --vocab 8192 --seq-len 256 --no-plan --no-append
+    python scripts/bench_loss.py --vocab 8192 --seq-len 256 --no-plan --no-record
 
-The tables are printed and appended to docs/results-history.md (``--no-append`` to skip);
+The tables are printed and appended to docs/results-history.md (``--no-record`` to skip);
 ``--json PATH`` writes the rows.
 """
 
@@ -28,16 +28,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from runs import append_results
+from common import default_device, parser, publish, table
 
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm
 from collage_train.loss import chunked_cross_entropy, install_chunked_loss, resolve_chunk_tokens
@@ -182,17 +180,16 @@ def measure(args: argparse.Namespace, precision: str, device: torch.device) -> l
 
 
 def measured_table(rows: list[dict]) -> str:
-    lines = [
-        "| precision | loss | loss peak MiB | step peak MiB | loss share | step s |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['precision']} | {r['loss']} | {r['loss_peak_bytes'] / MIB:.1f} "
-            f"| {r['step_peak_bytes'] / MIB:.1f} | {r['loss_share']:.0%} "
-            f"| {r['step_seconds']:.2f} |"
-        )
-    return "\n".join(lines)
+    return table(
+        ["precision", "loss", "loss peak MiB", "step peak MiB", "loss share", "step s"],
+        (
+            [r["precision"], r["loss"], f"{r['loss_peak_bytes'] / MIB:.1f}",
+             f"{r['step_peak_bytes'] / MIB:.1f}", f"{r['loss_share']:.0%}",
+             f"{r['step_seconds']:.2f}"]
+            for r in rows
+        ),
+        right=(2, 3, 4, 5),
+    )  # fmt: skip
 
 
 def planned_rows() -> list[dict]:
@@ -237,60 +234,57 @@ def planned_rows() -> list[dict]:
 
 
 def planned_table(rows: list[dict]) -> str:
-    lines = [
-        "| model | vocabulary | precision | ZeRO | block | largest micro-batch, before -> after "
-        "| checkpointed | peak at micro-batch 1, checkpointed, GiB |",
-        "|---|---:|---|---|---:|---|---|---|",
-    ]
-    for r in rows:
+    def cells(r: dict) -> list[object]:
         plain, ckpt = r["max_micro_batch"], r["max_micro_batch_checkpointed"]
         peak = r["peak_gib_at_1_checkpointed"]
-        lines.append(
-            f"| {r['model']} | {r['vocab']} | {r['precision']} | {r['distributed']} "
-            f"| {r['chunk_tokens']} | {plain[0]} -> {plain[1]} | {ckpt[0]} -> {ckpt[1]} "
-            f"| {peak[0]:.2f} -> {peak[1]:.2f} |"
-        )
-    return "\n".join(lines)
+        return [
+            r["model"], r["vocab"], r["precision"], r["distributed"], r["chunk_tokens"],
+            f"{plain[0]} -> {plain[1]}", f"{ckpt[0]} -> {ckpt[1]}",
+            f"{peak[0]:.2f} -> {peak[1]:.2f}",
+        ]  # fmt: skip
+
+    return table(
+        ["model", "vocabulary", "precision", "ZeRO", "block",
+         "largest micro-batch, before -> after", "checkpointed",
+         "peak at micro-batch 1, checkpointed, GiB"],
+        map(cells, rows),
+        right=(1, 4),
+    )  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--chunk", default="auto", help="train.loss_chunk_tokens: auto or N")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps; the best is kept")
-    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--no-plan", action="store_true", help="skip the planner's table")
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
-    args = parser.parse_args()
+    cli = parser(
+        __doc__,
+        seq_len=2048,
+        repeats=(3, "timed steps; the best is kept"),
+        device=default_device(),
+    )
+    cli.add_argument("--vocab", type=int, default=128256)
+    cli.add_argument("--micro-batch", type=int, default=1)
+    cli.add_argument("--hidden", type=int, default=256)
+    cli.add_argument("--layers", type=int, default=2)
+    cli.add_argument("--heads", type=int, default=4)
+    cli.add_argument("--chunk", default="auto", help="train.loss_chunk_tokens: auto or N")
+    cli.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    cli.add_argument("--no-plan", action="store_true", help="skip the planner's table")
+    args = cli.parse_args()
     device = torch.device(args.device)
 
     measured = [row for p in args.precisions for row in measure(args, p, device)]
-    text = measured_table(measured)
-    print(text)
     planned = [] if args.no_plan else planned_rows()
-    if planned:
-        print(planned_table(planned))
-    if args.json:
-        args.json.write_text(json.dumps({"measured": measured, "planned": planned}, indent=2))
-    if not args.no_append:
-        shape = (
-            f"Llama, {args.layers} layers, hidden {args.hidden}, vocabulary {args.vocab}, "
-            f"sequence {args.seq_len}, micro-batch {args.micro_batch}, on {device}"
-        )
-        append_results(
-            f"The LM loss's memory: full logits against blocks ({shape})",
-            "Loss peak: the output projection and cross-entropy, forward and backward, "
-            "above their inputs (weight gradient included); step peak: one forward and "
-            "backward of the whole model (no optimizer step); step s: best wall time.",
-            text + ("\n\n" + planned_table(planned) if planned else ""),
-        )
+    shape = (
+        f"Llama, {args.layers} layers, hidden {args.hidden}, vocabulary {args.vocab}, "
+        f"sequence {args.seq_len}, micro-batch {args.micro_batch}, on {device}"
+    )
+    publish(
+        args,
+        measured_table(measured) + ("\n\n" + planned_table(planned) if planned else ""),
+        {"measured": measured, "planned": planned},
+        f"The LM loss's memory: full logits against blocks ({shape})",
+        "Loss peak: the output projection and cross-entropy, forward and backward, "
+        "above their inputs (weight gradient included); step peak: one forward and "
+        "backward of the whole model (no optimizer step); step s: best wall time.",
+    )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ and set beside ``collage_train.memory_plan``'s prediction for the same setting:
     python scripts/bench_memory_plan.py --model gpt_125m --seq-len 256 --micro-batch 4
     python scripts/bench_memory_plan.py --model gpt_1.3b --seq-len 2048 --micro-batch 4
 
-The table is printed and appended to docs/results-history.md (``--no-append`` to skip);
+The table is printed and appended to docs/results-history.md (``--no-record`` to skip);
 ``--json PATH`` writes the rows.
 """
 
@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import tempfile
 from pathlib import Path
 
 import torch
+from common import STRATEGIES, parser, publish, table
 from hydra import compose, initialize_config_dir
-from runs import append_results
+from runs import quiet_run
 
 from collage_train.batch import accumulation_steps
 from collage_train.cli import config_dir
@@ -36,10 +36,8 @@ from collage_train.metrics.live_memory import LiveTensorBytes
 from collage_train.precision import get_strategy
 from collage_train.trainer import Trainer
 
-STRATEGIES = (
-    "mixed_fp32", "split_fp32", "bf16_moments", "bf16", "bf16_sr", "bf16_kahan", "adamw_8bit",
-    "collage_light", "collage_plus", "collage_8bit",
-)  # fmt: skip
+# Every strategy but fp32 (no bf16 state to plan) and Scalify's (run them by name).
+DEFAULT_STRATEGIES = [s for s in STRATEGIES if s != "fp32" and not s.startswith("scalify")]
 
 
 def compose_run(args: argparse.Namespace, precision: str, checkpointing: bool) -> object:
@@ -50,12 +48,8 @@ def compose_run(args: argparse.Namespace, precision: str, checkpointing: bool) -
         f"train.micro_batch_size={args.micro_batch}",
         f"train.global_batch_size={args.global_batch or args.micro_batch}",
         f"train.activation_checkpointing={str(checkpointing).lower()}",
-        "train.max_steps=2",
-        "logging.console=none",
-        "logging.wandb.mode=disabled",
-        "logging.plots=false",
-        "train.export_hf=false",
-        *args.override,
+        *quiet_run(2),
+        *args.overrides,
     ]
     if not torch.cuda.is_available():
         overrides.append("optim.kernel=eager")
@@ -116,51 +110,45 @@ def bench_row(args: argparse.Namespace, precision: str, checkpointing: bool) -> 
     }
 
 
-def table(rows: list[dict]) -> str:
-    lines = [
-        "| strategy | checkpointing | optimizer step | planned MiB | measured MiB "
-        "| planned / measured |",
-        "|---|---|---|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['strategy']} | {'on' if r['activation_checkpointing'] else 'off'} "
-            f"| {r['optimizer_kernel']} | {r['planned_bytes'] / 2**20:.1f} "
-            f"| {r['measured_bytes'] / 2**20:.1f} | {r['ratio']:.3f} |"
-        )
-    return "\n".join(lines)
+def render(rows: list[dict]) -> str:
+    return table(
+        ["strategy", "checkpointing", "optimizer step", "planned MiB", "measured MiB",
+         "planned / measured"],
+        (
+            [r["strategy"], "on" if r["activation_checkpointing"] else "off",
+             r["optimizer_kernel"], f"{r['planned_bytes'] / 2**20:.1f}",
+             f"{r['measured_bytes'] / 2**20:.1f}", f"{r['ratio']:.3f}"]
+            for r in rows
+        ),
+        right=(3, 4, 5),
+    )  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt_125m")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--global-batch", type=int, default=None, help="default: one micro-batch")
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
-    parser.add_argument("--override", nargs="*", default=[], help="extra Hydra overrides")
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
-    args = parser.parse_args()
+    cli = parser(__doc__, model="gpt_125m", seq_len=256, overrides=True)
+    cli.add_argument("--micro-batch", type=int, default=4)
+    cli.add_argument("--global-batch", type=int, default=None, help="default: one micro-batch")
+    cli.add_argument("--strategies", nargs="+", default=DEFAULT_STRATEGIES)
+    # the spelling of the commands in docs/results-history.md before the positional overrides
+    cli.add_argument("--override", nargs="*", default=[], help=argparse.SUPPRESS)
+    args = cli.parse_args()
+    args.overrides += args.override
     register_schemas()
 
     rows = []
     for precision in args.strategies:
         for checkpointing in (False, True):
             rows.append(bench_row(args, precision, checkpointing))
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
-    text = table(rows)
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
-    if not args.no_append:
-        worst = max(abs(r["ratio"] - 1) for r in rows)
-        append_results(
-            f"Memory planner against measured step peaks, {args.model}",
-            f"Sequence {args.seq_len}, micro-batch {args.micro_batch}; second training step; "
-            f"largest deviation {worst:.1%}.",
-            text,
-        )
+            print(render(rows[-1:]).splitlines()[-1], flush=True)
+    worst = max(abs(r["ratio"] - 1) for r in rows)
+    publish(
+        args,
+        render(rows),
+        rows,
+        f"Memory planner against measured step peaks, {args.model}",
+        f"Sequence {args.seq_len}, micro-batch {args.micro_batch}; second training step; "
+        f"largest deviation {worst:.1%}.",
+    )
 
 
 if __name__ == "__main__":

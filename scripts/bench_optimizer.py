@@ -19,20 +19,17 @@ alternating order.
 
     python scripts/bench_optimizer.py --params 33.6e6 --json optimizer.json
 
-The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-record`` to skip).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from runs import append_results
+from common import default_device, parser, publish, table
 
 from collage_train.optim import AdamW, CollageAdamW, SplitMasterAdamW
 
@@ -198,15 +195,11 @@ def row(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=float, default=None, help="default 33.6e6 CPU, 1.3e9 GPU")
-    parser.add_argument("--tensors", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--only", nargs="*", help="row names to run (default: all)")
-    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
-    args = parser.parse_args()
+    cli = parser(__doc__, steps=(20, "timed steps per row"), device=default_device())
+    cli.add_argument("--params", type=float, default=None, help="default 33.6e6 CPU, 1.3e9 GPU")
+    cli.add_argument("--tensors", type=int, default=20)
+    cli.add_argument("--only", nargs="*", help="row names to run (default: all)")
+    args = cli.parse_args()
     total = args.params or (1.3e9 if args.device == "cuda" else 33.6e6)
 
     copier = Copier(int(total), args.device)
@@ -229,37 +222,33 @@ def main() -> None:
         del optimizer, params
     rows = [row(*entry, copier.bytes, bandwidth) for entry in measured]
 
-    lines = [
-        "| optimizer | bytes/param (floor) | best ms/step | median ms/step | floor ms | "
-        "effective GB/s | x floor (best) | x floor (paired) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r['name']} | {r['floor_bytes_per_param']} | {r['ms_per_step']:.1f} | "
-        f"{r['ms_per_step_median']:.1f} | {r['floor_ms']:.1f} | {r['gb_per_s']:.1f} | "
-        f"{r['floor_ratio']:.2f} | {r['floor_ratio_paired']:.2f} |"
-        for r in rows
-    ]
-    lines += [
-        f"\nEDQ on every step: {r['edq_overhead']:+.1%} against the same optimizer's untracked "
-        f"steps (median of {args.steps} adjacent pairs; best against best: "
+    text = table(
+        ["optimizer", "bytes/param (floor)", "best ms/step", "median ms/step", "floor ms",
+         "effective GB/s", "x floor (best)", "x floor (paired)"],
+        (
+            [r["name"], r["floor_bytes_per_param"], f"{r['ms_per_step']:.1f}",
+             f"{r['ms_per_step_median']:.1f}", f"{r['floor_ms']:.1f}", f"{r['gb_per_s']:.1f}",
+             f"{r['floor_ratio']:.2f}", f"{r['floor_ratio_paired']:.2f}"]
+            for r in rows
+        ),
+    )  # fmt: skip
+    text += "".join(
+        f"\n\nEDQ on every step: {r['edq_overhead']:+.1%} against the same optimizer's "
+        f"untracked steps (median of {args.steps} adjacent pairs; best against best: "
         f"{r['edq_overhead_best']:+.1%})."
         for r in rows
         if "edq_overhead" in r
-    ]
-    table = "\n".join(lines)
-    print(table)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    if not args.no_append:
-        append_results(
-            "Optimizer step against the memory-bandwidth floor",
-            f"{total / 1e6:.1f}M parameters in {args.tensors} tensors on {args.device}; copy "
-            f"bandwidth (read + write) {bandwidth / 1e9:.1f} GB/s, the best copy of the run "
-            f"(one copy timed before every step); {args.steps} timed steps per row; paired: "
-            "median over steps of step time / the floor at the preceding copy's bandwidth.",
-            table,
-        )
+    )
+    publish(
+        args,
+        text,
+        rows,
+        "Optimizer step against the memory-bandwidth floor",
+        f"{total / 1e6:.1f}M parameters in {args.tensors} tensors on {args.device}; copy "
+        f"bandwidth (read + write) {bandwidth / 1e9:.1f} GB/s, the best copy of the run "
+        f"(one copy timed before every step); {args.steps} timed steps per row; paired: "
+        "median over steps of step time / the floor at the preceding copy's bandwidth.",
+    )
 
 
 if __name__ == "__main__":

@@ -29,21 +29,18 @@ bytes are what a slow link would have to carry.
     python scripts/bench_sparseloco.py --json sparseloco.json
     python scripts/bench_sparseloco.py --steps 600 --sync-every 15 --seq-len 128
 
-The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-record`` to skip).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from runs import REPO, append_results, run_training
+from common import parser, publish, table
+from runs import quiet_run, run_training
 
 # Row name -> comm overrides; diloco_avg is DiLoCo with outer lr 1 and no momentum: plain
 # averaging of the replicas every H steps, which shows what the outer momentum adds.
@@ -60,28 +57,9 @@ METHODS = {
 }
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_replicas(overrides: list[str], run_dir: Path, replicas: int) -> tuple[dict, list[dict]]:
-    """``torchrun --nproc_per_node REPLICAS -m collage_train OVERRIDES`` (one thread each)."""
-    launcher = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
-    command = [
-        launcher, "--nproc_per_node", str(replicas), "--master_port", str(_free_port()),
-        "-m", "collage_train", *overrides, f"hydra.run.dir={run_dir}",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stderr[-2000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summary, records
+    """The CLI on ``replicas`` ranks under ``torchrun``, one thread each."""
+    return run_training(overrides, run_dir, env={"OMP_NUM_THREADS": "1"}, ranks=replicas)
 
 
 def common_overrides(args: argparse.Namespace) -> list[str]:
@@ -91,18 +69,11 @@ def common_overrides(args: argparse.Namespace) -> list[str]:
         f"data.seq_len={args.seq_len}",
         f"train.micro_batch_size={args.global_batch // args.replicas}",
         f"train.global_batch_size={args.global_batch}",
-        f"train.max_steps={args.steps}",
-        f"train.eval_every={args.steps}",
         f"train.eval_batches={args.eval_batches}",
-        f"train.checkpoint_every={args.steps}",
         f"optim.lr={args.lr}",
         f"optim.warmup_steps={args.warmup}",
         "train.device=cpu",
-        f"logging.log_every={args.sync_every}",
-        "logging.console=none",
-        "logging.plots=false",
-        "logging.wandb.mode=disabled",
-        "train.export_hf=false",
+        *quiet_run(args.steps, log_every=args.sync_every),
         *args.overrides,
     ]
 
@@ -143,68 +114,65 @@ def bench_row(args: argparse.Namespace, method: str, workdir: Path) -> dict:
     return row
 
 
-def table(rows: list[dict]) -> str:
+def render(rows: list[dict]) -> str:
     ddp = next((r for r in rows if r["method"] == "ddp"), None)
-    lines = [
-        "| method | processes | H | tokens | final val loss | bytes/replica (run) | "
-        "bytes/replica/step | x fewer than DDP | payload vs fp32 | wall s | comm s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
+
+    def cells(r: dict) -> list[object]:
         fewer = f"{ddp['bytes_per_replica'] / r['bytes_per_replica']:.0f}" if ddp else "-"
         ratio = f"1/{r['compression_ratio']:.0f}" if r["compression_ratio"] else "-"
         comm = f"{r['comm_time_s']:.2f}" if r["comm_time_s"] is not None else "-"
         name = f"ddp ({r['engine']})" if r["method"] == "ddp" else r["method"]
-        lines.append(
-            f"| {name} | {r['replicas']} | {r['sync_every']} | {r['tokens']:,} | "
-            f"{r['final_val_loss']:.4f} | {r['bytes_per_replica'] / 1e6:.2f} MB | "
-            f"{r['bytes_per_step'] / 1e3:.1f} kB | {fewer} | {ratio} | "
-            f"{r['wall_time_s']:.1f} | {comm} |"
-        )
-    return "\n".join(lines)
+        return [
+            name, r["replicas"], r["sync_every"], f"{r['tokens']:,}",
+            f"{r['final_val_loss']:.4f}", f"{r['bytes_per_replica'] / 1e6:.2f} MB",
+            f"{r['bytes_per_step'] / 1e3:.1f} kB", fewer, ratio, f"{r['wall_time_s']:.1f}", comm,
+        ]  # fmt: skip
+
+    return table(
+        ["method", "processes", "H", "tokens", "final val loss", "bytes/replica (run)",
+         "bytes/replica/step", "x fewer than DDP", "payload vs fp32", "wall s", "comm s"],
+        map(cells, rows),
+    )  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--model", default="gpt_tiny")
-    parser.add_argument("--precision", default="mixed_fp32")
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--ddp-engine", default="zero1", choices=("zero1", "unsharded"))
-    parser.add_argument("--sync-every", type=int, default=8, help="H, inner steps per sync")
-    parser.add_argument("--steps", type=int, default=240, help="inner steps (a multiple of H)")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--global-batch", type=int, default=16, help="sequences per step")
-    parser.add_argument("--lr", type=float, default=3e-3, help="inner AdamW peak lr")
-    parser.add_argument("--warmup", type=int, default=15)
-    parser.add_argument("--eval-batches", type=int, default=16)
-    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
-    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
-    args = parser.parse_args()
+    cli = parser(
+        __doc__,
+        model="gpt_tiny",
+        steps=(240, "inner steps (a multiple of H)"),
+        seq_len=64,
+        overrides=True,
+    )
+    cli.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
+    cli.add_argument("--precision", default="mixed_fp32")
+    cli.add_argument("--replicas", type=int, default=2)
+    cli.add_argument("--ddp-engine", default="zero1", choices=("zero1", "unsharded"))
+    cli.add_argument("--sync-every", type=int, default=8, help="H, inner steps per sync")
+    cli.add_argument("--global-batch", type=int, default=16, help="sequences per step")
+    cli.add_argument("--lr", type=float, default=3e-3, help="inner AdamW peak lr")
+    cli.add_argument("--warmup", type=int, default=15)
+    cli.add_argument("--eval-batches", type=int, default=16)
+    args = cli.parse_args()
     if args.steps % args.sync_every:
-        parser.error(f"--steps {args.steps} must be a multiple of --sync-every {args.sync_every}")
+        cli.error(f"--steps {args.steps} must be a multiple of --sync-every {args.sync_every}")
     if args.global_batch % args.replicas:
-        parser.error("--global-batch must split evenly over --replicas")
+        cli.error("--global-batch must split evenly over --replicas")
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_sparseloco_") as tmp:
         for method in args.methods:
             rows.append(bench_row(args, method, Path(tmp)))
-    text = table(rows)
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    if not args.no_append:
-        append_results(
-            f"SparseLoCo communication benchmark, {args.model}",
-            f"{args.precision}, sequence {args.seq_len}, global batch {args.global_batch}, "
-            f"{args.steps} inner steps, {args.replicas} CPU replicas under torchrun (gloo), "
-            f"H = {args.sync_every}; ddp is distributed={args.ddp_engine} on the same global "
-            "batch, its bytes the gradient all-reduce message per replica per step. Bytes are "
-            "per replica; wall time is training only (start-up excluded).",
-            text,
-        )
+    publish(
+        args,
+        render(rows),
+        rows,
+        f"SparseLoCo communication benchmark, {args.model}",
+        f"{args.precision}, sequence {args.seq_len}, global batch {args.global_batch}, "
+        f"{args.steps} inner steps, {args.replicas} CPU replicas under torchrun (gloo), "
+        f"H = {args.sync_every}; ddp is distributed={args.ddp_engine} on the same global "
+        "batch, its bytes the gradient all-reduce message per replica per step. Bytes are "
+        "per replica; wall time is training only (start-up excluded).",
+    )
 
 
 if __name__ == "__main__":

@@ -12,19 +12,18 @@ device is the host, so the second also holds what the engine allocates for train
     python scripts/bench_startup.py --model gpt_1.3b --precision collage_plus \\
         --setting unsharded:1 zero3:2 --json startup.json
 
-The table is printed and appended to docs/results-history.md (``--no-append`` to skip). Run it
+The table is printed and appended to docs/results-history.md (``--no-record`` to skip). Run it
 from another checkout (``--repo``) to measure that code with the same script.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
 from pathlib import Path
 
-from runs import REPO, append_results, launch_worker_ranks
+from common import REPO, parser, publish, table
+from runs import launch_ranks, rank_output
 
 GIB = 2**30
 
@@ -77,52 +76,47 @@ def worker(out: Path, overrides: list[str]) -> None:
         "param_bytes": trainer.strategy.param_dtype.itemsize,
         "torch": torch.__version__,
     }
-    Path(f"{out}.rank{row['rank']}").write_text(json.dumps(row))
+    rank_output(out, row)
     trainer.engine.close()
 
 
 def launch(repo: Path, distributed: str, ranks: int, overrides: list[str]) -> list[dict]:
     args = ["--", *overrides, f"distributed={distributed}"]
-    rows = launch_worker_ranks(Path(__file__).resolve(), args, ranks, repo=repo, label=distributed)
+    rows = launch_ranks(Path(__file__).resolve(), args, ranks, repo=repo, label=distributed)
     for row in rows:
         row["distributed"] = distributed
     return rows
 
 
-def table(rows: list[dict], label: str) -> str:
-    lines = [
-        "| code | engine | ranks | model built (s) | peak RSS, model built (GiB) | "
-        "launch to first step (s) | peak RSS, first step (GiB) | weights per rank (GiB) | "
-        "model-built RSS - weights (GiB) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in rows:
+def render(rows: list[dict], label: str) -> str:
+    def cells(row: dict) -> list[object]:
         shard = row["world_size"] if row["distributed"] == "zero3" else 1
         weights = row["num_params"] * row["param_bytes"] / shard
-        lines.append(
-            f"| {label} | {row['distributed']} | {row['world_size']} (rank {row['rank']}) | "
-            f"{row['model_s']:.1f} | {row['model_peak_rss_bytes'] / GIB:.2f} | "
-            f"{row['startup_s']:.1f} | {row['peak_rss_bytes'] / GIB:.2f} | {weights / GIB:.2f} | "
-            f"{(row['model_peak_rss_bytes'] - weights) / GIB:.2f} |"
-        )
-    return "\n".join(lines)
+        return [
+            label, row["distributed"], f"{row['world_size']} (rank {row['rank']})",
+            f"{row['model_s']:.1f}", f"{row['model_peak_rss_bytes'] / GIB:.2f}",
+            f"{row['startup_s']:.1f}", f"{row['peak_rss_bytes'] / GIB:.2f}",
+            f"{weights / GIB:.2f}", f"{(row['model_peak_rss_bytes'] - weights) / GIB:.2f}",
+        ]  # fmt: skip
+
+    return table(
+        ["code", "engine", "ranks", "model built (s)", "peak RSS, model built (GiB)",
+         "launch to first step (s)", "peak RSS, first step (GiB)", "weights per rank (GiB)",
+         "model-built RSS - weights (GiB)"],
+        map(cells, rows),
+    )  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt_1.3b", help="model preset (configs/model/)")
-    parser.add_argument("--precision", default="collage_plus")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument(
+    cli = parser(__doc__, model="gpt_1.3b", seq_len=2048, overrides=True, worker=True)
+    cli.add_argument("--precision", default="collage_plus")
+    cli.add_argument(
         "--setting", nargs="+", default=["unsharded:1", "zero3:2"], help="ENGINE:RANKS ..."
     )
-    parser.add_argument("--repo", type=Path, default=REPO, help="the checkout to measure")
-    parser.add_argument("--label", default="this checkout", help="the code's name in the table")
-    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
-    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
-    args, overrides = parser.parse_known_args()
-    overrides = [o for o in overrides if o != "--"]
+    cli.add_argument("--repo", type=Path, default=REPO, help="the checkout to measure")
+    cli.add_argument("--label", default="this checkout", help="the code's name in the table")
+    args = cli.parse_args()
+    overrides = args.overrides
 
     if args.worker_out is not None:  # inside a launched rank
         worker(args.worker_out, overrides)
@@ -141,17 +135,14 @@ def main() -> None:
             int(ranks),
             [*base, f"train.global_batch_size={int(ranks) * 2}"],
         )
-    text = table(rows, args.label)
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    if not args.no_append:
-        append_results(
-            f"Start-up: launch to first step and peak host RSS, {args.model} {args.precision}",
-            f"Sequence {args.seq_len}; each rank builds the real Trainer (data, model, "
-            "optimizer, engine) and stops before the first step.",
-            text,
-        )
+    publish(
+        args,
+        render(rows, args.label),
+        rows,
+        f"Start-up: launch to first step and peak host RSS, {args.model} {args.precision}",
+        f"Sequence {args.seq_len}; each rank builds the real Trainer (data, model, "
+        "optimizer, engine) and stops before the first step.",
+    )
 
 
 if __name__ == "__main__":

@@ -29,9 +29,9 @@ over the other's: what the setting costs (docs/reproducibility.md).
         --deterministic both                                            # the setting's cost
     python scripts/bench_throughput.py --dry-run --gpu-mem-gb 80        # the planned rows only
     python scripts/bench_throughput.py --model gpt_tiny --seq-len 64 --device cpu \\
-        --gpu-mem-gb 0.01 --strategies bf16 --compile off --timed-tokens 1 --no-append
+        --gpu-mem-gb 0.01 --strategies bf16 --compile off --timed-tokens 1 --no-record
 
-The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-record`` to skip).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from runs import append_results, machine, run_training
+from common import default_device, machine, parser, publish, ratio, table, write_json
+from runs import quiet_run, run_training
 
 from collage_train.compose import compose_job
 from collage_train.memory_plan import GIB, ModelShape, Setting, estimate, largest_micro_batch
@@ -119,23 +120,16 @@ def run_row(
         f"data.seq_len={args.seq_len}",
         f"train.micro_batch_size={row['micro_batch']}",
         f"train.global_batch_size={row['micro_batch']}",
-        f"train.max_steps={steps}",
-        f"train.eval_every={steps}",
         "train.eval_batches=1",
         # validation must fill one of the largest micro-batches: 15% of the stdlib corpus
         # (3.7M tokens) is 270 sequences of 2048, above the 256 the search stops at
         "data.val_fraction=0.15",
-        f"train.checkpoint_every={steps}",
         "train.keep_checkpoints=1",
         "train.activation_checkpointing=true",
         f"train.compile={str(row['compile']).lower()}",
         f"train.deterministic={str(row['deterministic']).lower()}",
         f"train.device={args.device}",
-        f"logging.log_every={steps}",
-        "logging.console=none",
-        "logging.plots=false",
-        "logging.wandb.mode=disabled",
-        "train.export_hf=false",
+        *quiet_run(steps),
         *([f"metrics.peak_tflops={peak_tflops}"] if peak_tflops else []),
         *args.overrides,
     ]
@@ -199,7 +193,7 @@ def _gib(value: float | None) -> str:
     return f"{value / GIB:.2f}" if value else "-"
 
 
-def table(rows: list[dict]) -> str:
+def render(rows: list[dict]) -> str:
     """Markdown rows; tokens/s also against mixed_fp32 at the equal micro-batch (same
     compile and deterministic settings) and, where both were run, the deterministic row's
     against the same row without it (what ``train.deterministic`` costs)."""
@@ -214,39 +208,32 @@ def table(rows: list[dict]) -> str:
         if not row["deterministic"]
     }
     costed = any(row["deterministic"] for row in rows)
-    header = (
-        "| strategy | compile | micro-batch | tokens/s | x mixed_fp32 (equal) | MFU | "
-        "peak GiB | planned GiB | planned / measured |"
-    )
-    lines = [
-        header + (" x deterministic off |" if costed else ""),
-        "|---|---|---|---|---|---|---|---|---|" + ("---|" if costed else ""),
-    ]
+    header = ["strategy", "compile", "micro-batch", "tokens/s", "x mixed_fp32 (equal)", "MFU",
+              "peak GiB", "planned GiB", "planned / measured"]  # fmt: skip
+    header += ["x deterministic off"] if costed else []
+    lines = []
     for row in rows:
         deterministic = ", deterministic" if row["deterministic"] else ""
         name = f"{row['strategy']} ({row['role']}{deterministic})"
         compiled = "on" if row["compile"] else "off"
         if row.get("tokens_per_s") is None:
             planned = _gib(row.get("predicted_peak_bytes"))
-            cells = f"{row['micro_batch']} | - | - | - | - | {planned} | -"
-            cells += " | -" if costed else ""
-            note = row.get("error", "")
-            lines.append(f"| {name} | {compiled} | {cells} |" + (f" {note} |" if note else ""))
+            cells = [name, compiled, row["micro_batch"], "-", "-", "-", "-", planned, "-"]
+            cells += ["-"] if costed else []
+            lines.append(cells + ([row["error"]] if row.get("error") else []))
             continue
         tokens, mfu = row["tokens_per_s"], row.get("mfu")
         baseline = base.get((row["compile"], row["deterministic"]))
-        ratio = tokens / baseline if baseline else None
-        line = (
-            f"| {name} | {compiled} | {row['micro_batch']} | {tokens:,.0f} | "
-            f"{f'{ratio:.2f}' if ratio else '-'} | {f'{mfu:.1%}' if mfu is not None else '-'} | "
-            f"{_gib(row['peak_mem_bytes'])} | {_gib(row['predicted_peak_bytes'])} | "
-            f"{row['predicted_over_measured']:.2f} |"
-        )
+        cells = [
+            name, compiled, row["micro_batch"], f"{tokens:,.0f}", ratio(tokens, baseline),
+            f"{mfu:.1%}" if mfu is not None else "-", _gib(row["peak_mem_bytes"]),
+            _gib(row["predicted_peak_bytes"]), f"{row['predicted_over_measured']:.2f}",
+        ]  # fmt: skip
         if costed:
             off = plain.get((row["strategy"], row["compile"], row["role"]))
-            line += f" {tokens / off:.2f} |" if row["deterministic"] and off else " - |"
-        lines.append(line)
-    return "\n".join(lines)
+            cells.append(ratio(tokens, off) if row["deterministic"] else "-")
+        lines.append(cells)
+    return table(header, lines)
 
 
 def device_budget(args: argparse.Namespace) -> float:
@@ -264,32 +251,26 @@ def device_budget(args: argparse.Namespace) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt_1.3b")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
-    parser.add_argument("--micro-batch", type=int, default=8, help="the equal micro-batch")
-    parser.add_argument("--max-micro-batch", type=int, default=256, help="planner search cap")
-    parser.add_argument("--compile", choices=sorted(COMPILE_MODES), default="both")
-    parser.add_argument("--roles", nargs="*", choices=ROLES, default=list(ROLES))
-    parser.add_argument(
+    cli = parser(__doc__, model="gpt_1.3b", seq_len=2048, device=default_device(), overrides=True)
+    cli.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
+    cli.add_argument("--micro-batch", type=int, default=8, help="the equal micro-batch")
+    cli.add_argument("--max-micro-batch", type=int, default=256, help="planner search cap")
+    cli.add_argument("--compile", choices=sorted(COMPILE_MODES), default="both")
+    cli.add_argument("--roles", nargs="*", choices=ROLES, default=list(ROLES))
+    cli.add_argument(
         "--deterministic",
         choices=sorted(DETERMINISTIC_MODES),
         default="off",
         help="train.deterministic for every row; both: each row with and without it",
     )
-    parser.add_argument("--timed-tokens", type=int, default=2**18, help="per run, after step 1")
-    parser.add_argument("--min-timed-steps", type=int, default=3)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--gpu-mem-gb", type=float, default=None, help="default: the device's")
-    parser.add_argument("--reserve-gb", type=float, default=2.0, help="as plan.reserve_gb")
-    parser.add_argument("--dry-run", action="store_true", help="plan the rows, run nothing")
-    parser.add_argument("--json", type=Path, help="also write the rows as JSON (as they come)")
-    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
-    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
-    args = parser.parse_args()
+    cli.add_argument("--timed-tokens", type=int, default=2**18, help="per run, after step 1")
+    cli.add_argument("--min-timed-steps", type=int, default=3)
+    cli.add_argument("--gpu-mem-gb", type=float, default=None, help="default: the device's")
+    cli.add_argument("--reserve-gb", type=float, default=2.0, help="as plan.reserve_gb")
+    cli.add_argument("--dry-run", action="store_true", help="plan the rows, run nothing")
+    args = cli.parse_args()
     if args.min_timed_steps < 1:
-        parser.error("--min-timed-steps must be at least 1")
+        cli.error("--min-timed-steps must be at least 1")
 
     budget = device_budget(args)
     shape = model_shape(args)
@@ -305,9 +286,8 @@ def main() -> None:
         "dry_run": args.dry_run,
     }
 
-    def write(current: list[dict]) -> None:
-        if args.json:
-            args.json.write_text(json.dumps({**header, "rows": current}, indent=2) + "\n")
+    def write(current: list[dict]) -> None:  # as the rows come: a run cut short keeps them
+        write_json(args.json, {**header, "rows": current})
 
     if args.dry_run:
         for row in rows:
@@ -316,21 +296,20 @@ def main() -> None:
                     shape, row["strategy"], row["micro_batch"], fused=False
                 )
         write(rows)
-        print(table(rows))
+        print(render(rows))
         return
     measure(args, shape, rows, write)
-    text = table(rows)
-    print(text)
-    if not args.no_append:
-        append_results(
-            f"Throughput benchmark, {args.model} at sequence {args.seq_len}",
-            f"One process, activation checkpointing; micro-batch {args.micro_batch} for "
-            f"every strategy and each strategy's largest from the planner for "
-            f"{budget / GIB:.1f} GiB; timed over at least {args.timed_tokens} tokens and "
-            f"{args.min_timed_steps} steps after the first; "
-            "planned: memory_plan's step peak for the same setting.",
-            text,
-        )
+    publish(
+        args,
+        render(rows),
+        {**header, "rows": rows},
+        f"Throughput benchmark, {args.model} at sequence {args.seq_len}",
+        f"One process, activation checkpointing; micro-batch {args.micro_batch} for "
+        f"every strategy and each strategy's largest from the planner for "
+        f"{budget / GIB:.1f} GiB; timed over at least {args.timed_tokens} tokens and "
+        f"{args.min_timed_steps} steps after the first; "
+        "planned: memory_plan's step peak for the same setting.",
+    )
 
 
 if __name__ == "__main__":

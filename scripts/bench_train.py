@@ -1,53 +1,49 @@
-"""Training benchmark: throughput, MFU, memory and the largest micro-batch, per strategy.
+"""Training benchmark: throughput, MFU, memory, losses and the largest micro-batch, per strategy.
 
 For one model preset, each precision strategy runs the real CLI in its own process
-(so its peak memory is its own), side by side in one script run:
+(so its peak memory is its own), side by side in one script run, with the same seed and
+data order:
 
-- tokens/s and MFU at the configured micro-batch;
-- peak memory (CUDA: max allocated; CPU: process peak RSS) and the measured model-state
-  bytes per parameter;
+- tokens/s and MFU at the configured micro-batch; with ``--repeats N`` every strategy
+  runs N times in rotating order and tokens/s is the median over the repeats with its
+  min-max range (a shared machine's speed drifts between runs), and whether the final
+  loss was the same in every repeat;
+- peak memory (CUDA: max allocated; CPU: process peak RSS), the measured model-state
+  bytes per parameter and the final training and validation losses;
 - the largest micro-batch that fits the memory budget, found by doubling then bisection
   (each trial a short run in its own process; on a GPU the budget is the card, and a
   trial that runs out of memory does not fit; on CPU ``--mem-budget-gb`` bounds the
-  peak RSS), and tokens/s at that micro-batch;
-- ratios against ``mixed_fp32`` (the paper: 15-23% less memory, up to 3.7x throughput,
-  mostly from the larger micro-batch the saved memory allows).
+  peak RSS), and tokens/s at that micro-batch (``--no-search`` skips it);
+- ratios against ``--baseline`` (default ``mixed_fp32``; the Collage paper,
+  arXiv:2405.03637: 15-23% less memory, up to 3.7x throughput, mostly from the larger
+  micro-batch the saved memory allows).
 
-``--compile`` adds a ``train.compile=true`` row per strategy. On CPU MFU is against the
-bf16 matmul rate measured in the same run (no data-sheet peak exists for a CPU); on a
-GPU against the dense bf16 peak of the card.
+``--strategies`` takes strategy names or a set: ``all`` (every strategy, the default)
+or ``basic`` (fp32, mixed_fp32 and bf16). ``--compile`` adds a ``train.compile=true``
+row per strategy. On CPU MFU is against the bf16 matmul rate measured in the same run
+(no data-sheet peak exists for a CPU); on a GPU against the dense bf16 peak of the card.
 
     python scripts/bench_train.py --model gpt_tiny --steps 20 --json train.json
+    python scripts/bench_train.py --strategies basic --repeats 3 --no-search
     python scripts/bench_train.py --model gpt_1.3b --seq-len 2048 --micro-batch 8 --compile
 
-The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-record`` to skip).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from runs import append_results, run_training
+from common import STRATEGIES, default_device, parser, publish, ratio, table
+from runs import quiet_run, run_training
 
-STRATEGIES = (
-    "mixed_fp32",
-    "bf16_moments",
-    "bf16",
-    "bf16_sr",
-    "bf16_kahan",
-    "adamw_8bit",
-    "collage_light",
-    "collage_plus",
-    "collage_8bit",
-    "scalify",
-    "scalify_fp32_params",
-)
-BASELINE = "mixed_fp32"
+SETS = {"all": STRATEGIES, "basic": ("fp32", "mixed_fp32", "bf16")}
 
 
 def cpu_matmul_tflops(size: int = 1024, repeats: int = 5) -> float:
@@ -61,6 +57,14 @@ def cpu_matmul_tflops(size: int = 1024, repeats: int = 5) -> float:
         a @ b
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e12
+
+
+def strategies(names: list[str]) -> list[str]:
+    """The strategies ``names`` gives, sets (``SETS``) expanded, each once, in order."""
+    out: list[str] = []
+    for name in names:
+        out += [s for s in SETS.get(name, (name,)) if s not in out]
+    return out
 
 
 class Runner:
@@ -80,17 +84,10 @@ class Runner:
             f"data.seq_len={self.args.seq_len}",
             f"train.micro_batch_size={micro_batch}",
             f"train.global_batch_size={micro_batch}",
-            f"train.max_steps={steps}",
-            f"train.eval_every={steps}",
             "train.eval_batches=1",
             "data.val_fraction=0.05",  # validation must fill one of the largest micro-batches
-            f"train.checkpoint_every={steps}",
             f"train.device={self.args.device}",
-            f"logging.log_every={steps}",
-            "logging.console=none",
-            "logging.plots=false",
-            "logging.wandb.mode=disabled",
-            "train.export_hf=false",
+            *quiet_run(steps),
             *([f"metrics.peak_tflops={self.peak_tflops}"] if self.peak_tflops else []),
             *extra,
             *self.args.overrides,
@@ -131,104 +128,153 @@ class Runner:
         return good
 
 
-def bench_row(runner: Runner, precision: str, compile_model: bool) -> dict:
-    args = runner.args
-    extra = ["train.compile=true"] if compile_model else []
-    summary = runner.run(precision, args.micro_batch, args.steps, extra)
-    row = {
-        "strategy": precision + (" + compile" if compile_model else ""),
-        "tokens_per_s": summary["tokens_per_s"],
-        "mfu": summary["mfu"],
-        "peak_mem_bytes": summary["peak_mem_bytes"],
-        "state_bytes_per_param": summary["state_bytes_per_param"],
+def summarise(name: str, runs: list[dict]) -> dict:
+    """One row from a configuration's repeated runs: the median tokens/s with its range,
+    the rest from the first run."""
+    first, speeds = runs[0], sorted(r["tokens_per_s"] for r in runs)
+    return {
+        "strategy": name,
+        "tokens_per_s": statistics.median(speeds),
+        "tokens_per_s_range": [speeds[0], speeds[-1]],
+        "repeats": len(runs),
+        "same_loss_every_repeat": len({r["final_train_loss"] for r in runs}) == 1,
+        "mfu": first["mfu"],
+        "peak_mem_bytes": first["peak_mem_bytes"],
+        "state_bytes_per_param": first["state_bytes_per_param"],
+        "final_train_loss": first["final_train_loss"],
+        "final_val_loss": first["final_val_loss"],
         "max_micro_batch": None,
         "tokens_per_s_at_max": None,
     }
-    if not args.no_search:
-        best = runner.max_micro_batch(precision, extra)
-        row["max_micro_batch"] = best
-        if best:
-            row["tokens_per_s_at_max"] = runner.run(precision, best, args.steps, extra)[
-                "tokens_per_s"
-            ]
-    print(json.dumps(row), flush=True)
-    return row
 
 
-def ratio(value: float | None, base: float | None) -> str:
-    return f"{value / base:.2f}" if value and base else "-"
+def measure(runner: Runner, configs: list[tuple[str, bool]]) -> list[dict]:
+    """Every configuration ``--repeats`` times in rotating order, then its micro-batch
+    search; one row each."""
+    args = runner.args
+    runs: dict[tuple[str, bool], list[dict]] = {config: [] for config in configs}
+    for repeat in range(args.repeats):
+        shift = repeat % len(configs)
+        for precision, compiled in configs[shift:] + configs[:shift]:
+            print(f"[{repeat + 1}/{args.repeats}] {precision}, compile {compiled}", flush=True)
+            extra = ["train.compile=true"] if compiled else []
+            runs[precision, compiled].append(
+                runner.run(precision, args.micro_batch, args.steps, extra)
+            )
+    rows = []
+    for (precision, compiled), done in runs.items():
+        row = summarise(precision + (" + compile" if compiled else ""), done)
+        if not args.no_search:
+            extra = ["train.compile=true"] if compiled else []
+            best = runner.max_micro_batch(precision, extra)
+            row["max_micro_batch"] = best
+            if best:
+                at_max = runner.run(precision, best, args.steps, extra)
+                row["tokens_per_s_at_max"] = at_max["tokens_per_s"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
 
 
-def table(rows: list[dict]) -> str:
-    base = next((r for r in rows if r["strategy"] == BASELINE), rows[0])
-    lines = [
-        "| strategy | tokens/s | MFU | peak mem GB | state B/param | max micro-batch | "
-        "tokens/s at max | x tokens/s | x peak mem | x max micro-batch | x tokens/s at max |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def render(rows: list[dict], baseline: str) -> str:
+    """The table: the range and loss-check columns with repeats, the search's columns
+    where it ran, ratios against ``baseline``'s row."""
+    base = next((r for r in rows if r["strategy"] == baseline), rows[0])
+    repeated = any(r["repeats"] > 1 for r in rows)
+    searched = any(r["max_micro_batch"] is not None for r in rows)
+    header = ["strategy", "tokens/s" + (" (median)" if repeated else "")]
+    header += ["range", "same loss each repeat"] if repeated else []
+    header += ["MFU", "peak mem GB", "state B/param", "final train loss", "final val loss"]
+    header += ["max micro-batch", "tokens/s at max"] if searched else []
+    header += [f"x {baseline} tokens/s", "x peak mem"]
+    header += ["x max micro-batch", "x tokens/s at max"] if searched else []
+    cells = []
     for r in rows:
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
-        at_max = f"{r['tokens_per_s_at_max']:.0f}" if r["tokens_per_s_at_max"] else "-"
-        lines.append(
-            f"| {r['strategy']} | {r['tokens_per_s']:.0f} | {mfu} | "
-            f"{r['peak_mem_bytes'] / 1e9:.2f} | {r['state_bytes_per_param']:.2f} | "
-            f"{r['max_micro_batch'] if r['max_micro_batch'] is not None else '-'} | {at_max} | "
-            f"{ratio(r['tokens_per_s'], base['tokens_per_s'])} | "
-            f"{ratio(r['peak_mem_bytes'], base['peak_mem_bytes'])} | "
-            f"{ratio(r['max_micro_batch'], base['max_micro_batch'])} | "
-            f"{ratio(r['tokens_per_s_at_max'], base['tokens_per_s_at_max'])} |"
-        )
-    return "\n".join(lines)
+        low, high = r["tokens_per_s_range"]
+        line = [r["strategy"], f"{r['tokens_per_s']:,.0f}"]
+        line += [
+            f"{low:,.0f}-{high:,.0f}",
+            "yes" if r["same_loss_every_repeat"] else "no",
+        ] * repeated
+        line += [
+            f"{r['mfu']:.1%}" if r["mfu"] is not None else "-",
+            f"{r['peak_mem_bytes'] / 1e9:.2f}",
+            f"{r['state_bytes_per_param']:.2f}",
+            f"{r['final_train_loss']:.4f}",
+            f"{r['final_val_loss']:.4f}",
+        ]
+        at_max = f"{r['tokens_per_s_at_max']:,.0f}" if r["tokens_per_s_at_max"] else "-"
+        best = r["max_micro_batch"]
+        line += [best if best is not None else "-", at_max] * searched
+        line += [
+            ratio(r["tokens_per_s"], base["tokens_per_s"]),
+            ratio(r["peak_mem_bytes"], base["peak_mem_bytes"]),
+        ]
+        line += [
+            ratio(best, base["max_micro_batch"]),
+            ratio(r["tokens_per_s_at_max"], base["tokens_per_s_at_max"]),
+        ] * searched
+        cells.append(line)
+    return table(header, cells)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt_tiny")
-    parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20, help="steps of each timed run")
-    parser.add_argument("--max-search", type=int, default=256, help="largest micro-batch tried")
-    parser.add_argument("--mem-budget-gb", type=float, default=None, help="CPU: peak RSS cap")
-    parser.add_argument("--no-search", action="store_true", help="skip the micro-batch search")
-    parser.add_argument("--compile", action="store_true", help="add train.compile=true rows")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
-    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
-    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
-    args = parser.parse_args()
+    cli = parser(
+        __doc__,
+        model="gpt_tiny",
+        steps=(20, "steps of each timed run"),
+        repeats=1,
+        seq_len=256,
+        device=default_device(),
+        overrides=True,
+    )
+    cli.add_argument(
+        "--strategies", nargs="+", default=["all"], help=f"strategies or sets: {', '.join(SETS)}"
+    )
+    cli.add_argument("--baseline", default="mixed_fp32", help="the ratios' denominator")
+    cli.add_argument("--micro-batch", type=int, default=8)
+    cli.add_argument("--max-search", type=int, default=256, help="largest micro-batch tried")
+    cli.add_argument("--mem-budget-gb", type=float, default=None, help="CPU: peak RSS cap")
+    cli.add_argument("--no-search", action="store_true", help="skip the micro-batch search")
+    cli.add_argument("--compile", action="store_true", help="add train.compile=true rows")
+    args = cli.parse_args()
     if args.device == "cpu" and not args.no_search and args.mem_budget_gb is None:
-        parser.error("on CPU the micro-batch search needs --mem-budget-gb (or --no-search)")
+        cli.error("on CPU the micro-batch search needs --mem-budget-gb (or --no-search)")
+    if args.repeats < 1:
+        cli.error("--repeats must be at least 1")
+    names = strategies(args.strategies)
+    if args.baseline not in names:
+        cli.error(f"--baseline {args.baseline} is not among --strategies")
 
     peak = cpu_matmul_tflops() if args.device == "cpu" else None
-    rows = []
+    configs = [(p, c) for p in names for c in ((False, True) if args.compile else (False,))]
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
-        runner = Runner(args, Path(tmp), peak)
-        for precision in args.strategies:
-            for compile_model in (False, True) if args.compile else (False,):
-                rows.append(bench_row(runner, precision, compile_model))
-    text = table(rows)
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    if not args.no_append:
-        budget = (
-            f"peak-RSS budget {args.mem_budget_gb} GB"
-            if args.mem_budget_gb
-            else "budget: the device's memory"
-        )
-        mfu_basis = (
-            f"MFU against the measured bf16 matmul rate of this CPU ({peak:.2f} TFLOP/s)"
-            if peak
-            else "MFU against the card's dense bf16 peak"
-        )
-        append_results(
-            f"Training benchmark, {args.model}",
-            f"Sequence {args.seq_len}, micro-batch {args.micro_batch}, {args.steps} steps per "
-            f"timed run; largest micro-batch by doubling and bisection ({budget}); "
-            f"{mfu_basis}; ratios against {BASELINE}.",
-            text,
-        )
+        rows = measure(Runner(args, Path(tmp), peak), configs)
+    budget = (
+        f"peak-RSS budget {args.mem_budget_gb} GB"
+        if args.mem_budget_gb
+        else "budget: the device's memory"
+    )
+    search = (
+        "no micro-batch search"
+        if args.no_search
+        else (f"largest micro-batch by doubling and bisection ({budget})")
+    )
+    mfu_basis = (
+        f"MFU against the measured bf16 matmul rate of this CPU ({peak:.2f} TFLOP/s)"
+        if peak
+        else "MFU against the card's dense bf16 peak"
+    )
+    publish(
+        args,
+        render(rows, args.baseline),
+        rows,
+        f"Training benchmark, {args.model}",
+        f"Sequence {args.seq_len}, micro-batch {args.micro_batch}, {args.steps} steps per "
+        f"timed run, {args.repeats} run(s) of each strategy in rotating order (tokens/s "
+        f"the median, the first step excluded); same seed and data order; {search}; "
+        f"{mfu_basis}; ratios against {args.baseline}.",
+    )
 
 
 if __name__ == "__main__":

@@ -105,11 +105,11 @@ multi_gpu() {  # multi_gpu NAME: whether to run a step that needs 2+ GPUs (else 
 
 quiet=(logging.console=plain logging.wandb.mode=disabled logging.plots=false)
 step cuda_tests "$python" -m pytest -q -rs -p no:cacheprovider --device cuda -k "cuda or gpu" tests/
-step optimizer_bench "$python" scripts/bench_optimizer.py --steps 10 --no-append \
+step optimizer_bench "$python" scripts/bench_optimizer.py --steps 10 --no-record \
     --json "$out/optimizer.json"
 # collage_8bit's Triton step against collage_plus's and the eager 8-bit steps (its parity
 # with the eager step is in cuda_tests and the trainer's start-up probe)
-step eight_bit_step "$python" scripts/bench_8bit_step.py --device cuda --rounds 5 --no-append \
+step eight_bit_step "$python" scripts/bench_8bit_step.py --device cuda --rounds 5 --no-record \
     --json "$out/eight_bit_step.json"
 step zero2_1gpu deepspeed --num_gpus 1 --no_local_rank --module collage_train \
     model=gpt_125m precision=collage_plus distributed=zero2 train.max_steps=30 \
@@ -118,7 +118,7 @@ step scalify_fp8 "$python" -m collage_train model=gpt_125m precision=scalify \
     precision.matmul=fp8 train.max_steps=30 train.eval_every=30 "hydra.run.dir=$out/scalify" \
     "${quiet[@]}"
 step train_bench "$python" scripts/bench_train.py --model gpt_125m \
-    --strategies mixed_fp32 collage_plus collage_8bit bf16_sr --steps 20 --no-search --no-append \
+    --strategies mixed_fp32 collage_plus collage_8bit bf16_sr --steps 20 --no-search --no-record \
     --json "$out/train.json"
 # the step guard on the GPU: the masked optimizer steps (the real Triton kernels under a
 # False verdict write nothing) and a refusal read at the settle, taken back and replayed
@@ -127,18 +127,18 @@ step guard_masks "$python" -m pytest -q -rs -p no:cacheprovider --device cuda \
 # its cost per step (scripts/bench_guard.py: the guard alone, and whole runs on/off
 # interleaved; collage_plus masks its update with the verdict, no host read)
 step guard_cost "$python" scripts/bench_guard.py --model gpt_125m --seq-len 2048 \
-    --micro-batch 8 --steps 20 --reps 2 --no-append --json "$out/guard.json"
+    --micro-batch 8 --steps 20 --repeats 2 --no-record --json "$out/guard.json"
 step startup "$python" scripts/bench_startup.py --model gpt_1.3b --precision collage_plus \
-    --setting unsharded:1 zero3:1 --no-append --json "$out/startup.json"
+    --setting unsharded:1 zero3:1 --no-record --json "$out/startup.json"
 # gpt_6.7b collage_plus on one 80 GB GPU: the whole-step check must refuse it in one line,
 # exit status 2, before a weight is drawn (the step passes when it does)
 step fit_refusal bash -c '"$0" -m collage_train +experiment=gpt_6.7b precision=collage_plus \
     "hydra.run.dir=$1/fit_refusal" logging.wandb.mode=disabled 2> "$1/fit_refusal.err"; \
     test $? -eq 2 && test "$(grep -c "^error: out of memory ahead" "$1/fit_refusal.err")" -eq 1' \
     "$python" "$out"
-step loss_bench "$python" scripts/bench_loss.py --no-plan --no-append --json "$out/loss.json"
+step loss_bench "$python" scripts/bench_loss.py --no-plan --no-record --json "$out/loss.json"
 throughput=(timeout "$limit" "$python" scripts/bench_throughput.py --model gpt_1.3b
-    --seq-len 2048 --strategies mixed_fp32 bf16 collage_plus --no-append)
+    --seq-len 2048 --strategies mixed_fp32 bf16 collage_plus --no-record)
 step throughput_eager "${throughput[@]}" --compile off --json "$out/throughput_eager.json"
 step throughput_compiled_equal "${throughput[@]}" --compile on --roles equal \
     --json "$out/throughput_compiled_equal.json"
@@ -178,7 +178,7 @@ bench_checkpoint() {  # bench_checkpoint JSON [ARGS...]
         return 3
     fi
     "$python" scripts/bench_checkpoint.py --model gpt_125m --precision collage_plus \
-        --device cuda --no-append --json "$@"
+        --device cuda --no-record --json "$@"
 }
 step checkpoint_save bench_checkpoint "$out/checkpoint_save.json"
 if multi_gpu checkpoint_save_zero2; then

@@ -26,12 +26,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
+from runs import launcher_command
 
 WORKER = """import os, signal, sys, time
 out = os.environ["GRACE_OUT"]
@@ -52,16 +52,6 @@ sys.exit(0)
 """
 
 
-def launch_command(launcher: str, worker: Path, shutdown_timeout: int | None) -> list[str]:
-    bin_dir = Path(sys.executable).parent
-    if launcher == "torchrun":
-        command = [str(bin_dir / "torchrun"), "--standalone", "--nproc_per_node", "2"]
-        if shutdown_timeout is not None:
-            command += ["--shutdown-timeout", str(shutdown_timeout)]
-        return [*command, str(worker)]
-    return [str(bin_dir / "deepspeed"), "--num_gpus", "2", "--no_local_rank", str(worker)]
-
-
 def measure(
     launcher: str,
     shutdown_timeout: int | None,
@@ -76,8 +66,9 @@ def measure(
         worker.write_text(WORKER)
         env = {**os.environ, "GRACE_OUT": str(out), "DS_ACCELERATOR": "cpu"}
         env["GRACE_EXIT_AFTER"] = "" if exit_after is None else str(exit_after)
+        options = [] if shutdown_timeout is None else ["--shutdown-timeout", str(shutdown_timeout)]
         proc = subprocess.Popen(
-            launch_command(launcher, worker, shutdown_timeout),
+            launcher_command(launcher, 2, [str(worker)], options),
             env=env,
             cwd=out,
             stdout=subprocess.DEVNULL,

@@ -15,10 +15,11 @@ Exit status 0 when every run is within the tolerance, 1 when one is not, 2 on ba
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+from common import parser, write_json
 
 
 class GapError(ValueError):
@@ -65,13 +66,12 @@ def gap(reference: dict[int, float], run: dict[int, float], from_step: int) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("reference", type=Path, help="the reference run directory")
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories to compare")
-    parser.add_argument("--rtol", type=float, default=0.01, help="largest relative gap allowed")
-    parser.add_argument("--from-step", type=int, default=1, help="compare from this step on")
-    parser.add_argument("--json", type=Path, help="write the rows here as JSON")
-    args = parser.parse_args(argv)
+    cli = parser(__doc__, record=False)
+    cli.add_argument("reference", type=Path, help="the reference run directory")
+    cli.add_argument("runs", nargs="+", type=Path, help="run directories to compare")
+    cli.add_argument("--rtol", type=float, default=0.01, help="largest relative gap allowed")
+    cli.add_argument("--from-step", type=int, default=1, help="compare from this step on")
+    args = cli.parse_args(argv)
     try:
         reference = losses(args.reference)
         rows = []
@@ -90,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             f"max relative {row['max_rel_diff']:.3g} at step {row['max_rel_diff_step']} "
             f"({'within' if row['within_tolerance'] else 'beyond'} rtol {row['rtol']:g})"
         )
-    if args.json:
-        args.json.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    write_json(args.json, {"rows": rows})
     return 0 if all(row["within_tolerance"] for row in rows) else 1
 
 

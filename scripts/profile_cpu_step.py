@@ -12,24 +12,21 @@ pays:
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
+from common import parser, table
+from runs import quiet_run
 from torch.profiler import profile
 
-from collage_train.cli import config_dir
-from collage_train.config import register_schemas
+from collage_train.compose import compose_job
 from collage_train.trainer import Trainer
 
 
 def op_times(precision: str, overrides: list[str], warmup: int) -> dict[str, float]:
     """Self CPU milliseconds per op over one profiled optimizer step."""
-    quiet = ["logging.console=none", "logging.wandb.mode=disabled", "train.export_hf=false"]
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose("config", overrides=[f"precision={precision}", *quiet, *overrides])
+    cfg = compose_job([f"precision={precision}", *quiet_run(warmup + 1), *overrides])
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(cfg, Path(tmp))
         print(trainer.describe())
@@ -41,20 +38,19 @@ def op_times(precision: str, overrides: list[str], warmup: int) -> dict[str, flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("precision", help="the strategy to profile beside fp32")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides for both runs")
-    parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=2)
-    args = parser.parse_args()
-    register_schemas()
+    cli = parser(__doc__, json=False, record=False)
+    cli.add_argument("precision", help="the strategy to profile beside fp32")
+    cli.add_argument("overrides", nargs="*", help="Hydra overrides for both runs")
+    cli.add_argument("--top", type=int, default=15)
+    cli.add_argument("--warmup", type=int, default=2)
+    args = cli.parse_args()
     print(f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()}")
     baseline = op_times("fp32", args.overrides, args.warmup)
     times = op_times(args.precision, args.overrides, args.warmup)
-    print(f"\n| op | {args.precision} ms | fp32 ms |\n|---|---|---|")
-    for name, ms in sorted(times.items(), key=lambda item: -item[1])[: args.top]:
-        print(f"| {name[:60]} | {ms:.1f} | {baseline.get(name, 0.0):.1f} |")
-    print(f"| total | {sum(times.values()):.1f} | {sum(baseline.values()):.1f} |")
+    top = sorted(times.items(), key=lambda item: -item[1])[: args.top]
+    rows = [[name[:60], f"{ms:.1f}", f"{baseline.get(name, 0.0):.1f}"] for name, ms in top]
+    rows.append(["total", f"{sum(times.values()):.1f}", f"{sum(baseline.values()):.1f}"])
+    print("\n" + table(["op", f"{args.precision} ms", "fp32 ms"], rows))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ initialisation, so the pairing removes most of the seed noise).
 
 With ``--json PATH`` every finished run is written there at once and a study started
 again with the same file skips the runs it already holds, so a stopped study resumes.
-The table is printed and appended to docs/results-history.md (``--no-append`` to skip).
+The table is printed and appended to docs/results-history.md (``--no-record`` to skip).
 """
 
 from __future__ import annotations
@@ -32,23 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from runs import append_results, run_training
-
-STRATEGIES = (
-    "fp32",
-    "mixed_fp32",
-    "split_fp32",
-    "bf16_moments",
-    "bf16",
-    "bf16_sr",
-    "bf16_kahan",
-    "adamw_8bit",
-    "collage_light",
-    "collage_plus",
-    "collage_8bit",
-    "scalify",
-    "scalify_fp32_params",
-)
+from common import STRATEGIES, append_results, parser, table
+from runs import quiet_run, run_training
 
 
 def study_run(
@@ -65,14 +50,8 @@ def study_run(
         f"optim.betas=[0.9,{beta2}]",
         f"optim.lr={args.lr}",
         f"optim.min_lr={args.lr / 100}",
-        f"train.max_steps={args.steps}",
-        f"train.eval_every={args.steps}",
         f"train.eval_batches={args.eval_batches}",
-        f"train.checkpoint_every={args.steps}",
-        f"logging.log_every={args.edq_every}",
-        "logging.console=none",
-        "logging.wandb.mode=disabled",
-        "train.export_hf=false",
+        *quiet_run(args.steps, log_every=args.edq_every),
         *([f"train.seed={seed}"] if seed is not None else []),
         *args.overrides,
     ]
@@ -136,52 +115,60 @@ def aggregate(rows: list[dict], reference: str = "fp32") -> list[dict]:
 def seeds_table(cells: list[dict]) -> str:
     """Mean +- sample standard deviation over seeds of each measure, the paired difference
     from fp32 and the median step time."""
-    lines = [
-        "| model | precision | beta2 | seeds | final val loss | val loss - fp32 (paired) "
-        "| final train loss | mean EDQ (normalised) | mean lost-update frac "
-        "| lost frac, 2nd half | state B/param | step time (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for c in cells:
+
+    def line(c: dict) -> list[object]:
         diff = (
             f"{c['val_diff']:+.4f} ± {c['val_diff_sd']:.4f}"
             if c.get("val_diff") is not None
             else "n/a"
         )
         step_time = f"{c['step_time_s']:.3f}" if c.get("step_time_s") is not None else "n/a"
-        lines.append(
-            f"| {c['model']} | {c['precision']} | {c['beta2']} | {c['seeds']} "
-            f"| {c['final_val_loss']:.4f} ± {c['final_val_loss_sd']:.4f} | {diff} "
-            f"| {c['final_train_loss']:.4f} ± {c['final_train_loss_sd']:.4f} "
-            f"| {c['mean_edq_normalized']:.3f} ± {c['mean_edq_normalized_sd']:.3f} "
-            f"| {c['mean_lost_update_frac']:.3f} ± {c['mean_lost_update_frac_sd']:.3f} "
-            f"| {c['late_lost_update_frac']:.3f} ± {c['late_lost_update_frac_sd']:.3f} "
-            f"| {c['state_bytes_per_param']:g} | {step_time} |"
-        )
-    return "\n".join(lines)
+        spread = [
+            f"{c[key]:{form}} ± {c[f'{key}_sd']:{form}}"
+            for key, form in (
+                ("final_val_loss", ".4f"),
+                ("final_train_loss", ".4f"),
+                ("mean_edq_normalized", ".3f"),
+                ("mean_lost_update_frac", ".3f"),
+                ("late_lost_update_frac", ".3f"),
+            )
+        ]
+        return [
+            c["model"], c["precision"], c["beta2"], c["seeds"], spread[0], diff, *spread[1:],
+            f"{c['state_bytes_per_param']:g}", step_time,
+        ]  # fmt: skip
+
+    return table(
+        ["model", "precision", "beta2", "seeds", "final val loss", "val loss - fp32 (paired)",
+         "final train loss", "mean EDQ (normalised)", "mean lost-update frac",
+         "lost frac, 2nd half", "state B/param", "step time (s)"],
+        map(line, cells),
+    )  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["gpt_tiny"])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak lr; it decays to lr/100")
-    parser.add_argument("--edq-every", type=int, default=10)
-    parser.add_argument("--eval-batches", type=int, default=32)
-    parser.add_argument("--beta2", type=float, nargs="+", default=[0.95, 0.999])
-    parser.add_argument("--precisions", nargs="+", default=list(STRATEGIES))
-    parser.add_argument(
+    cli = parser(
+        __doc__,
+        json=False,
+        steps=300,
+        overrides=True,
+    )
+    cli.add_argument("--models", nargs="+", default=["gpt_tiny"])
+    cli.add_argument("--lr", type=float, default=1e-3, help="peak lr; it decays to lr/100")
+    cli.add_argument("--edq-every", type=int, default=10)
+    cli.add_argument("--eval-batches", type=int, default=32)
+    cli.add_argument("--beta2", type=float, nargs="+", default=[0.95, 0.999])
+    cli.add_argument("--precisions", nargs="+", default=list(STRATEGIES))
+    cli.add_argument(
         "--seeds", type=int, default=1, help="seeds per cell (train.seed 1..N); mean +- sd"
     )
-    parser.add_argument(
+    cli.add_argument(
         "--json",
         type=Path,
         help="also write the rows as JSON here (rewritten after every run); the runs it "
         "already holds are not run again",
     )
-    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
-    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
-    return parser.parse_args(argv)
+    return cli.parse_args(argv)
 
 
 def main() -> None:
@@ -207,7 +194,7 @@ def main() -> None:
     wanted = [r for r in rows if r.get("steps", args.steps) == args.steps]
     result = seeds_table(aggregate(wanted))
     print(result)
-    if not args.no_append:
+    if args.record:
         minutes = (time.perf_counter() - start) / 60
         append_results(
             "Quality study: precision strategies x beta2",

@@ -19,14 +19,12 @@ Checkpoints are written in the background by default (``train.async_checkpoint``
 kills land in background writes too: a write cut short must never be resumed from. The
 comparison is bit for bit on CPU and with ``--deterministic``; a CUDA run without it is
 compared within ``--tolerance`` (docs/reproducibility.md). The result is printed and
-appended to the dated log docs/results-history.md (``--no-append`` to skip).
+appended to the dated log docs/results-history.md (``--no-record`` to skip).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
 import shutil
 import signal
@@ -38,7 +36,8 @@ import time
 from pathlib import Path
 
 import torch
-from runs import REPO, append_results
+from common import append_results, parser, table
+from runs import start_training
 
 from collage_train import checkpoint
 from collage_train.determinism import bitwise_expected
@@ -73,18 +72,6 @@ def overrides(
     ]  # fmt: skip
 
 
-def launch(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "collage_train", *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def final_state(run_dir: Path, step: int) -> dict[str, dict]:
     path = checkpoint.checkpoint_dir(run_dir) / f"step-{step}"
     return {name: checkpoint.load_checkpoint_file(path, name) for name in ("model", "optimizer")}
@@ -112,29 +99,25 @@ def equal(a, b, tolerance: float | None = None) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
+    cli = parser(__doc__, json=False, steps=80)
+    cli.add_argument("--kills", type=int, default=20)
+    cli.add_argument("--seed", type=int, default=0)
+    cli.add_argument(
         "--async-checkpoint",
         choices=["on", "off"],
         default="on",
         help="train.async_checkpoint: saves written in the background (the default) or not",
     )
-    parser.add_argument("--device", default="cpu", help="train.device (cpu or cuda)")
-    parser.add_argument(
-        "--deterministic", action="store_true", help="train.deterministic=true (CUDA)"
-    )
-    parser.add_argument(
+    cli.add_argument("--device", default="cpu", help="train.device (cpu or cuda)")
+    cli.add_argument("--deterministic", action="store_true", help="train.deterministic=true (CUDA)")
+    cli.add_argument(
         "--tolerance",
         type=float,
         default=1e-2,
         help="where bitwise is not expected (CUDA without --deterministic): the largest "
         "difference allowed, relative to each tensor's largest magnitude",
     )
-    parser.add_argument("--no-append", action="store_true", help="skip docs/results-history.md")
-    args = parser.parse_args()
+    args = cli.parse_args()
     settings = [
         f"train.async_checkpoint={'true' if args.async_checkpoint == 'on' else 'false'}",
         f"train.device={args.device}",
@@ -153,7 +136,7 @@ def main() -> None:
     times = []
     for directory in (scratch / "preparing", reference_dir):
         start = time.perf_counter()
-        reference = launch(overrides(corpus_dir, cache, directory, args.steps, settings))
+        reference = start_training(overrides(corpus_dir, cache, directory, args.steps, settings))
         if reference.wait() != 0:
             sys.exit(f"the uninterrupted run failed:\n{reference.stderr.read()[-3000:]}")
         times.append(time.perf_counter() - start)
@@ -174,7 +157,7 @@ def main() -> None:
     while len(kills) < args.kills:
         done = checkpoint.list_checkpoints(soaked_dir)
         left = 1.0 - (done[-1][0] / args.steps if done else 0.0)
-        process = launch(soaked_args)
+        process = start_training(soaked_args)
         # start-up (about a third of a run here) plus what is left of the steps
         delay = rng.uniform(0.0, run_time * (0.35 + 0.65 * left))
         try:
@@ -190,7 +173,7 @@ def main() -> None:
         finished_early += 1  # it finished before the kill: start over from scratch
         shutil.rmtree(soaked_dir)
     if not failures:
-        last = launch(soaked_args)
+        last = start_training(soaked_args)
         if last.wait() != 0:
             failures.append(last.stderr.read().strip().splitlines()[-1:])
 
@@ -205,21 +188,17 @@ def main() -> None:
     damaged = sorted(p.name for p in (soaked_dir / "checkpoints").glob("*.damaged*"))
     shutil.rmtree(scratch, ignore_errors=True)
 
-    table = "\n".join(
-        [
-            "| kills (SIGKILL) | runs that finished first | failed resumes | final weights and "
-            f"optimizer state = uninterrupted ({comparison}) | every step logged once | set "
-            "aside as damaged |",
-            "|---|---|---|---|---|---|",
-            f"| {len(kills)} | {finished_early} | {len(failures)} | "
-            f"{'yes' if same_state else 'NO'} | {'yes' if each_once else 'NO'} | "
-            f"{', '.join(damaged) or 'none'} |",
-        ]
-    )
-    print(table)
+    text = table(
+        ["kills (SIGKILL)", "runs that finished first", "failed resumes",
+         f"final weights and optimizer state = uninterrupted ({comparison})",
+         "every step logged once", "set aside as damaged"],
+        [[len(kills), finished_early, len(failures), "yes" if same_state else "NO",
+          "yes" if each_once else "NO", ", ".join(damaged) or "none"]],
+    )  # fmt: skip
+    print(text)
     if failures:
         print(f"failures: {failures}")
-    if not args.no_append:
+    if args.record:
         append_results(
             f"Resume soak: {len(kills)} SIGKILLs at random moments",
             f"A {args.steps}-step run of a 2-layer GPT (checkpoint and log every step) killed "
@@ -227,7 +206,7 @@ def main() -> None:
             f"left)] ({run_time:.1f} s: an uninterrupted run with the corpus prepared), resumed "
             f"each time, then left to finish (seed {args.seed}); "
             f"{' '.join(settings)}.",
-            table,
+            text,
         )
     if failures or not (same_state and each_once):
         sys.exit(1)

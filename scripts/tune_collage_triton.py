@@ -10,15 +10,13 @@ read + write bandwidth measured in the same run (22 bytes/param for collage_plus
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from common import parser, write_json
 
 from collage_train.metrics.edq import partials_close
 from collage_train.optim.collage.step_math import collage_tensor_step, step_scalars
@@ -89,11 +87,10 @@ def copy_bandwidth(numel: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=float, default=65e6)
-    parser.add_argument("--modes", nargs="*", default=["plus"])
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    cli = parser(__doc__, record=False)
+    cli.add_argument("--numel", type=float, default=65e6)
+    cli.add_argument("--modes", nargs="*", default=["plus"])
+    args = cli.parse_args()
     numel = int(args.numel)
     bandwidth = copy_bandwidth(numel * 4)
     tensors = state(numel, 0)
@@ -122,8 +119,7 @@ def main() -> None:
             flush=True,
         )
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; {numel / 1e6:.0f}M elements")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ def test_both_modes_are_timed_save_by_save(corpus_dir, cache_dir, tmp_path):
     command = [
         sys.executable, str(SCRIPTS / "bench_checkpoint.py"), "--model", "gpt_tiny",
         "--precision", "collage_plus", "--seq-len", "32", "--device", "cpu", "--saves", "2",
-        "--no-append", "--json", str(out), *data,
+        "--no-record", "--json", str(out), *data,
     ]  # fmt: skip
     proc = subprocess.run(command, cwd=SCRIPTS, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

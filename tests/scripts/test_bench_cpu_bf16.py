@@ -40,7 +40,7 @@ def test_ratios_are_against_the_fp32_step_of_the_same_instruction_set():
             "final_train_loss": 1.0,
         }
 
-    text = bench_cpu_bf16.table(
+    text = bench_cpu_bf16.render(
         [
             row("native", "fp32", "n/a", 0.5),
             row("native", "bf16", "fp32", 0.6),
@@ -57,7 +57,7 @@ def test_a_tiny_real_run(tmp_path, corpus_dir, cache_dir):
 
     out = tmp_path / "rows.json"
     command = [sys.executable, str(SCRIPT), "--steps", "2", "--repeats", "1", "--isa", "native"]
-    command += ["--precisions", "bf16", "--no-append", "--json", str(out), "--"]
+    command += ["--precisions", "bf16", "--no-record", "--json", str(out), "--"]
     command += [
         *tiny_model_and_data(corpus_dir, cache_dir),
         "train.micro_batch_size=4",

@@ -19,7 +19,7 @@ def test_bench_data_rows(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     command = [
         sys.executable, str(SCRIPTS / "bench_data.py"), "--text-mb", "0.3", "--workers", "2",
-        "--rss-tokens", "400000", "--batches", "20", "--launch-gb", "0", "--no-append",
+        "--rss-tokens", "400000", "--batches", "20", "--launch-gb", "0", "--no-record",
         "--json", str(out),
     ]  # fmt: skip
     proc = subprocess.run(command, cwd=SCRIPTS, capture_output=True, text=True, timeout=600)

@@ -9,18 +9,22 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_config import tiny_model_and_data
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 pytestmark = pytest.mark.slow
 
 
-def test_the_guard_benchmark_reports_its_cost_as_a_fraction_of_the_step(tmp_path):
+def test_the_guard_benchmark_reports_its_cost_as_a_fraction_of_the_step(
+    tmp_path, corpus_dir, cache_dir
+):
     out = tmp_path / "guard.json"
+    data = [o for o in tiny_model_and_data(corpus_dir, cache_dir) if "seq_len" not in o]
     command = [
         sys.executable, str(SCRIPTS / "bench_guard.py"), "--model", "gpt_tiny",
-        "--seq-len", "32", "--micro-batch", "2", "--steps", "3", "--reps", "1",
-        "--calls", "50", "--no-append", "--json", str(out),
+        "--seq-len", "32", "--micro-batch", "2", "--steps", "3", "--repeats", "1",
+        "--calls", "50", "--no-record", "--json", str(out), *data,
     ]  # fmt: skip
     proc = subprocess.run(command, cwd=SCRIPTS, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

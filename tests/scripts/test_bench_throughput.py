@@ -27,6 +27,13 @@ def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return proc
 
 
+def _dry_run(monkeypatch, capsys, *args: str) -> str:
+    """The script's ``--dry-run`` in this process (no training run); what it printed."""
+    monkeypatch.setattr(sys, "argv", ["bench_throughput.py", "--dry-run", *args])
+    bench_throughput.main()
+    return capsys.readouterr().out
+
+
 def _shape(model: str, seq_len: int, overrides: list[str]) -> ModelShape:
     return bench_throughput.model_shape(
         Namespace(model=model, seq_len=seq_len, overrides=overrides)
@@ -38,12 +45,12 @@ def _step_peak(shape: ModelShape, strategy: str, micro: int) -> float:
     return estimate(shape, setting, micro_batch=micro, accum_steps=1, checkpointing=True).peak
 
 
-def test_the_dry_run_plans_each_strategys_largest_micro_batch(tmp_path):
+def test_the_dry_run_plans_each_strategys_largest_micro_batch(tmp_path, monkeypatch, capsys):
     """Every strategy at micro-batch 8 and at the largest one-step micro-batch the planner
     fits in 80 GiB less 2 (the next one does not fit), compile off and on alike; less
     state (bf16 < collage_plus < mixed_fp32) leaves room for more sequences."""
     out = tmp_path / "plan.json"
-    proc = _run("--dry-run", "--gpu-mem-gb", "80", "--json", str(out))
+    printed = _dry_run(monkeypatch, capsys, "--gpu-mem-gb", "80", "--json", str(out))
     plan = json.loads(out.read_text())
     budget = 78 * GIB
     assert plan["dry_run"] is True and plan["budget_bytes"] == budget
@@ -67,7 +74,7 @@ def test_the_dry_run_plans_each_strategys_largest_micro_batch(tmp_path):
         assert largest.setdefault(row["strategy"], micro) == micro  # compile on and off alike
         assert row["predicted_peak_bytes"] <= budget < _step_peak(shape, row["strategy"], micro + 1)
     assert 8 < largest["mixed_fp32"] < largest["collage_plus"] < largest["bf16"]
-    assert "| collage_plus (largest) | on |" in proc.stdout
+    assert "| collage_plus (largest) | on |" in printed
 
 
 @pytest.mark.slow
@@ -83,7 +90,7 @@ def test_tiny_runs_on_cpu_measure_every_row(corpus_dir, cache_dir, tmp_path):
         "--model", "gpt_tiny", "--seq-len", "32", "--device", "cpu", "--strategies", "bf16",
         "--micro-batch", "64", "--gpu-mem-gb", str(budget_gb), "--reserve-gb", "0",
         "--compile", "off", "--timed-tokens", "1", "--min-timed-steps", "1",
-        "--no-append", "--json", str(out), *data,
+        "--no-record", "--json", str(out), *data,
     )  # fmt: skip
     result = json.loads(out.read_text())
     equal, largest = result["rows"]
@@ -102,10 +109,13 @@ def test_tiny_runs_on_cpu_measure_every_row(corpus_dir, cache_dir, tmp_path):
     )
 
 
-def test_deterministic_both_plans_each_row_with_and_without_the_setting(tmp_path):
+def test_deterministic_both_plans_each_row_with_and_without_the_setting(
+    tmp_path, monkeypatch, capsys
+):
     out = tmp_path / "plan.json"
-    _run("--dry-run", "--gpu-mem-gb", "80", "--compile", "off", "--roles", "equal",
-         "--strategies", "collage_plus", "--deterministic", "both", "--json", str(out))  # fmt: skip
+    plan = ["--gpu-mem-gb", "80", "--compile", "off", "--roles", "equal"]
+    plan += ["--strategies", "collage_plus", "--deterministic", "both", "--json", str(out)]
+    _dry_run(monkeypatch, capsys, *plan)
     rows = json.loads(out.read_text())["rows"]
     assert [(r["strategy"], r["role"], r["deterministic"]) for r in rows] == [
         ("collage_plus", "equal", False),
@@ -124,7 +134,7 @@ def test_deterministic_both_measures_what_the_setting_costs(corpus_dir, cache_di
         "--model", "gpt_tiny", "--seq-len", "32", "--device", "cpu", "--strategies", "bf16",
         "--micro-batch", "4", "--gpu-mem-gb", "1", "--reserve-gb", "0", "--roles", "equal",
         "--compile", "off", "--deterministic", "both", "--timed-tokens", "1",
-        "--min-timed-steps", "2", "--no-append", "--json", str(out), *data,
+        "--min-timed-steps", "1", "--no-record", "--json", str(out), *data,
     )  # fmt: skip
     plain, deterministic = json.loads(out.read_text())["rows"]
     assert not plain["deterministic"] and deterministic["deterministic"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -308,3 +309,20 @@ def test_a_step_out_of_time_is_recorded_and_the_next_runs(tmp_path):
     assert records["zero2_1gpu"]["seconds"] < 30
     assert records["checkpoint_save"]["exit_status"] == 0
     assert done.returncode == 1 and "failed steps: zero2_1gpu" in done.stdout
+
+
+def test_every_script_it_calls_exists_and_takes_the_flags_it_is_given():
+    """Each ``scripts/X.py`` the check runs is in the checkout, and each flag it passes is
+    the script's own or one of the flags the scripts share (scripts/common.py)."""
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    sys.path.insert(0, str(REPO / "scripts"))
+    import common
+
+    shared = {"--json", "--record", "--no-record"}
+    shared |= {"--" + name.replace("_", "-") for name in common.NAMED_FLAGS}
+    calls = re.findall(r"scripts/(\w+)\.py([^\n]*)", text)
+    assert {name for name, _ in calls} >= {"bench_train", "bench_guard", "bench_throughput"}
+    for name, rest in calls:
+        source = (REPO / "scripts" / f"{name}.py").read_text()
+        for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", rest):
+            assert flag in shared or f'"{flag}"' in source, (name, flag)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from cli_runner import REPO
 
-SCRIPT = REPO / "scripts" / "loss_gap.py"
+sys.path.insert(0, str(REPO / "scripts"))
+import loss_gap
 
 
 def run_dir(path: Path, losses: dict[int, float]) -> Path:
@@ -21,10 +24,12 @@ def run_dir(path: Path, losses: dict[int, float]) -> Path:
     return path
 
 
-def gap(*args: str):
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120
-    )
+def gap(*args: str) -> SimpleNamespace:
+    """The script's ``main`` in this process: its exit status and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = loss_gap.main(list(args))
+    return SimpleNamespace(returncode=status, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 @pytest.fixture

@@ -72,7 +72,7 @@ def test_a_study_restarted_with_its_json_skips_the_runs_it_holds(tmp_path, monke
     monkeypatch.setattr(
         sys, "argv",
         ["quality_study.py", "--steps", "7", "--beta2", "0.999", "--precisions", "fp32", "bf16",
-         "--json", str(path), "--no-append"],
+         "--json", str(path), "--no-record"],
     )  # fmt: skip
     quality_study.main()
     assert ran == [("gpt_tiny", "bf16")]

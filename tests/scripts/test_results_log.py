@@ -1,5 +1,5 @@
 """Where measured results go: benchmark scripts append dated entries to the log
-docs/results-history.md (``scripts/runs.py: append_results``), and docs/RESULTS.md shows
+docs/results-history.md (``scripts/common.py: append_results``), and docs/RESULTS.md shows
 the current entries, each copied unchanged from that log."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-import runs
+import common
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "docs" / "RESULTS.md"
@@ -24,12 +24,12 @@ def test_an_entry_goes_to_the_log_and_the_user_is_told_to_update_the_page(
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "results-history.md").write_text("# Results: the dated log\n")
     (tmp_path / "docs" / "RESULTS.md").write_text("# Results\n")
-    monkeypatch.setattr(runs, "REPO", tmp_path)
-    monkeypatch.setattr(runs, "HISTORY", tmp_path / "docs" / "results-history.md")
-    monkeypatch.setattr(runs, "RESULTS", tmp_path / "docs" / "RESULTS.md")
+    monkeypatch.setattr(common, "REPO", tmp_path)
+    monkeypatch.setattr(common, "HISTORY", tmp_path / "docs" / "results-history.md")
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "docs" / "RESULTS.md")
     monkeypatch.setattr(sys, "argv", [str(tmp_path / "scripts" / "bench_x.py"), "--steps", "2"])
 
-    runs.append_results("A measure", "Ten steps.", "| a |\n|---|\n| 1 |")
+    common.append_results("A measure", "Ten steps.", "| a |\n|---|\n| 1 |")
 
     log = (tmp_path / "docs" / "results-history.md").read_text()
     assert log.startswith("# Results: the dated log\n\n## A measure (")
