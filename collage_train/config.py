@@ -101,14 +101,14 @@ class ModelConfig:
     num_heads: int = MISSING
     """Attention (query) heads."""
     ffn_hidden_size: int | None = None
-    """Inner width of the MLP. None: 4 x hidden_size (gpt, opt); Llama's SwiGLU rule,
+    """Inner width of the MLP. null: 4 x hidden_size (gpt, opt); Llama's SwiGLU rule,
     8/3 x hidden_size rounded up to a multiple of 256 (llama)."""
     init_std: float = 0.02
     """Standard deviation of the normal init of weights."""
     dropout: float = 0.0
     """Dropout probability (attention dropout only in Llama)."""
     vocab_size: int | None = None
-    """Embedding rows. None: the tokenizer's vocabulary size; set it to pad the embedding."""
+    """Embedding rows. null: the tokenizer's vocabulary size; set it to pad the embedding."""
     attn_implementation: Attention = Attention.sdpa
     """transformers' attention: sdpa (PyTorch scaled_dot_product_attention, flash on GPU),
     eager or flash_attention_2."""
@@ -137,13 +137,13 @@ class LlamaModelConfig(ModelConfig):
     """llama."""
     num_kv_heads: int | None = None
     """Key/value heads of grouped-query attention, each shared by num_heads / num_kv_heads
-    query heads. None: one per query head."""
+    query heads. null: one per query head."""
     rope_theta: float | None = None
-    """Base of the rotary position embedding. None: 10000."""
+    """Base of the rotary position embedding. null: 10000."""
     rms_norm_eps: float | None = None
-    """Epsilon of RMSNorm. None: 1e-5."""
+    """Epsilon of RMSNorm. null: 1e-5."""
     tie_embeddings: bool | None = None
-    """Whether the LM head shares the token embedding. None: untied."""
+    """Whether the LM head shares the token embedding. null: untied."""
 
 
 # ------------------------------------------------------------------------------ data
@@ -174,7 +174,7 @@ class DataConfig:
     shard_tokens: int = 1 << 26
     """Tokens per prepared shard file (2^26)."""
     num_workers: int | None = None
-    """Tokenizing processes. None: every available core."""
+    """Tokenizing processes. null: every available core."""
     mixture: list[Any] | None = None
     """Several sources sampled by weight: [{label: web, weight: 3, paths: [...]}, ...]
     (docs/data.md); each entry may set the source settings of data=files and data=hf."""
@@ -244,19 +244,19 @@ class ScalifyPrecisionConfig(PrecisionConfig):
     matmul: MatmulFormat | None = None
     """Format of every matmul (projections, attention Q K^T and P V, LM head): fp8 (E4M3
     forward, E5M2 gradients), fp16, bf16 or fp32. The residual stream is stored in fp16
-    (bf16 for bf16, fp32 for fp32) under the add rule's propagated scales. None: fp8."""
+    (bf16 for bf16, fp32 for fp32) under the add rule's propagated scales. null: fp8."""
     master: ScalifyStorage | None = None
     """Master weights: fp16 (scaled fp16: the parameter itself) or fp32 (a copy in the
     optimizer, 4 bytes/param more; with scalify_fp32_params, the fp32 parameter itself).
-    None: fp16."""
+    null: fp16."""
     optimizer_state: ScalifyStorage | None = None
-    """AdamW moments: fp16 (scaled fp16) or fp32. None: fp16."""
+    """AdamW moments: fp16 (scaled fp16) or fp32. null: fp16."""
     rescale: list[RescalePoint] | None = None
     """Dynamic-rescale points (a fresh power-of-two RMS scale): layernorm_grad (the
     gradient out of LayerNorm's backward), grads (gradients entering each matmul's
     backward, and weight gradients; left out, they are cast under scale 1), matmul (every
     forward matmul operand at its own RMS; left out, forward operands take the scales the
-    propagation table gives them: the paper's configuration). None: [layernorm_grad,
+    propagation table gives them: the paper's configuration). null: [layernorm_grad,
     grads]."""
 
 
@@ -363,7 +363,7 @@ class TrainConfig:
     hang_timeout_s: int | None = None
     """Seconds without a completed optimizer step before this rank writes every thread's
     stack to hang-rank{R}-<time>.txt in the run directory and exits with status 3, for a
-    scheduler to restart (collage_train/watchdog.py, docs/distributed.md). None: 10 x the
+    scheduler to restart (collage_train/watchdog.py, docs/distributed.md). null: 10 x the
     longest of the first 8 steps after the first, at least 300 s; 0: off. Validation and
     checkpoint saves are not bounded by it; collectives get twice it (at least 5
     minutes) instead of distributed.timeout_minutes while steps run."""
@@ -376,16 +376,16 @@ class WandbConfig:
     """Weights & Biases streaming; offline by default so no account is needed."""
 
     mode: WandbMode | None = None
-    """online, offline (sync later with `wandb sync`) or disabled. None: $WANDB_MODE, else
+    """online, offline (sync later with `wandb sync`) or disabled. null: $WANDB_MODE, else
     offline; a value set here wins over the environment."""
     project: str | None = None
-    """None: $WANDB_PROJECT, else collage_train."""
+    """null: $WANDB_PROJECT, else collage_train."""
     entity: str | None = None
-    """None: $WANDB_ENTITY, else your W&B default."""
+    """null: $WANDB_ENTITY, else your W&B default."""
     name: str | None = None
-    """None: <strategy>-<run directory name>."""
+    """null: <strategy>-<run directory name>."""
     group: str | None = None
-    """None: <model>-<strategy>, so strategies overlay in dashboards."""
+    """null: <model>-<strategy>, so strategies overlay in dashboards."""
     tags: list[str] = field(default_factory=list)
     """Tags of the W&B run."""
 
@@ -409,9 +409,9 @@ class MetricsConfig:
     """Throughput and descent-quality accounting."""
 
     peak_tflops: float | None = None
-    """Dense bf16 peak for MFU. None: detect the GPU (no MFU on CPU)."""
+    """Dense bf16 peak for MFU. null: detect the GPU (no MFU on CPU)."""
     edq_every: int | None = None
-    """Steps between effective-descent-quality measurements. None: every logged step;
+    """Steps between effective-descent-quality measurements. null: every logged step;
     0: off."""
 
 

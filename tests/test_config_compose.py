@@ -4,7 +4,6 @@ then the start-up checks); a setting the chosen option does not have is one erro
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
