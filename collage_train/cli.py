@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from collage_train import checkpoint, determinism
 from collage_train.compose import config_dir
 from collage_train.config import register_schemas
+from collage_train.config_reference import register_help_resolver
 from collage_train.engine.launch import gather_objects, launched_rank, launched_world_size
 from collage_train.errors import (
     BAD_INPUT,
@@ -200,6 +201,7 @@ def _rank_prefix(rank: int) -> str:
 
 
 register_schemas()
+register_help_resolver()
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")

@@ -10,26 +10,18 @@ wrongly typed value or a value outside a closed choice (``config.Choice``) ends 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from collage_train.config import RENAMED_CHOICES, register_schemas
+from collage_train.config_options import chosen_option, config_dir, not_a_setting
 from collage_train.errors import ConfigError
 
 # Lines of Hydra's and OmegaConf's messages that locate rather than explain.
 _NOISE = re.compile(r"^(full_key|reference_type|object_type|Set the environment variable)")
-
-
-def config_dir() -> str:
-    """The configs shipped inside the package (wheel), else the repository's ``configs/``."""
-    packaged = Path(__file__).resolve().parent / "configs"
-    if (packaged / "config.yaml").is_file():
-        return str(packaged)
-    return str(Path(__file__).resolve().parent.parent / "configs")
 
 
 def error_line(err: BaseException) -> str:
@@ -86,4 +78,21 @@ def compose_job(overrides: list[str]) -> DictConfig:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
             return compose(config_name="config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(error_line(err)) from None
+        raise ConfigError(_not_the_options_setting(err, overrides) or error_line(err)) from None
+
+
+def _not_the_options_setting(err: BaseException, overrides: list[str]) -> str | None:
+    """``model.num_kv_heads=4: model=gpt_tiny has no setting num_kv_heads (...)`` where
+    Hydra refused an override of a key that the chosen option's schema lacks and another
+    option's has; None for any other error."""
+    cause = err.__cause__
+    if not isinstance(cause, ConfigAttributeError | ConfigKeyError):
+        return None
+    group, _, key = str(cause.full_key).partition(".")
+    if "." in key or cause.parent_node is None:
+        return None
+    sentence = not_a_setting(group, key, chosen_option(group, cause.parent_node))
+    if sentence is None:
+        return None
+    named = [o for o in overrides if o.lstrip("+~").partition("=")[0] == cause.full_key]
+    return f"{named[-1] if named else cause.full_key}: {sentence}"

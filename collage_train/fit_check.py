@@ -117,7 +117,7 @@ def planned_setting(
         fused_optimizer=optimizer_kernel != "eager",
         masked_step=masked,
         offload_optimizer=bool(dist.offload_optimizer),
-        offload_param=bool(dist.offload_param),
+        offload_param=bool(getattr(dist, "offload_param", False)),
         gradient_dtypes=gradient_dtypes(dist, strategy, stage),
         zero_overrides=zero_overrides(dist),
     )

@@ -28,8 +28,6 @@ from collage_train.model_init import materialise
 from collage_train.param_shapes import full_numel
 
 FAMILIES = ("gpt", "opt", "llama")
-# Fields only the Llama family reads; set for another family they are refused.
-LLAMA_ONLY = ("num_kv_heads", "rope_theta", "rms_norm_eps")
 LLAMA_ROPE_THETA = 10000.0  # transformers' default; the Llama 3 presets set 500000
 LLAMA_RMS_NORM_EPS = 1e-5
 LLAMA_FFN_MULTIPLE = 256  # Llama rounds its SwiGLU width up to a multiple of this
@@ -56,8 +54,8 @@ def kv_heads(cfg: Any) -> int:
 
 
 def _check_shape(cfg: Any) -> None:
-    """Refuse an unknown family, heads that do not divide the width, or Llama-only fields
-    set for GPT/OPT."""
+    """Refuse an unknown family, or heads that do not divide the width or the query heads.
+    (The Llama-only fields are the Llama schema's: Hydra refuses them for GPT/OPT.)"""
     if cfg.family not in FAMILIES:
         raise ConfigError(f"model.family must be one of {', '.join(FAMILIES)}, got {cfg.family!r}")
     if cfg.hidden_size % cfg.num_heads != 0:
@@ -66,17 +64,6 @@ def _check_shape(cfg: Any) -> None:
             f"model.num_heads={cfg.num_heads}"
         )
     if cfg.family != "llama":
-        for key in LLAMA_ONLY:
-            if getattr(cfg, key, None) is not None:
-                raise ConfigError(
-                    f"model.{key} applies to model.family=llama only; remove it for "
-                    f"model.family={cfg.family}"
-                )
-        if getattr(cfg, "tie_embeddings", None) is False:
-            raise ConfigError(
-                f"model.family={cfg.family} always ties its LM head to the token embedding; "
-                "remove model.tie_embeddings=false"
-            )
         return
     kv = kv_heads(cfg)
     if kv < 1 or cfg.num_heads % kv != 0:

@@ -155,8 +155,9 @@ def make_plan(cfg: Any) -> Plan:
                 gpus=plan_cfg.gpus,
                 fused_optimizer=fused,
                 masked_step=masked,
-                offload_optimizer=is_chosen and bool(cfg.distributed.offload_optimizer),
-                offload_param=is_chosen and bool(cfg.distributed.offload_param),
+                offload_optimizer=is_chosen
+                and bool(getattr(cfg.distributed, "offload_optimizer", False)),
+                offload_param=is_chosen and bool(getattr(cfg.distributed, "offload_param", False)),
                 gradient_dtypes=_gradient_dtypes(cfg.distributed, strategy, row_stage, is_chosen),
                 zero_overrides=zero_overrides(cfg.distributed) if is_chosen else {},
             )

@@ -77,33 +77,41 @@ def test_unknown_group_option_is_rejected():
         compose_cfg("precision=fp8")
 
 
-def choice_fields() -> list[tuple[str, type]]:
-    """Every field of the schema whose type is a closed choice (or a list of one)."""
+def choice_fields() -> list[tuple[str, type, tuple[str, ...]]]:
+    """Every field of every schema whose type is a closed choice (or a list of one), with
+    the group option that selects that schema."""
     import dataclasses
     import typing
 
     from collage_train import config
+    from collage_train.config_options import option_schemas
 
     found = []
 
-    def walk(schema: type, prefix: str) -> None:
+    def walk(schema: type, prefix: str, select: tuple[str, ...]) -> None:
         hints = typing.get_type_hints(schema)
         for item in dataclasses.fields(schema):
             kind = hints[item.name]
             if dataclasses.is_dataclass(kind):
-                walk(kind, f"{prefix}{item.name}.")
+                walk(kind, f"{prefix}{item.name}.", select)
                 continue
             args = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
             args = [typing.get_args(a)[0] if typing.get_args(a) else a for a in args]  # list[X]
             if isinstance(args[0], type) and issubclass(args[0], config.Choice):
-                found.append((f"{prefix}{item.name}", args[0]))
+                found.append((f"{prefix}{item.name}", args[0], select))
 
-    walk(config.JobConfig, "")
+    for group in config.SCHEMAS:
+        schemas = option_schemas(group)
+        for schema in dict.fromkeys(schemas.values()):
+            option = next(name for name, used in schemas.items() if used is schema)
+            walk(schema, f"{group}.", (f"{group}={option}",))
+    for group, schema in config.SINGLE_SCHEMAS.items():
+        walk(schema, f"{group}.", ())
     return found
 
 
 def test_the_schema_declares_its_closed_choices():
-    keys = {key for key, _ in choice_fields()}
+    keys = {key for key, _, _ in choice_fields()}
     expected = {
         *("model.family", "optim.kernel", "train.device", "train.cpu_bf16_gemm"),
         *("logging.console", "logging.wandb.mode", "distributed.name", "comm.name"),
@@ -112,15 +120,16 @@ def test_the_schema_declares_its_closed_choices():
     assert expected <= keys
 
 
-@pytest.mark.parametrize("key,choice", choice_fields(), ids=[k for k, _ in choice_fields()])
-def test_a_value_outside_a_closed_choice_is_one_line_naming_the_choices(key, choice):
+@pytest.mark.parametrize(
+    "key,choice,select", choice_fields(), ids=[":".join((*s, k)) for k, _, s in choice_fields()]
+)
+def test_a_value_outside_a_closed_choice_is_one_line_naming_the_choices(key, choice, select):
     from collage_train.compose import compose_job
     from collage_train.errors import ConfigError
 
-    prefix = ["precision=scalify"] if key.startswith("precision.") else []
     value = "[nonsense]" if key == "precision.rescale" else "nonsense"
     with pytest.raises(ConfigError) as refused:
-        compose_job([*prefix, f"{key}={value}"])
+        compose_job([*select, f"{key}={value}"])
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"{key}={value}: "), message
     assert f"expected one of [{', '.join(member.value for member in choice)}]" in message

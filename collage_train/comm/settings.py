@@ -7,6 +7,7 @@ steps (``collage_train.engine.replicas``). Bad values end in one ``ConfigError``
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from collage_train.comm.codec import RAW_BITS, CodecSettings
@@ -80,14 +81,16 @@ def check_engine(cfg: Any, distributed: str) -> None:
 def outer_settings(cfg: Any) -> OuterSettings:
     """The outer-step settings of a checked ``diloco``/``sparseloco`` sub-config (checked
     once, by ``check_engine`` when the engine is built)."""
-    return OuterSettings(
+    settings = OuterSettings(
         method=str(cfg.name),
         lr=float(cfg.outer_lr),
         momentum=float(cfg.outer_momentum),
         nesterov=bool(cfg.nesterov),
-        error_feedback=float(cfg.error_feedback),
-        codec=CodecSettings(chunk=int(cfg.chunk), k=int(cfg.topk), bits=int(cfg.bits)),
     )
+    if not settings.compressed:
+        return settings  # comm=diloco's schema has no compression settings
+    codec = CodecSettings(chunk=int(cfg.chunk), k=int(cfg.topk), bits=int(cfg.bits))
+    return replace(settings, error_feedback=float(cfg.error_feedback), codec=codec)
 
 
 def align_to_outer_steps(comm_cfg: Any, train_cfg: Any) -> list[str]:

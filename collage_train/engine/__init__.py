@@ -31,13 +31,6 @@ def build_engine(cfg: Any, comm_cfg: Any = None, *, device: str) -> Engine:
 
         return ReplicaEngine(comm_cfg, resolve_device(device), cfg.timeout_minutes)
     if cfg.name == "unsharded":
-        for key in ("reduce_dtype", "grad_accum_dtype"):
-            if str(cfg.get(key, "auto")) != "auto":
-                raise ConfigError(
-                    f"distributed.{key} applies to the ZeRO engines; distributed=unsharded "
-                    "accumulates gradients in the weights' dtype and reduces nothing (remove it "
-                    "or choose distributed=zero1|zero2|zero3)"
-                )
         if launched_world_size() > 1:
             raise ConfigError(
                 f"this process is one of {launched_world_size()} launched ranks but "

@@ -153,11 +153,7 @@ def render_deepspeed_config(
     stage = dist_cfg.zero_stage
     if stage not in ZERO_STAGES:
         raise ConfigError(f"distributed.zero_stage must be 1, 2 or 3, got {stage!r}")
-    if dist_cfg.offload_param and stage != 3:
-        raise ConfigError(
-            f"distributed.offload_param=true needs ZeRO stage 3 (this run uses stage {stage}); "
-            "use distributed=zero3"
-        )
+    offload_param = bool(getattr(dist_cfg, "offload_param", False))  # distributed=zero3's
     bf16 = precision_section(strategy)
     grads = gradient_dtypes(dist_cfg, strategy, stage)
     if dist_cfg.offload_optimizer and bf16.get("bf16_master_weights_and_grads"):
@@ -169,7 +165,7 @@ def render_deepspeed_config(
     zero: dict[str, Any] = {"stage": stage, **zero_tuning(stage, model_size)}
     if dist_cfg.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if dist_cfg.offload_param:
+    if offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch_size,

@@ -251,7 +251,7 @@ class ZeroEngine:
         that no rank ever holds the whole model. Stages 1 and 2 keep the weights whole."""
         if self.stage < 3 or not params:
             return
-        offload = bool(self.dist_cfg.offload_param)
+        offload = bool(getattr(self.dist_cfg, "offload_param", False))
         self.deepspeed.zero.Init(
             module=torch.nn.ParameterList(params),
             mem_efficient_linear=False,  # leave torch.nn.functional.linear as it is

@@ -131,15 +131,9 @@ class PrecisionStrategy:
     def configured(self, precision_cfg: Any) -> PrecisionStrategy:
         """This strategy with the options of ``precision_cfg`` (the ``precision`` sub-config).
 
-        Only Scalify takes options; every other strategy refuses a non-null one.
+        Only Scalify takes options (its schema, ``config.ScalifyPrecisionConfig``, is the
+        only one that has any); every other strategy is itself.
         """
-        for key in SCALIFY_OPTIONS:
-            value = getattr(precision_cfg, key, None)
-            if value is not None:
-                raise ConfigError(
-                    f"precision.{key}={value} is a Scalify option; precision={self.name} "
-                    "takes none (use precision=scalify, or drop it)"
-                )
         return self
 
     @property
@@ -207,8 +201,6 @@ class PrecisionStrategy:
             **hyperparameters,
         )  # fmt: skip
 
-
-SCALIFY_OPTIONS = ("matmul", "master", "optimizer_state", "rescale")
 
 _REGISTRY: dict[str, PrecisionStrategy] = {}
 

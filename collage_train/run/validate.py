@@ -1,13 +1,14 @@
 """Start-up checks of the composed configuration, before anything is prepared or written.
 
-Hydra's schema (``collage_train/config.py``) already refuses misspelt keys and wrongly
-typed values; this module refuses what it lets through: keys added with ``+`` under the
-project's own groups, values of the right type that cannot work (a negative learning
-rate, a cadence of 0 steps, betas outside [0, 1), a loss block size that is neither
-``auto``, ``off`` nor a count, or a count for Scalify, a non-deterministic
-CUBLAS_WORKSPACE_CONFIG under ``train.deterministic``), ``model.extra`` keys that the
-transformers config does not know or that the model builder already sets, and W&B
-``online`` without credentials (which would otherwise hang in ``wandb.init``).
+Hydra's schema (``collage_train/config.py``: one per kind of option) already refuses
+misspelt keys, keys the chosen option does not have and wrongly typed values; this module
+refuses what it lets through: keys added with ``+`` under the project's own groups, a
+ZeRO stage other than the engine's name says, values of the right type that cannot work
+(a negative learning rate, a cadence of 0 steps, betas outside [0, 1), a loss block
+size that is neither ``auto``, ``off`` nor a count, or a count for Scalify, a
+non-deterministic CUBLAS_WORKSPACE_CONFIG under ``train.deterministic``), ``model.extra``
+keys that the transformers config does not know or that the model builder already sets,
+and W&B ``online`` without credentials (which would otherwise hang in ``wandb.init``).
 ``validate`` runs once per launch, in the Hydra callback that also locks the run
 directory (``collage_train/run/directory.py``), so a refused run has prepared no data and
 touched no run directory.
@@ -19,14 +20,13 @@ import dataclasses
 import difflib
 import netrc
 import os
-import typing
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from collage_train.config import JobConfig
+from collage_train.config_options import chosen_option, not_a_setting
 from collage_train.determinism import check_cublas_config
 from collage_train.errors import ConfigError
 from collage_train.loss import resolve_chunk_tokens
@@ -45,46 +45,15 @@ def validate(cfg: DictConfig) -> None:
     if cfg.metrics.edq_every is not None and cfg.metrics.edq_every < 0:
         raise ConfigError(f"metrics.edq_every must be 0 (off) or more, got {cfg.metrics.edq_every}")
     check_model_extra(cfg.model)
-    check_applies(cfg)
+    check_zero_stage(cfg)
     check_wandb(cfg.logging.wandb)
     check_eval(cfg)
 
 
-# Settings that only some choices read: (key, the choices that read it). Set to anything
-# but the schema's default under another choice, a setting would be silently ignored.
-ONLY_FOR = {
-    "comm.sync_every": ("comm", ("diloco", "sparseloco")),
-    "comm.outer_lr": ("comm", ("diloco", "sparseloco")),
-    "comm.outer_momentum": ("comm", ("diloco", "sparseloco")),
-    "comm.nesterov": ("comm", ("diloco", "sparseloco")),
-    "comm.checksum_every": ("comm", ("diloco", "sparseloco")),
-    "comm.error_feedback": ("comm", ("sparseloco",)),
-    "comm.chunk": ("comm", ("sparseloco",)),
-    "comm.topk": ("comm", ("sparseloco",)),
-    "comm.bits": ("comm", ("sparseloco",)),
-    "distributed.zero_stage": ("distributed", ("zero1", "zero2", "zero3")),
-    "distributed.offload_optimizer": ("distributed", ("zero1", "zero2", "zero3")),
-    "distributed.offload_param": ("distributed", ("zero3",)),
-    "distributed.deepspeed": ("distributed", ("zero1", "zero2", "zero3")),
-}
-
-
-def check_applies(cfg: DictConfig) -> None:
-    """Refuse a setting the chosen comm method or engine would ignore (``comm=diloco
-    comm.topk=8``, ``distributed=unsharded distributed.offload_optimizer=true``), and a ZeRO
-    stage other than the engine's name says (``distributed=zero2 distributed.zero_stage=3``)."""
-    defaults = OmegaConf.structured(JobConfig)
-    for key, (group, readers) in ONLY_FOR.items():
-        chosen = str(OmegaConf.select(cfg, f"{group}.name"))
-        value, default = OmegaConf.select(cfg, key), OmegaConf.select(defaults, key)
-        if chosen in readers or value == default:
-            continue
-        readers_text = "|".join(readers)
-        raise ConfigError(
-            f"{key}={_show(value)} applies to {group}={readers_text} only; {group}={chosen} "
-            f"would ignore it: remove it, or choose {group}={readers_text}"
-        )
-    name, stage = str(cfg.distributed.name), cfg.distributed.zero_stage
+def check_zero_stage(cfg: DictConfig) -> None:
+    """Refuse a ZeRO stage other than the engine's name says (``distributed=zero2
+    distributed.zero_stage=3``)."""
+    name, stage = str(cfg.distributed.name), getattr(cfg.distributed, "zero_stage", None)
     if name.startswith("zero") and stage is not None and f"zero{stage}" != name:
         raise ConfigError(
             f"distributed.zero_stage={stage} contradicts distributed={name}: the stage follows "
@@ -92,41 +61,43 @@ def check_applies(cfg: DictConfig) -> None:
         )
 
 
-def _show(value: Any) -> str:
-    if isinstance(value, DictConfig | ListConfig):
-        return str(OmegaConf.to_container(value))
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
 def check_known_keys(cfg: DictConfig) -> None:
-    """Refuse keys the schema does not define (Hydra admits them when added with ``+``)."""
-    unknown = _unknown_keys(cfg, JobConfig, "")
-    if unknown:
-        path, known = unknown[0]
-        key = path.rsplit(".", 1)[-1]
-        guess = difflib.get_close_matches(key, known, n=1)
-        hint = f" (did you mean {guess[0]}?)" if guess else ""
-        group = path.rsplit(".", 1)[0] if "." in path else "the root config"
-        raise ConfigError(
-            f"unknown setting {path}{hint}: {group} has no key {key!r}; remove it or fix its "
-            "spelling (python -m collage_train --cfg job prints every setting)"
-        )
+    """Refuse keys the chosen options' schemas do not define (Hydra admits them when added
+    with ``+``), naming the options that have such a key where one does."""
+    unknown = _unknown_keys(cfg, "")
+    if not unknown:
+        return
+    path, known, node = unknown[0]
+    group, _, key = path.rpartition(".")
+    sentence = not_a_setting(group, key, chosen_option(group, node)) if group else None
+    if sentence is not None:
+        raise ConfigError(f"{path}: {sentence}")
+    guess = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {guess[0]}?)" if guess else ""
+    raise ConfigError(
+        f"unknown setting {path}{hint}: {group or 'the root config'} has no key {key!r}; remove "
+        "it or fix its spelling (python -m collage_train --cfg job prints every setting)"
+    )
 
 
-def _unknown_keys(node: DictConfig, schema: type, prefix: str) -> list[tuple[str, list[str]]]:
-    hints = typing.get_type_hints(schema)
+def _unknown_keys(node: DictConfig, prefix: str) -> list[tuple[str, list[str], DictConfig]]:
+    """(dotted key, the keys its node's schema has, that node) for each key of ``node`` and
+    of its schema-typed children that their schema (the node's runtime type) lacks."""
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return []  # free-form dict fields (model.extra, distributed.deepspeed)
     names = [field.name for field in dataclasses.fields(schema)]
-    found: list[tuple[str, list[str]]] = []
+    found: list[tuple[str, list[str], DictConfig]] = []
     for key in node:
         path = f"{prefix}{key}"
         if key == "hydra" and not prefix:
             continue  # Hydra's own node, present in the config callbacks see
         if key not in names:
-            found.append((path, names))
+            found.append((path, names, node))
             continue
-        child = node._get_node(key)  # free-form dict fields (model.extra) are not dataclasses
-        if dataclasses.is_dataclass(hints[key]) and isinstance(child, DictConfig):
-            found += _unknown_keys(child, hints[key], f"{path}.")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            found += _unknown_keys(child, f"{path}.")
     return found
 
 

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from tiny_config import compose_cfg
 from zero_rank import one_zero_rank
 
+from collage_train.compose import compose_job
 from collage_train.engine import build_engine, launch
 from collage_train.engine import zero as zero_engine
 from collage_train.engine.deepspeed_config import render_deepspeed_config
@@ -181,9 +182,9 @@ def test_gradient_dtype_mistakes_are_one_line(overrides, precision, message):
 
 
 def test_gradient_dtypes_on_the_single_engine_are_refused():
-    cfg = compose_cfg("distributed.reduce_dtype=fp32")
-    with pytest.raises(ConfigError, match="applies to the ZeRO engines"):
-        build_engine(cfg.distributed, cfg.comm, device="cpu")
+    """distributed=unsharded reduces nothing: its schema has no gradient dtypes."""
+    with pytest.raises(ConfigError, match="distributed=unsharded has no setting reduce_dtype"):
+        compose_job(["distributed.reduce_dtype=fp32"])
 
 
 @pytest.mark.parametrize(
@@ -201,8 +202,8 @@ def test_pass_through_cannot_contradict_derived_settings(override, names):
 
 
 def test_offload_rules_are_explained():
-    with pytest.raises(ConfigError, match="needs ZeRO stage 3"):
-        render("distributed.offload_param=true")
+    with pytest.raises(ConfigError, match="only distributed=zero3 has it"):
+        compose_job(["distributed=zero2", "distributed.offload_param=true"])
     with pytest.raises(ConfigError, match="precision=mixed_fp32"):
         render("distributed.offload_optimizer=true")
     offloaded = render("distributed.offload_optimizer=true", precision="mixed_fp32")
