@@ -645,9 +645,9 @@ class Trainer:
         train = self.cfg.train
         end = train.stop_at_step or train.max_steps
         # Written once a resume has been accepted, so a refused one leaves the run as it was.
-        rendered = getattr(self.engine, "deepspeed_config", None)  # ZeRO runs only
-        if rendered is not None and self.engine.is_main:
-            write_json_atomic(self.run_dir / "deepspeed_config.json", rendered)
+        if self.engine.is_main:  # what the engine was told (ZeRO: DeepSpeed's config)
+            for name, content in self.engine.run_files().items():
+                write_json_atomic(self.run_dir / name, content)
         start_step, wall_start = self.step, time.perf_counter()
         reset_peak_memory(self.device)
         self.forward_module.train()

@@ -149,6 +149,11 @@ class Engine(Protocol):
     def comm_metrics(self) -> dict[str, Any]:
         """Communication counters for the logs ({} when the engine reports none)."""
 
+    def run_files(self) -> dict[str, Any]:
+        """What the run directory keeps of the engine's settings, as file name -> JSON
+        content (ZeRO: ``deepspeed_config.json``, the config DeepSpeed was given; {} when
+        there is none)."""
+
 
 class StateMemory(Protocol):
     """What an engine's model state costs on one rank (every engine also offers this)."""

@@ -197,6 +197,10 @@ class SingleProcessEngine:
     def full_weights(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
         return unchanged(self.model)
 
+    def run_files(self) -> dict[str, Any]:
+        """No settings beyond the run's own config."""
+        return {}
+
     def comm_metrics(self) -> dict[str, Any]:
         """One process exchanges nothing."""
         return {}

@@ -588,6 +588,12 @@ class ZeroEngine:
         restored.update({key: torch.cat(parts) for key, parts in positions.items()})
         self.optimizer.state[flat] = {"step": step, **restored}
 
+    def run_files(self) -> dict[str, Any]:
+        """The DeepSpeed config rendered at ``prepare``, as DeepSpeed was given it."""
+        if self.deepspeed_config is None:
+            return {}
+        return {"deepspeed_config.json": self.deepspeed_config}
+
     def comm_metrics(self) -> dict[str, Any]:
         """The gradient reduction and accumulation dtypes (DeepSpeed's collectives are
         not counted here)."""
