@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from collage_train.comm.settings import uses_replicas
 from collage_train.engine.deepspeed_config import gradient_dtypes
 from collage_train.engine.launch import local_world_size
-from collage_train.errors import BAD_INPUT, OutOfMemory
+from collage_train.errors import BAD_INPUT, ConfigError, OutOfMemory
 from collage_train.memory_plan import (
     GIB,
     ModelShape,
@@ -97,6 +97,15 @@ def check_state_fits(
             )
 
 
+def chosen_stage(dist_cfg: Any) -> int:
+    """The ZeRO stage the ``distributed`` sub-config names: 0 for ``distributed=unsharded``."""
+    if dist_cfg.name == "unsharded":
+        return 0
+    if dist_cfg.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"distributed.zero_stage must be 1, 2 or 3, got {dist_cfg.zero_stage!r}")
+    return int(dist_cfg.zero_stage)
+
+
 def planned_setting(
     cfg: Any, strategy: PrecisionStrategy, world_size: int, optimizer_kernel: str
 ) -> Setting:
@@ -105,7 +114,7 @@ def planned_setting(
     gradient dtypes and whether the optimizer step runs fused."""
     dist = cfg.distributed
     replicas = uses_replicas(cfg.comm)
-    stage = 0 if dist.name == "unsharded" or replicas else int(dist.zero_stage)
+    stage = 0 if replicas else chosen_stage(dist)
     masked = bool(cfg.train.guard.enabled) and not replicas  # Trainer.verdicts_on_device
     if stage == 0:
         fused = optimizer_kernel != "eager"

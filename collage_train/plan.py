@@ -23,7 +23,7 @@ from typing import Any
 from collage_train.comm.settings import uses_replicas
 from collage_train.engine.deepspeed_config import GradientDtypes, gradient_dtypes
 from collage_train.errors import CollageError, ConfigError
-from collage_train.fit_check import zero_overrides
+from collage_train.fit_check import chosen_stage, zero_overrides
 from collage_train.loss import resolve_chunk_tokens
 from collage_train.memory_plan import (
     GIB,
@@ -98,15 +98,6 @@ class Plan:
     @property
     def chosen(self) -> PlanRow:
         return next(row for row in self.rows if row.chosen)
-
-
-def chosen_stage(dist_cfg: Any) -> int:
-    """0 for ``distributed=unsharded``, else the ZeRO stage."""
-    if dist_cfg.name == "unsharded":
-        return 0
-    if dist_cfg.zero_stage not in (1, 2, 3):
-        raise ConfigError(f"distributed.zero_stage must be 1, 2 or 3, got {dist_cfg.zero_stage!r}")
-    return int(dist_cfg.zero_stage)
 
 
 def make_plan(cfg: Any) -> Plan:

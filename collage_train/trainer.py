@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 
 from collage_train import checkpoint, init_from, report, watchdog
 from collage_train.batch import accumulation_steps
-from collage_train.comm.settings import align_to_outer_steps
+from collage_train.comm.settings import align_to_outer_steps, comm_name, uses_replicas
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm, probe_gflops
 from collage_train.data import build_data
 from collage_train.data.progress import write_json_atomic
@@ -49,7 +49,7 @@ from collage_train.fit_check import (
 from collage_train.guard import GuardSettings, StepGuard, Verdict
 from collage_train.loss import install_chunked_loss, resolve_chunk_tokens
 from collage_train.memory_plan import GIB, ModelShape, checkpoint_copy_bytes
-from collage_train.metrics import Sink, detect_peak_tflops, reset_peak_memory
+from collage_train.metrics import Sink, detect_peak_tflops, peak_memory, reset_peak_memory
 from collage_train.metrics.bits_per_byte import bits_per_byte, target_text_size
 from collage_train.metrics.edq import FIELDS as EDQ_FIELDS
 from collage_train.metrics.edq import layer_groups
@@ -85,8 +85,9 @@ class Trainer:
             )
         self.watchdog = watchdog.for_run(train, cfg.distributed, run_dir, launched_rank())
         self.strategy = strategy_for(cfg.precision)
-        self.strategy.check_engine(cfg.distributed.name)
-        self.engine = build_engine(cfg.distributed, cfg.comm, device=train.device)
+        self.engine = build_engine(
+            cfg.distributed, cfg.comm, device=train.device, strategy=self.strategy
+        )
         self.device = self.engine.device
         for note in align_to_outer_steps(cfg.comm, train):
             if self.engine.is_main:
@@ -124,7 +125,10 @@ class Trainer:
             kernel=self.optimizer_kernel,
             seed=train.seed,
         )
-        if cfg.model.init_from and cfg.distributed.name == "unsharded":  # masters: fp32 weights
+        # model.init_from: the masters get the directory's fp32 weights, the client
+        # optimizer's before prepare, or those the engine builds at prepare (ZeRO's) after
+        seed_after_prepare = self.engine.masters_built_at_prepare
+        if cfg.model.init_from and not seed_after_prepare:
             init_from.seed_masters(self.optimizer, self.model, self.strategy, cfg.model.init_from)
         # The module to run forward with (DeepSpeed's wrapper under ZeRO).
         self.forward_module = self.engine.prepare(
@@ -136,7 +140,7 @@ class Trainer:
             grad_clip=cfg.optim.grad_clip,
             compile_backend=self.cpu_bf16_gemm.compile_backend() if train.compile else None,
         )
-        if cfg.model.init_from and cfg.distributed.name != "unsharded":  # DeepSpeed's masters
+        if cfg.model.init_from and seed_after_prepare:
             init_from.seed_zero_masters(
                 self.engine, self.optimizer, self.strategy, cfg.model.init_from
             )
@@ -167,6 +171,60 @@ class Trainer:
         self.downstream_seconds = 0.0  # wall time in evaluate_downstream, barrier included
         self.saver = CheckpointSaver(self.engine, run_dir, background=train.async_checkpoint)
         self.stop_group = stop_group()  # collective: every rank builds it here
+        self.facts = self._run_facts()  # what the run is, for its report
+
+    def _run_facts(self) -> report.RunFacts:
+        """What this run is (``report.RunFacts``), once every piece is built."""
+        cfg, train = self.cfg, self.cfg.train
+        return report.RunFacts(
+            model=cfg.model.name,
+            num_params=self.num_params,
+            precision=self.strategy.name,
+            optimizer_kernel=self.optimizer_kernel,
+            device=str(self.device),
+            distributed=self.engine.name,
+            comm=comm_name(cfg.comm),
+            outer_step_every=int(cfg.comm.sync_every) if uses_replicas(cfg.comm) else None,
+            world_size=self.engine.world_size,
+            global_batch_sequences=train.global_batch_size,
+            micro_batch_size=train.micro_batch_size,
+            accum_steps=self.accum_steps,
+            seq_len=cfg.data.seq_len,
+            max_steps=train.max_steps,
+            flops_per_token=self.flops_per_token,
+            peak_tflops=self.peak_tflops,
+            compile=train.compile,
+            activation_checkpointing=train.activation_checkpointing,
+            loss_chunk_tokens=self.loss_chunk_tokens,
+            async_checkpoint=train.async_checkpoint,
+            cpu_bf16_gemm=self.cpu_bf16_gemm.describe(),
+            cpu_bf16_gemm_summary=self.cpu_bf16_gemm.summary(),
+            expected_state_bytes_per_param=self.engine.expected_state_bytes_per_param(
+                self.strategy
+            ),
+            state_bytes_measure=self.engine.state_bytes_measure,
+            corpus=self.data.meta,
+        )
+
+    def progress(self) -> report.RunProgress:
+        """What this run has done so far (``report.RunProgress``), for a record or the
+        summary."""
+        loader = self.data.train_loader
+        return report.RunProgress(
+            step=self.step,
+            epoch=loader.epoch,
+            skipped_steps=self.skipped_steps_all_ranks,
+            data=loader.metrics(),
+            comm=self.engine.comm_metrics(),
+            scale={**self.optimizer.scale_metrics(), **self.strategy.model_metrics(self.model)},
+            memory=peak_memory(self.device),
+            state_bytes=self.engine.state_bytes(),
+            skips=list(self.skips),
+            rollbacks=list(self.rollbacks),
+            downstream=self.last_downstream,
+            downstream_seconds=self.downstream_seconds,
+            checkpoint_times=self.saver.times.summary(),
+        )
 
     def _build_model(self) -> torch.nn.Module:
         """The model in the strategy's dtype on this rank's device (under ZeRO-3 only this
@@ -198,7 +256,7 @@ class Trainer:
             device,
             host_transient_bytes=transient,
             model_name=cfg.model.name,
-            distributed=cfg.distributed.name,
+            distributed=self.engine.name,
             checkpoint_copy_bytes=(
                 checkpoint_copy_bytes(model_shape, setting) if cfg.train.async_checkpoint else 0.0
             ),
@@ -317,7 +375,7 @@ class Trainer:
             self.engine,
             self.model,
             path,
-            distributed=self.cfg.distributed.name,
+            distributed=self.engine.name,
             param_order=[names[p] for group in groups for p in group["params"]],
         )
         self.load_state_dict(client_state)
@@ -587,9 +645,9 @@ class Trainer:
         train = self.cfg.train
         end = train.stop_at_step or train.max_steps
         # Written once a resume has been accepted, so a refused one leaves the run as it was.
-        rendered = getattr(self.engine, "deepspeed_config", None)  # ZeRO runs only
-        if rendered is not None and self.engine.is_main:
-            write_json_atomic(self.run_dir / "deepspeed_config.json", rendered)
+        if self.engine.is_main:  # what the engine was told (ZeRO: DeepSpeed's config)
+            for name, content in self.engine.run_files().items():
+                write_json_atomic(self.run_dir / name, content)
         start_step, wall_start = self.step, time.perf_counter()
         reset_peak_memory(self.device)
         self.forward_module.train()
@@ -636,7 +694,11 @@ class Trainer:
                 if moved_back:  # back to just after a refused step, before this settle
                     del history[settled + stand :]
                     logged = min(logged, len(history))
-                for record in report.skip_records(self, history[settled:]):
+                newly_skipped = report.skips_in(history[settled:])
+                self.skips += newly_skipped[: report.SKIPS_KEPT - len(self.skips)]
+                for record in report.skip_records(
+                    self.facts, history[settled:], self.skipped_steps
+                ):
                     self._notice(f"warning: {record.pop('line')}")
                     emit(record)
                 settled = len(history)
@@ -654,7 +716,7 @@ class Trainer:
                     window_start = time.perf_counter()
                     continue
                 if log or stopping:
-                    last_record = report.train_record(self, history[logged:])
+                    last_record = report.train_record(self.facts, self.progress(), history[logged:])
                     emit(last_record)
                     logged = len(history)
                 if stopping:
@@ -687,7 +749,9 @@ class Trainer:
             self.export_hf(self.run_dir / "hf")
         steady = history[1:] or history  # the first step pays for warm-up
         wall_time = time.perf_counter() - wall_start
-        summary = report.run_summary(self, last_record, val, steady, wall_time, start_step)
+        summary = report.run_summary(
+            self.facts, self.progress(), last_record, val, steady, wall_time, start_step
+        )
         if self.engine.is_main:
             report.write_summary(self.run_dir, summary, plots=self.cfg.logging.plots)
         for sink in sinks:
@@ -787,7 +851,7 @@ class Trainer:
 
     def describe(self) -> str:
         """One line stating what this run trains, where, and with which batch."""
-        return report.describe(self)
+        return report.describe(self.facts)
 
     def export_hf(self, target: Path) -> None:
         """Write the whole model (transformers format) and tokenizer to ``target``."""

@@ -294,3 +294,57 @@ def test_a_diloco_replica_shares_the_fp32_weights(exported, make_cfg_module, tmp
             assert torch.equal(shared.reshape(-1), want.reshape(-1)), name_of[id(param)]
     finally:
         trainer.engine.close()
+
+
+@pytest.mark.parametrize("after_prepare", [False, True])
+def test_the_engine_not_the_config_decides_its_own_steps(
+    exported, make_cfg_module, tmp_path, monkeypatch, after_prepare
+):
+    """The trainer asks the engine, never ``distributed``'s name: whether the masters are
+    seeded before ``prepare`` (the client optimizer's) or after it (masters the engine
+    builds there, as ZeRO does), and which name the memory check and a restore give."""
+    import collage_train.trainer as trainer_module
+    from collage_train import init_from
+    from collage_train.engine import SingleProcessEngine, resolve_device
+    from collage_train.run import checkpointing
+
+    events: list[str] = []
+
+    class StubEngine(SingleProcessEngine):
+        name = "stub"
+        masters_built_at_prepare = after_prepare
+
+        def prepare(self, *args, **kwargs):
+            events.append("prepare")
+            return super().prepare(*args, **kwargs)
+
+    def build(cfg, comm_cfg, *, device, strategy):
+        return StubEngine(device=resolve_device(device))
+
+    def check_state_fits(*args, distributed, **kwargs):
+        events.append(f"fit check: distributed={distributed}")
+
+    def seeds(name):
+        return lambda *args: events.append(name)
+
+    def restore(engine, model, path, *, distributed, param_order):
+        events.append(f"restore: distributed={distributed}")
+        return trainer.state_dict()
+
+    monkeypatch.setattr(trainer_module, "build_engine", build)
+    monkeypatch.setattr(trainer_module, "check_state_fits", check_state_fits)
+    monkeypatch.setattr(init_from, "seed_masters", seeds("client masters seeded"))
+    monkeypatch.setattr(init_from, "seed_zero_masters", seeds("engine's masters seeded"))
+    monkeypatch.setattr(checkpointing, "restore", restore)
+    directory, _ = exported
+    cfg = make_cfg_module(*ONE_BATCH, "precision=mixed_fp32", f"model.init_from={directory}")
+    trainer = Trainer(cfg, tmp_path / "run")
+    seeding = (
+        ["prepare", "engine's masters seeded"]
+        if after_prepare
+        else ["client masters seeded", "prepare"]
+    )
+    assert events == ["fit check: distributed=stub", *seeding]
+    assert trainer.facts.distributed == "stub" and "| distributed=stub |" in trainer.describe()
+    trainer.resume_from(tmp_path / "any-checkpoint")
+    assert events[-1] == "restore: distributed=stub"

@@ -15,17 +15,28 @@ from collage_train.engine.base import Engine, Segment, StepOutcome
 from collage_train.engine.launch import launched_world_size
 from collage_train.engine.single import SingleProcessEngine, resolve_device
 from collage_train.errors import ConfigError
+from collage_train.precision.base import PrecisionStrategy
 
 ENGINES = ("unsharded", "zero1", "zero2", "zero3")
 
 
-def build_engine(cfg: Any, comm_cfg: Any = None, *, device: str) -> Engine:
-    """The engine named by the ``distributed`` and ``comm`` sub-configs, on ``train.device``."""
+def build_engine(
+    cfg: Any,
+    comm_cfg: Any = None,
+    *,
+    device: str,
+    strategy: PrecisionStrategy | None = None,
+) -> Engine:
+    """The engine named by the ``distributed`` and ``comm`` sub-configs, on ``train.device``;
+    refused in one line, before any process group or DeepSpeed import, where ``comm`` or
+    the precision ``strategy`` cannot run under it."""
     if cfg.name not in ENGINES:
         raise ConfigError(
             f"unknown distributed engine {cfg.name!r}; choose one of: {', '.join(ENGINES)}"
         )
     check_engine(comm_cfg, cfg.name)
+    if strategy is not None:
+        strategy.check_engine(cfg.name)
     if uses_replicas(comm_cfg):
         from collage_train.engine.replicas import ReplicaEngine
 

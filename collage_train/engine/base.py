@@ -77,9 +77,16 @@ class Engine(Protocol):
     device: torch.device
     rank: int
     world_size: int
+    # The engine's name as ``distributed`` spells it and checkpoints record it (unsharded,
+    # zero1..3; the replica engine is unsharded).
+    name: str
     # True where each rank steps its own model between synchronisations (the replica
     # engine): a step is then judged on each rank alone, not on every rank together.
     independent_replicas: bool
+    # True where the engine builds the master weights the optimizer updates at ``prepare``
+    # (DeepSpeed ZeRO's flat fp32 partitions): what seeds the masters (``model.init_from``)
+    # writes into them after ``prepare``; False: the client optimizer's, before it.
+    masters_built_at_prepare: bool
 
     @property
     def is_main(self) -> bool: ...
@@ -141,6 +148,11 @@ class Engine(Protocol):
 
     def comm_metrics(self) -> dict[str, Any]:
         """Communication counters for the logs ({} when the engine reports none)."""
+
+    def run_files(self) -> dict[str, Any]:
+        """What the run directory keeps of the engine's settings, as file name -> JSON
+        content (ZeRO: ``deepspeed_config.json``, the config DeepSpeed was given; {} when
+        there is none)."""
 
 
 class StateMemory(Protocol):

@@ -71,7 +71,9 @@ class SingleProcessEngine:
     accum_steps: int = 1
     grad_clip: float = 0.0
     _state_bytes: int | None = field(default=None, repr=False)
-    independent_replicas = False  # engine.base.Engine: one rank steps alone anyway
+    name = "unsharded"  # engine.base.Engine
+    independent_replicas = False  # one rank steps alone anyway
+    masters_built_at_prepare = False  # the client optimizer's masters
 
     @property
     def is_main(self) -> bool:
@@ -194,6 +196,10 @@ class SingleProcessEngine:
 
     def full_weights(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
         return unchanged(self.model)
+
+    def run_files(self) -> dict[str, Any]:
+        """No settings beyond the run's own config."""
+        return {}
 
     def comm_metrics(self) -> dict[str, Any]:
         """One process exchanges nothing."""

@@ -212,6 +212,7 @@ class ZeroEngine:
     """One data-parallel rank of a DeepSpeed ZeRO run."""
 
     independent_replicas = False  # every rank steps its partition of one model together
+    masters_built_at_prepare = True  # DeepSpeed's flat master partitions
 
     def __init__(self, dist_cfg: Any, device: torch.device) -> None:
         self.dist_cfg = dist_cfg
@@ -241,6 +242,10 @@ class ZeroEngine:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def name(self) -> str:
+        return f"zero{self.stage}"
 
     # -------------------------------------------------------------- training
 
@@ -582,6 +587,12 @@ class ZeroEngine:
             return
         restored.update({key: torch.cat(parts) for key, parts in positions.items()})
         self.optimizer.state[flat] = {"step": step, **restored}
+
+    def run_files(self) -> dict[str, Any]:
+        """The DeepSpeed config rendered at ``prepare``, as DeepSpeed was given it."""
+        if self.deepspeed_config is None:
+            return {}
+        return {"deepspeed_config.json": self.deepspeed_config}
 
     def comm_metrics(self) -> dict[str, Any]:
         """The gradient reduction and accumulation dtypes (DeepSpeed's collectives are

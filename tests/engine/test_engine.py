@@ -616,6 +616,9 @@ def test_one_zero2_rank_trains_bit_for_bit_like_one_process(make_cfg, tmp_path, 
     expected = [single.train_step()["loss"] for _ in range(4)]
     trainer = _zero_trainer(make_cfg, tmp_path / "zero", monkeypatch, *common, "distributed=zero2")
     try:
+        rendered = trainer.engine.deepspeed_config  # written into the run directory by fit
+        assert trainer.engine.run_files() == {"deepspeed_config.json": rendered}
+        assert rendered["zero_optimization"]["stage"] == 2 and single.engine.run_files() == {}
         assert [trainer.train_step()["loss"] for _ in range(4)] == expected
         theirs = dict(single.model.named_parameters())
         for name, param in trainer.model.named_parameters():

@@ -294,7 +294,7 @@ def test_scalify_run_keeps_power_of_two_scales_and_unit_data(make_cfg, tmp_path,
             rms = data.double().square().mean().sqrt().item()
             assert rms == 0 or 1 / 16 <= rms <= 16
     window = {"time": 1.0, "loss": 1.0, "lr": 0.0, "grad_norm": 0.0, "data_time": 0.0}
-    record = report.train_record(trainer, [{**window, "edq": None}])
+    record = report.train_record(trainer.facts, trainer.progress(), [{**window, "edq": None}])
     assert record["scalify_rms_outside_frac"] == 0.0 and record["scalify_rescales"] > 0
     assert record["scalify_residual_rms_outside_frac"] == 0.0
     # Forward operands at their propagated scales stay near unit RMS too.
