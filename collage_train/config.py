@@ -212,8 +212,9 @@ class TrainConfig:
     # The LM loss a block of tokens at a time, the output projection and fp32 cross-entropy
     # fused, so the step never holds the whole micro-batch's logits (collage_train/loss.py):
     # auto (blocks of at most 256 MiB of fp32 logits, e.g. 512 tokens at a 128256
-    # vocabulary; the plain loss where one block covers the micro-batch or the precision
-    # replaces the LM head, i.e. Scalify) | off (the plain full-logits loss) | N tokens
+    # vocabulary; 8 MiB on a CPU, for its caches; the plain loss where one block covers the
+    # micro-batch or the precision replaces the LM head, i.e. Scalify) | off (the plain
+    # full-logits loss) | N tokens
     loss_chunk_tokens: str = "auto"
     # Seconds without a completed optimizer step before this rank writes every thread's stack
     # to hang-rank{R}-<time>.txt in the run directory and exits with status 3, for a
