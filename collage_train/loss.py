@@ -105,17 +105,26 @@ from collage_train.errors import ConfigError
 # auto: blocks whose fp32 logits take at most this many bytes (512 tokens at a 128256
 # vocabulary, 8192 at 8192), a multiple of CHUNK_MULTIPLE tokens
 AUTO_CHUNK_LOGITS_BYTES = 256 * 2**20
+# auto on a CPU: blocks whose fp32 logits stay in the caches (256 tokens at 8192): the
+# up-cast, log-softmax, exp and rounding passes over a block then run from cache instead
+# of memory, which made the gpt_tiny step 10-15% faster in fp32 and 25% in emulated bf16
+# than the plain loss's passes over the whole micro-batch's logits (docs/RESULTS.md,
+# "CPU training step: native against fp32-emulated bf16 GEMMs")
+CPU_AUTO_CHUNK_LOGITS_BYTES = 8 * 2**20
 CHUNK_MULTIPLE = 64
 _ROUNDING_SLAB_ELEMENTS = 1 << 24  # rows of the fp32 accumulator rounded in place at once
 
 
-def resolve_chunk_tokens(setting: Any, *, vocab_size: int, chunkable: bool) -> int | None:
+def resolve_chunk_tokens(
+    setting: Any, *, vocab_size: int, chunkable: bool, cpu: bool = False
+) -> int | None:
     """Tokens per block for ``train.loss_chunk_tokens`` (``auto``, ``off`` or a positive
     number), or None for the plain full-logits loss.
 
     ``chunkable``: whether the run's LM head is a plain linear layer the chunked loss can
     compute (not Scalify's ScaledLinear). ``auto`` keeps such a head on the plain loss;
-    a number is refused for it.
+    a number is refused for it. ``cpu``: the run computes on a CPU, where ``auto`` sizes
+    blocks for the caches (``CPU_AUTO_CHUNK_LOGITS_BYTES``) rather than for memory.
     """
     text = str(setting).strip()
     if text == "off":
@@ -124,7 +133,8 @@ def resolve_chunk_tokens(setting: Any, *, vocab_size: int, chunkable: bool) -> i
         if not chunkable:
             return None
         per_token = 4 * vocab_size
-        tokens = AUTO_CHUNK_LOGITS_BYTES // per_token // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+        budget = CPU_AUTO_CHUNK_LOGITS_BYTES if cpu else AUTO_CHUNK_LOGITS_BYTES
+        tokens = budget // per_token // CHUNK_MULTIPLE * CHUNK_MULTIPLE
         return max(CHUNK_MULTIPLE, tokens)
     try:
         tokens = int(text)
@@ -155,9 +165,16 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def _block_log_softmax(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """fp32 log-softmax of one block's logits ``x @ w^T``, computed in ``x``'s dtype."""
-    logits = torch.mm(x, w.t()).float()  # the compute-dtype logits are freed here
+def _block_log_softmax(
+    x: torch.Tensor, w: torch.Tensor, rounding: torch.dtype | None
+) -> torch.Tensor:
+    """fp32 log-softmax of one block's logits ``x @ w^T``: computed in ``x``'s dtype, or,
+    with ``rounding``, an fp32 GEMM whose result is rounded to ``rounding`` in place."""
+    logits = torch.mm(x, w.t())
+    if rounding is None:
+        logits = logits.float()  # the compute-dtype logits are freed here
+    else:
+        logits.copy_(logits.to(rounding))
     return torch.log_softmax(logits, dim=-1)
 
 
@@ -196,15 +213,27 @@ def _chunked_pass(
     grad_weight: bool,
     grad_scale: torch.Tensor | None = None,
     fp32_output_gemm: bool = False,
+    fp32_gemms: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The mean cross-entropy of ``hidden @ weight^T`` against ``targets`` (flat: tokens
     x hidden, tokens), and, as asked, its gradients for a loss gradient of ``grad_scale``
     (an fp32 0-d tensor) with respect to the hidden states (compute dtype) and to the
     weight (fp32, unrounded). ``fp32_output_gemm``: the weight's gradient may accumulate
-    through ``add_low_precision_product`` (``_gemm_adds_into_fp32``)."""
+    through ``add_low_precision_product`` (``_gemm_adds_into_fp32``).
+
+    ``fp32_gemms``: compute-dtype products as ``collage_train.cpu_bf16`` computes them on
+    a CPU without fast bf16 (an fp32 GEMM on the exactly up-cast operands, rounded once):
+    the weight up-cast once per pass and each block's hidden states once per block,
+    instead of both operands for every product the dispatch mode sees, and the rounded
+    values kept in fp32 storage for the next GEMM instead of a compute-dtype copy that
+    the next GEMM up-casts again. The same values, fewer passes over each block's logits.
+    """
     tokens = hidden.shape[0]
     x = hidden.to(compute_dtype)
     w = weight.to(compute_dtype)
+    rounding = compute_dtype if fp32_gemms and compute_dtype != torch.float32 else None
+    if rounding is not None:
+        w = w.float()  # exact
     picked = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
     d_hidden = torch.empty_like(x) if grad_hidden else None
     d_weight = (
@@ -219,7 +248,9 @@ def _chunked_pass(
     for start in range(0, tokens, chunk_tokens):
         end = min(start + chunk_tokens, tokens)
         x_block, t_block = x[start:end], targets[start:end]
-        log_probs = _block_log_softmax(x_block, w)
+        if rounding is not None:
+            x_block = x_block.float()  # exact
+        log_probs = _block_log_softmax(x_block, w, rounding)
         rows = torch.arange(end - start, device=hidden.device)
         picked[start:end] = log_probs[rows, t_block]
         if d_hidden is None and d_weight is None:
@@ -228,8 +259,10 @@ def _chunked_pass(
         # exp(log p) * per_token, and at the target that minus per_token
         d_logits = log_probs.exp_().mul_(per_token)
         d_logits[rows, t_block] -= per_token
-        if compute_dtype == torch.float32:
-            if d_hidden is not None:
+        if compute_dtype == torch.float32 or rounding is not None:
+            if rounding is not None:  # the rounded values, in the fp32 block's storage
+                d_logits.copy_(d_logits.to(rounding))
+            if d_hidden is not None:  # rounded to the compute dtype as it is stored
                 d_hidden[start:end] = torch.mm(d_logits, w)
             if d_weight is not None:
                 d_weight.addmm_(d_logits.t(), x_block)
@@ -270,6 +303,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         compute_dtype: torch.dtype,
         grad_scale: float,
         fp32_output_gemm: bool,
+        fp32_gemms: bool,
     ) -> torch.Tensor:
         expected = torch.tensor(grad_scale, dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
@@ -283,6 +317,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_weight=ctx.needs_input_grad[1],
                 grad_scale=expected,
                 fp32_output_gemm=fp32_output_gemm,
+                fp32_gemms=fp32_gemms,
             )
         ctx.d_hidden, ctx.d_weight, ctx.expected = d_hidden, d_weight, expected
         ctx.hidden_dtype, ctx.weight_dtype, ctx.compute_dtype = (
@@ -306,7 +341,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 d_weight = _round_in_place(d_weight, ctx.compute_dtype)  # autocast's value
             else:
                 d_weight = d_weight.to(ctx.weight_dtype)
-        return d_hidden, d_weight, None, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -315,6 +350,7 @@ def chunked_cross_entropy(
     targets: torch.Tensor,
     chunk_tokens: int,
     grad_scale: float = 1.0,
+    fp32_gemms: bool = False,
 ) -> torch.Tensor:
     """Mean cross-entropy of the logits ``hidden @ weight^T`` (``hidden``: (..., width),
     ``targets``: (...)) over every token, ``chunk_tokens`` tokens at a time (module
@@ -323,6 +359,8 @@ def chunked_cross_entropy(
     ``grad_scale``: the gradient the loss will receive in backward (the engines divide
     the loss by the accumulation steps: 1 / steps). The gradients are formed with it, as
     the plain loss forms them; a different one is applied afterwards (one more rounding).
+    ``fp32_gemms``: bf16 products as ``collage_train.cpu_bf16`` computes them, with fewer
+    casts than its dispatch mode would make (``_chunked_pass``); the same values.
     """
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1)
@@ -340,6 +378,7 @@ def chunked_cross_entropy(
             compute_dtype,
             grad_scale,
             _gemm_adds_into_fp32(weight.device),
+            fp32_gemms,
         )
     with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
         loss, _, _ = _chunked_pass(
@@ -350,6 +389,7 @@ def chunked_cross_entropy(
             compute_dtype,
             grad_hidden=False,
             grad_weight=False,
+            fp32_gemms=fp32_gemms,
         )
     return loss
 
@@ -360,14 +400,16 @@ def chunked_cross_entropy(
 class ChunkedLossHead(torch.nn.Linear):
     """A bias-free ``nn.Linear`` LM head holding another head's ``weight`` Parameter:
     ``head(hidden)`` gives the logits, ``head(hidden, targets)`` the mean cross-entropy
-    computed ``chunk_tokens`` tokens at a time (``chunked_cross_entropy``)."""
+    computed ``chunk_tokens`` tokens at a time (``chunked_cross_entropy``, with
+    ``fp32_gemms``)."""
 
-    def __init__(self, head: torch.nn.Linear, chunk_tokens: int) -> None:
+    def __init__(self, head: torch.nn.Linear, chunk_tokens: int, fp32_gemms: bool = False) -> None:
         torch.nn.Module.__init__(self)  # not Linear's: it would create a new weight
         self.in_features, self.out_features = head.in_features, head.out_features
         self.weight = head.weight
         self.register_parameter("bias", None)
         self.chunk_tokens = chunk_tokens
+        self.fp32_gemms = fp32_gemms
 
     def forward(  # type: ignore[override]
         self, hidden: torch.Tensor, targets: torch.Tensor | None = None, grad_scale: float = 1.0
@@ -375,7 +417,12 @@ class ChunkedLossHead(torch.nn.Linear):
         if targets is None:
             return super().forward(hidden)
         return chunked_cross_entropy(
-            hidden, self.weight, targets, self.chunk_tokens, grad_scale=grad_scale
+            hidden,
+            self.weight,
+            targets,
+            self.chunk_tokens,
+            grad_scale=grad_scale,
+            fp32_gemms=self.fp32_gemms,
         )
 
     def extra_repr(self) -> str:
@@ -398,8 +445,13 @@ def _forward_with_targets(
     return CausalLMOutputWithPast(loss=head(hidden, targets, grad_scale))
 
 
-def install_chunked_loss(model: torch.nn.Module, chunk_tokens: int) -> None:
+def install_chunked_loss(
+    model: torch.nn.Module, chunk_tokens: int, *, fp32_gemms: bool = False
+) -> None:
     """Make ``model(input_ids=..., targets=...)`` return the chunked loss, in place.
+
+    ``fp32_gemms``: the run computes bf16 products as ``collage_train.cpu_bf16``'s fp32
+    GEMMs (``CpuBf16Gemm.emulates``); the loss then does so itself, with fewer casts.
 
     Parameters, their names and ties are unchanged; only the output embedding's class
     (``ChunkedLossHead``) and the instance's ``forward`` change. Install it before an
@@ -412,5 +464,5 @@ def install_chunked_loss(model: torch.nn.Module, chunk_tokens: int) -> None:
         raise TypeError(
             f"the chunked loss needs a bias-free nn.Linear LM head, not {type(head).__name__}"
         )
-    model.set_output_embeddings(ChunkedLossHead(head, chunk_tokens))
+    model.set_output_embeddings(ChunkedLossHead(head, chunk_tokens, fp32_gemms))
     model.forward = types.MethodType(_forward_with_targets, model)

@@ -304,7 +304,7 @@ class Trainer:
         chunk = self._loss_block(self.model.config.vocab_size)
         if chunk is None:
             return None
-        install_chunked_loss(self.model, chunk)
+        install_chunked_loss(self.model, chunk, fp32_gemms=self.cpu_bf16_gemm.emulates)
         return chunk
 
     def _loss_block(self, vocab_size: int) -> int | None:
@@ -313,6 +313,7 @@ class Trainer:
             self.cfg.train.loss_chunk_tokens,
             vocab_size=vocab_size,
             chunkable=self.strategy.chunked_loss,
+            cpu=self.device.type == "cpu",
         )
         if chunk is None or chunk >= self.cfg.train.micro_batch_size * self.cfg.data.seq_len:
             return None

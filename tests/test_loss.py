@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from collage_train.cpu_bf16 import Bf16GemmsAsFp32
@@ -152,6 +153,64 @@ def test_head_weight_gradient_is_the_fp32_sum_rounded_once():
     assert_rarely_one_rounding_apart(hidden.grad, plain_hidden_grad, "hidden")
 
 
+def test_install_records_fp32_gemms_on_the_head():
+    for fp32_gemms in (False, True):
+        model = tiny("gpt", None, "bf16")
+        install_chunked_loss(model, CHUNK, fp32_gemms=fp32_gemms)
+        assert model.get_output_embeddings().fp32_gemms is fp32_gemms
+
+
+class _Bf16Products(TorchDispatchMode):
+    """Counts the matrix products with a bf16 operand that reach the dispatcher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            self.count += any(t.dtype == torch.bfloat16 for t in tensors)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "mixed"])
+def test_fp32_gemms_are_the_dispatch_modes_products_bit_for_bit(mode):
+    """``fp32_gemms``: the loss up-casts the head's operands itself, once, and keeps the
+    rounded logit gradients in fp32 storage; its loss and every gradient are those of
+    the same chunked loss whose bf16 products go through ``Bf16GemmsAsFp32``, and the
+    head issues no bf16 product at all, so it needs no dispatch mode around it."""
+    model, tokens = tiny("llama", True, mode), batch()
+    install_chunked_loss(model, CHUNK)
+    reference = loss_and_grads(model, tokens, mode, accum=3)
+    head = model.get_output_embeddings()
+    head.fp32_gemms = True  # as install_chunked_loss(fp32_gemms=True) sets it
+    emulated = loss_and_grads(model, tokens, mode, accum=3)
+    assert torch.equal(emulated[0], reference[0])
+    assert all(torch.equal(emulated[1][name], grad) for name, grad in reference[1].items())
+
+    def head_alone(mode_around: TorchDispatchMode) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(4)
+        hidden = torch.randn(BATCH * SEQ, 32, generator=gen).bfloat16().requires_grad_()
+        head.weight.grad = None
+        with mode_around, torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "mixed"):
+            loss = head(hidden, tokens[:, 1:].flatten(), grad_scale=1 / 3)
+        with mode_around:
+            (loss / 3).backward()
+        return [loss.detach(), hidden.grad, head.weight.grad.clone()]
+
+    outside, products = head_alone(contextlib.nullcontext()), _Bf16Products()
+    assert all(torch.equal(a, b) for a, b in zip(head_alone(products), outside, strict=True))
+    assert products.count == 0
+    head.fp32_gemms = False
+    inside = head_alone(Bf16GemmsAsFp32())
+    assert all(torch.equal(a, b) for a, b in zip(inside, outside, strict=True))
+    products = _Bf16Products()
+    head_alone(products)
+    assert products.count > 0  # without fp32_gemms, bf16 products for the mode to catch
+
+
 def test_a_loss_gradient_other_than_the_announced_one_is_still_applied():
     """``grad_scale`` announces 1, backward brings 1/3: applied after the roundings (one
     more rounding), the gradients still are the plain loss's to within bf16 rounding."""
@@ -230,6 +289,12 @@ def test_auto_sizes_blocks_from_the_vocabulary():
     assert resolve_chunk_tokens("auto", vocab_size=128256, chunkable=False) is None  # Scalify
     assert resolve_chunk_tokens("off", vocab_size=128256, chunkable=True) is None
     assert resolve_chunk_tokens("100", vocab_size=128256, chunkable=True) == 100
+    # on a CPU, blocks of at most 8 MiB of fp32 logits (the caches), at least 64 tokens
+    assert resolve_chunk_tokens("auto", vocab_size=8192, chunkable=True, cpu=True) == 256
+    assert resolve_chunk_tokens("auto", vocab_size=2048, chunkable=True, cpu=True) == 1024
+    assert resolve_chunk_tokens("auto", vocab_size=128256, chunkable=True, cpu=True) == 64
+    assert resolve_chunk_tokens("auto", vocab_size=8192, chunkable=False, cpu=True) is None
+    assert resolve_chunk_tokens("100", vocab_size=8192, chunkable=True, cpu=True) == 100
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "abc", "1.5", "True"])
