@@ -637,3 +637,35 @@ def test_one_zero2_rank_trains_bit_for_bit_like_one_process(make_cfg, tmp_path, 
                     assert torch.equal(got, want), (by_name[param], key)
     finally:
         trainer.engine.close()
+
+
+@pytest.mark.parametrize(("precision", "rtol"), [("bf16_kahan", 0.0), ("bf16_moments", 1e-5)])
+def test_an_elementwise_rival_steps_deepspeeds_flat_partition_like_one_process(
+    make_cfg, tmp_path, monkeypatch, precision, rtol
+):
+    """The rivals whose state is elementwise (Kahan's compensation, bf16 moments): stepping
+    DeepSpeed's flat ZeRO-2 partition instead of each parameter changes nothing, so a world
+    of one trains as one process does, and the rank holds the planner's state bytes. (No
+    partition boundary cuts what they hold: the 8-bit and stochastic-rounding rivals, which
+    such a cut does change, run on 2 ranks in test_zero.py.) bf16_kahan: bit for bit.
+    bf16_moments keeps fp32 masters, whose gradient DeepSpeed clips in fp32 where one
+    process clips the bf16 one (test_zero.py's mixed_fp32 test): measured 3e-6 relative
+    over the 4 steps; its bf16 moments are checked by dtype."""
+    common = (f"precision={precision}", "optim.lr=3e-3", "optim.warmup_steps=0")
+    single = Trainer(make_cfg(*common), tmp_path / "single")
+    expected = [single.train_step()["loss"] for _ in range(4)]
+    trainer = _zero_trainer(make_cfg, tmp_path / "zero", monkeypatch, *common, "distributed=zero2")
+    try:
+        losses = [trainer.train_step()["loss"] for _ in range(4)]
+        assert losses == pytest.approx(expected, rel=rtol, abs=0.0)
+        strategy = get_strategy(precision)
+        accumulate = trainer.engine.gradient_dtypes.accumulate
+        planned = zero_state_bytes(strategy, 2, 1, accumulate).persistent
+        assert trainer.engine.expected_state_bytes_per_param(strategy) == planned
+        num_params = sum(p.numel() for p in trainer.model.parameters())
+        assert trainer.engine.state_bytes() / num_params == pytest.approx(planned, rel=2e-3)
+        if precision == "bf16_moments":
+            (state, *_) = trainer.optimizer.state.values()
+            assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    finally:
+        trainer.engine.close()

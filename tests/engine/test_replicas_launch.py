@@ -18,15 +18,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import REPO, run_cli, run_deepspeed
+from cli_runner import REPO, run_deepspeed
 from cli_runner import run_torchrun as torchrun
 from hydra import compose, initialize_config_dir
 from replica_sim import simulate_replicas
 from safetensors.torch import load_file
 from tiny_config import tiny_model_and_data
 
-from collage_train import checkpoint
+from collage_train import checkpoint, cli
 from collage_train.cli import config_dir
+from collage_train.export import main as export_main
 
 pytestmark = [pytest.mark.slow, pytest.mark.replicas]
 
@@ -151,9 +152,9 @@ def test_payload_is_small_and_the_loss_falls(two_replicas):
 
 
 def test_export_takes_rank_zeros_replica(two_replicas, tmp_path):
+    """In this process (the export command's own run: test_zero.py)."""
     out = tmp_path / "hf"
-    result = run_cli(str(two_replicas), "--out", str(out), module="collage_train.export")
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert export_main([str(two_replicas), "--out", str(out)]) == 0
     exported = load_file(out / "model.safetensors")
     saved = replica_file(two_replicas, OUTER_STEPS * H, 0, "model")
     assert all(torch.equal(exported[name], saved[name]) for name in exported)
@@ -185,45 +186,20 @@ def test_the_deepspeed_launcher_runs_replicas(corpus_dir, cache_dir, tmp_path):
     assert_bitwise(list(models[0].values()), list(models[1].values()))
 
 
-def test_a_stopped_and_resumed_run_equals_the_uninterrupted_one(
-    two_replicas, corpus_dir, cache_dir, tmp_path
-):
-    """Stopped mid outer step (step 18 of 40, H = 4), resumed on two ranks: every rank's
-    model, inner optimizer, error feedback and shared weights, and the logged losses,
-    equal those of the uninterrupted run bit for bit."""
-    run_dir = tmp_path / "run"
-    args = [*overrides(corpus_dir, cache_dir), f"hydra.run.dir={run_dir}"]
-    stopped = torchrun(*args, "train.stop_at_step=18")
-    assert stopped.returncode == 0, stopped.stderr[-3000:]
-    assert "stopped at step 18 of 40" in stopped.stdout
-    resumed = torchrun(*args, "train.resume=true")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout and "step-18 at step 18" in resumed.stdout
-    last = OUTER_STEPS * H
-    for rank in (0, 1):
-        for name in ("model", "optimizer", "outer"):
-            mine, theirs = (replica_file(d, last, rank, name) for d in (run_dir, two_replicas))
-            if name == "model":
-                assert_bitwise(list(mine.values()), list(theirs.values()))
-            elif name == "optimizer":
-                assert_bitwise(state_tensors(mine["state"]), state_tensors(theirs["state"]))
-            else:
-                for key in ("shared", "errors"):
-                    assert_bitwise(mine[key], theirs[key])
-                assert mine["counters"]["outer_steps"] == theirs["counters"]["outer_steps"]
-    losses = [[r["loss"] for r in records(d) if "loss" in r] for d in (run_dir, two_replicas)]
-    assert losses[0] == losses[1] and len(losses[0]) == last
-
-
 def test_resuming_replicas_with_another_world_size_is_refused(
-    two_replicas, corpus_dir, cache_dir, tmp_path
+    two_replicas, corpus_dir, cache_dir, tmp_path, capsys
 ):
+    """By a lone process (one replica), in this process as ``python -m collage_train``
+    runs it (cli.run)."""
     run_dir = tmp_path / "run"
     shutil.copytree(two_replicas, run_dir)
     args = [*overrides(corpus_dir, cache_dir), "train.resume=true", f"hydra.run.dir={run_dir}"]
-    result = torchrun(*args, ranks=1)
-    assert result.returncode == 1  # torchrun reports a failed worker as 1, whatever its status
-    assert result.error_lines == [
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=args)
+    capsys.readouterr()
+    assert cli.run(cfg, run_dir) == 2
+    errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert errors == [
         f"error: {checkpoint.latest_checkpoint(run_dir)} was written by 2 replicas and this run "
         "has 1; each replica's inner state is its own: resume with 2 processes "
         "(torchrun --nproc_per_node 2)"
@@ -231,14 +207,17 @@ def test_resuming_replicas_with_another_world_size_is_refused(
 
 
 @pytest.mark.parametrize(
-    ("precision", "comm"),
+    ("precision", "comm", "stop_at"),
     # collage_8bit: 8-bit moments and a stochastically rounded v, each rank on its streams
-    [("collage_plus", "sparseloco"), ("collage_8bit", "diloco")],
+    [("collage_plus", "sparseloco", 6), ("collage_8bit", "diloco", None)],
 )
 def test_collage_replicas_merge_theta_plus_dtheta_like_the_simulation(
-    corpus_dir, cache_dir, tmp_path, precision, comm
+    corpus_dir, cache_dir, tmp_path, precision, comm, stop_at
 ):
-    """Collage: the pseudo-gradient comes from theta + dtheta, on both sides alike."""
+    """Collage: the pseudo-gradient comes from theta + dtheta, on both sides alike.
+    collage_plus is stopped mid outer step (step 6, H = 4) and resumed on two ranks:
+    every rank's model, inner optimizer, error feedback and shared weights, and the
+    logged losses, still equal the uninterrupted simulation's bit for bit."""
     outer_steps = 3
     extra = (
         f"precision={precision}",
@@ -247,8 +226,16 @@ def test_collage_replicas_merge_theta_plus_dtheta_like_the_simulation(
         f"train.eval_every={H * outer_steps}",
     )
     run_dir = tmp_path / "run"
-    result = torchrun(*overrides(corpus_dir, cache_dir, *extra), f"hydra.run.dir={run_dir}")
+    args = [*overrides(corpus_dir, cache_dir, *extra), f"hydra.run.dir={run_dir}"]
+    if stop_at is not None:
+        stopped = torchrun(*args, f"train.stop_at_step={stop_at}")
+        assert stopped.returncode == 0, stopped.stderr[-3000:]
+        assert f"stopped at step {stop_at} of {H * outer_steps}" in stopped.stdout
+        args.append("train.resume=true")
+    result = torchrun(*args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    if stop_at is not None:
+        assert f"step-{stop_at} at step {stop_at}" in result.stdout
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -267,3 +254,11 @@ def test_collage_replicas_merge_theta_plus_dtheta_like_the_simulation(
         assert_bitwise(state_tensors(saved), held)
         dthetas = [s["dtheta"] for s in trainer.optimizer.state_dict()["state"].values()]
         assert any(torch.count_nonzero(d) for d in dthetas)  # the compensation is in play
+        model = replica_file(run_dir, H * outer_steps, rank, "model")
+        assert_bitwise(list(model.values()), list(trainer.model.state_dict().values()))
+        outer = replica_file(run_dir, H * outer_steps, rank, "outer")
+        if comm == "sparseloco":
+            assert_bitwise(outer["errors"], simulation.states[rank].errors)
+        assert outer["counters"]["outer_steps"] == outer_steps
+    logged = [r["loss"] for r in records(run_dir) if "loss" in r]
+    assert logged == [a + b for a, b in simulation.losses]  # each step once, as simulated

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO through the real ``deepspeed`` launcher: 2 CPU processes with gloo.
+"""DeepSpeed ZeRO on 2 CPU processes with gloo, started by ``torchrun`` (the ZeRO-2
+collage_plus run most tests read: by the ``deepspeed`` launcher).
 
 Every ZeRO run here is compared with a single-process run of the same global batch
 and data order. The comparison tolerance is relative 1e-3 on loss, gradient norm and
@@ -46,6 +47,36 @@ pytestmark = [pytest.mark.slow, pytest.mark.zero]
 RTOL = 1e-3
 
 
+# The module's ZeRO-3 collage_plus run computes the loss in chunks (collage_train.loss),
+# which ZeRO-3's gathered head weight must see: one launch for both behaviours.
+CHUNKED = "train.loss_chunk_tokens=48"
+# Launched by the ``deepspeed`` launcher (the others by ``torchrun``, which starts ranks
+# seconds sooner; both set the same launch variables): the run most tests here read.
+BY_DEEPSPEED = ("zero2", "collage_plus")
+
+
+def collage_plus(stage: str) -> tuple[str, ...]:
+    """``runs`` arguments of the module's collage_plus run on ``stage``."""
+    return (stage, "collage_plus", CHUNKED) if stage == "zero3" else (stage, "collage_plus")
+
+
+def run_in_process(args: list[str], run_dir: Path) -> Result:
+    """The one-process run in this process (no interpreter to start), at a launched rank's
+    thread count: the same CPU GEMM roundings as the ranks it is compared with."""
+    from hydra import compose, initialize_config_dir
+
+    from collage_train import cli
+
+    with initialize_config_dir(config_dir=cli.config_dir(), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(rank_threads(2))
+    try:
+        return Result(cli.run(cfg, run_dir), "", "")
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def runs(corpus_dir, cache_dir, tmp_path_factory):
     """Runs of the tiny setup, each launched once per module: ``runs(engine, precision)``."""
@@ -65,10 +96,12 @@ def runs(corpus_dir, cache_dir, tmp_path_factory):
                 f"distributed={distributed}",
                 *extra,
             ]
-            if distributed == "unsharded":  # at a rank's thread count: the same GEMM roundings
-                result = run_cli(*args, threads=rank_threads(2))
-            else:
+            if distributed == "unsharded":
+                result = run_in_process(args, run_dir)
+            elif (distributed, precision) == BY_DEEPSPEED and not extra:
                 result = run_deepspeed(*args)
+            else:
+                result = run_torchrun(*args)
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
             assert not result.leftover_shm, result.leftover_shm  # engine/zero.py unlinks them
             done[key] = (run_dir, result)
@@ -125,8 +158,10 @@ def assert_matches_single_process(
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_collage_plus_under_zero_matches_single_process_with_half_the_state(runs, stage):
-    single_dir, _ = runs("unsharded", "collage_plus")
-    zero_dir, result = runs(f"zero{stage}", "collage_plus")
+    """At stage 3 both runs take the chunked loss (test_chunked_loss_under_zero3...)."""
+    _, precision, *extra = collage_plus(f"zero{stage}")
+    single_dir, _ = runs("unsharded", precision, *extra)
+    zero_dir, result = runs(f"zero{stage}", precision, *extra)
     assert_matches_single_process(
         zero_dir, single_dir, ("edq", "edq_normalized", "lost_update_frac", "dtheta_norm")
     )
@@ -164,35 +199,18 @@ def test_collage_plus_under_zero_matches_single_process_with_half_the_state(runs
         assert tensors and all(t.dtype == torch.bfloat16 for t in tensors if t.dim() > 0)
 
 
-def test_chunked_loss_under_zero3_matches_single_process_and_exports(runs, tmp_path):
+def test_chunked_loss_under_zero3_matches_single_process(runs):
     """The chunked loss (collage_train.loss: blocks of 48 of a micro-batch's 128 tokens) runs
     inside the top-level model call, where ZeRO-3 gathers the head's partitioned weight:
-    the run equals the single-process one with the same loss, stays within the tolerance
-    of the full-logits ZeRO-3 run, and its export is a standard transformers model whose
-    weights the export command consolidates from its shards alike."""
-    chunk = "train.loss_chunk_tokens=48"
-    single_dir, _ = runs("unsharded", "collage_plus", chunk)
-    zero_dir, _ = runs("zero3", "collage_plus", chunk)
-    edq = ("edq", "edq_normalized", "lost_update_frac", "dtheta_norm")
-    assert_matches_single_process(zero_dir, single_dir, edq)
-    plain_dir, _ = runs("zero3", "collage_plus")
+    the ZeRO-3 run equals the single-process one with the same loss (EDQ included:
+    test_collage_plus_under_zero_matches_single_process_with_half_the_state[3]) and stays
+    within the tolerance of the full-logits single-process run. Its export:
+    test_export_command_consolidates_zero3_shards."""
+    zero_dir, _ = runs(*collage_plus("zero3"))
+    plain_dir, _ = runs("unsharded", "collage_plus")
     assert_matches_single_process(zero_dir, plain_dir, ())
     assert json.loads((zero_dir / "summary.json").read_text())["loss_chunk_tokens"] == 48
     assert json.loads((plain_dir / "summary.json").read_text())["loss_chunk_tokens"] is None
-
-    out = tmp_path / "exported"
-    result = run_cli(str(zero_dir), "--out", str(out), module="collage_train.export")
-    assert result.returncode == 0, result.stderr[-2000:]
-    exported, at_end = (
-        load_file(out / "model.safetensors"),
-        load_file(zero_dir / "hf" / "model.safetensors"),
-    )
-    assert (
-        exported.keys() == at_end.keys() == load_file(plain_dir / "hf" / "model.safetensors").keys()
-    )
-    assert all(torch.equal(exported[k], at_end[k]) for k in at_end)
-    config = json.loads((zero_dir / "hf" / "config.json").read_text())
-    assert config["architectures"] == ["GPT2LMHeadModel"]
 
 
 def test_mixed_fp32_under_zero2_keeps_fp32_masters_and_matches(runs):
@@ -221,11 +239,14 @@ def test_mixed_fp32_under_zero2_keeps_fp32_masters_and_matches(runs):
     assert all(t.dtype == torch.bfloat16 for t in exported.values())
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_scalify_under_zero_matches_single_process_with_a_scale_per_piece(runs, stage):
+# Stage 1 steps the same DeepSpeed optimizer class, and our engine the same partitions
+# (engine/zero.py: ``stage < 3``), as stage 2: its pieces are stage 2's.
+@pytest.mark.parametrize("stage", [2, 3])
+def test_scalify_under_zero_matches_single_process_with_a_scale_per_piece(runs, tmp_path, stage):
     """``scalify_fp32_params`` under ZeRO: fp32 weights and gradients through DeepSpeed,
     the scaled-fp16 master (held by the weight partition) and moments sharded, each
-    piece of a parameter in a partition under a power-of-two scale of its own."""
+    piece of a parameter in a partition under a power-of-two scale of its own. The final
+    checkpoint, exported from its shards on one CPU process, is the run's own export."""
     single_dir, _ = runs("unsharded", "scalify_fp32_params")
     zero_dir, _ = runs(f"zero{stage}", "scalify_fp32_params")
     assert_matches_single_process(zero_dir, single_dir, ("edq", "edq_normalized"))
@@ -246,22 +267,21 @@ def test_scalify_under_zero_matches_single_process_with_a_scale_per_piece(runs, 
             assert torch.equal(data.half().float(), data)  # the weights hold the fp16 master
         pieces = torch.cat([s["exp_avg_sq_scale"] for s in states])
         assert pieces.numel() > 4 and len(set(pieces.tolist())) > 2  # each at its own RMS
+    assert export_main([str(zero_dir / "checkpoints" / "step-8"), "--out", str(tmp_path)]) == 0
+    exported = load_file(tmp_path / "model.safetensors")
+    full = load_file(zero_dir / "hf" / "model.safetensors")
+    assert exported.keys() == full.keys() and all(torch.equal(exported[k], full[k]) for k in full)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_scalify_under_zero_resumes_on_its_layout_only(
-    runs, corpus_dir, cache_dir, tmp_path, stage
-):
+def test_scalify_under_zero3_resumes_on_its_layout_only(runs, corpus_dir, cache_dir, tmp_path):
     """Stopped at step 4 (the full run's own step-4 checkpoint), resumed by 2 ranks: the
     same weights and losses as the run that never stopped (the per-piece scales and piece
-    lengths come back with DeepSpeed's optimizer state). On one process: refused."""
-    full_dir, _ = runs(f"zero{stage}", "scalify_fp32_params")
-    # exported from its shards on one CPU process: the run's own hf/ export
-    step_8 = full_dir / "checkpoints" / "step-8"
-    assert export_main([str(step_8), "--out", str(tmp_path / "x")]) == 0
-    exported = load_file(tmp_path / "x" / "model.safetensors")
+    lengths come back with DeepSpeed's optimizer state). On one process: refused. Stage 3
+    (DeepSpeed's stage-3 loader, each parameter's shard a piece); stage 2's loader resumes
+    the optimizer state bit for bit in test_zero2_resume_continues_to_the_same_weights and
+    for collage_8bit's block scales in the rival test."""
+    full_dir, _ = runs("zero3", "scalify_fp32_params")
     full = load_file(full_dir / "hf" / "model.safetensors")
-    assert exported.keys() == full.keys() and all(torch.equal(exported[k], full[k]) for k in full)
     run_dir = rewound_to_step_4(full_dir, tmp_path / "run")
     args = [
         *tiny_overrides(corpus_dir, cache_dir, run_dir),
@@ -273,7 +293,7 @@ def test_scalify_under_zero_resumes_on_its_layout_only(
     with pytest.raises(ConfigError, match="resumes only with the engine and number of proc"):
         check_resume(run_dir / "checkpoints" / "step-4", one_process, world_size=1)
 
-    resumed = run_deepspeed(*args, f"distributed=zero{stage}")
+    resumed = run_torchrun(*args, "distributed=zero3")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     weights = load_file(run_dir / "hf" / "model.safetensors")
@@ -296,15 +316,13 @@ def test_global_edq_per_layer_group_equals_single_process(runs):
 
 def test_zero2_resume_continues_to_the_same_weights(runs, corpus_dir, cache_dir, tmp_path):
     """The 8-step run rewound to its step-4 checkpoint (as a run stopped there leaves it:
-    test_cli_e2e stops and resumes for real) and resumed by 2 ranks: the same weights."""
+    test_cli_e2e stops and resumes for real), converted to universal and back to 2-rank
+    ZeRO-2 (``checkpoint convert --to zero2``: DeepSpeed's own files, every tensor, record
+    and mapping as it saved them), and resumed by 2 ranks through DeepSpeed's loader, not
+    the elastic reader: the uninterrupted run's losses and weights, bit for bit. (The
+    collage_8bit rival resumes from the files as the run wrote them.)"""
     full_dir, _ = runs("zero2", "collage_plus")
     run_dir = rewound_to_step_4(full_dir, tmp_path / "run")
-    args = [
-        *tiny_overrides(corpus_dir, cache_dir, run_dir),
-        "logging.log_every=1",
-        "precision=collage_plus",
-        "distributed=zero2",
-    ]
     # both ranks' shards are listed with sizes and checksums, and the checkpoint is intact
     step_4 = run_dir / "checkpoints" / "step-4"
     listed = json.loads((step_4 / "meta.json").read_text())["files"]
@@ -312,20 +330,35 @@ def test_zero2_resume_continues_to_the_same_weights(runs, corpus_dir, cache_dir,
     assert set(listed) == on_disk - {"meta.json"}
     assert any("zero_pp_rank_1" in name for name in listed)
     assert all(checkpoint.damage(step_4, rank, 2) is None for rank in (0, 1))
-    second = run_deepspeed(*args, "train.resume=true")
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stdout
-    resumed = load_file(run_dir / "hf" / "model.safetensors")
-    full = load_file(full_dir / "hf" / "model.safetensors")
-    assert resumed.keys() == full.keys()
-    assert all(torch.equal(resumed[k], full[k]) for k in full)
-    assert train_records(run_dir)[8]["loss"] == train_records(full_dir)[8]["loss"]
+    universal, back = tmp_path / "universal", tmp_path / "zero2"
+    assert convert_main(["convert", str(step_4), str(universal)]) == 0
+    to_zero2 = ["--to", "zero2", "--world-size", "2"]
+    assert convert_main(["convert", str(universal), str(back), *to_zero2]) == 0
+    assert_same_deepspeed_files(back, step_4)
+    shutil.rmtree(step_4)
+    back.rename(step_4)
+    result = run_torchrun(
+        *tiny_overrides(corpus_dir, cache_dir, run_dir), "logging.log_every=1",
+        "precision=collage_plus", "distributed=zero2", "train.resume=true",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout and "elastic resume" not in result.stdout
+    resumed, full = train_records(run_dir), train_records(full_dir)
+    assert [resumed[s]["loss"] for s in range(5, 9)] == [full[s]["loss"] for s in range(5, 9)]
+    weights = load_file(run_dir / "hf" / "model.safetensors")
+    at_end = load_file(full_dir / "hf" / "model.safetensors")
+    assert weights.keys() == at_end.keys()
+    assert all(torch.equal(weights[k], at_end[k]) for k in at_end)
 
 
-RIVALS = ("bf16_sr", "bf16_kahan", "bf16_moments", "adamw_8bit", "collage_8bit")
-# ZeRO-2 resumes these bit for bit: stochastic rounding's streams and the 8-bit codes and
-# block scales come back with DeepSpeed's optimizer state.
-RESUMED_BITWISE = ("bf16_sr", "collage_8bit")
+# The rivals whose numerics a partition boundary changes (it cuts 8-bit blocks and
+# stochastic-rounding streams); the elementwise ones (bf16_kahan, bf16_moments) step a
+# flat partition as one process steps its parameters: test_engine.py, on one ZeRO rank.
+RIVALS = ("bf16_sr", "adamw_8bit", "collage_8bit")
+# ZeRO-2 resumes it bit for bit: its stochastic-rounding streams (rounding_noise, as
+# bf16_sr's) and its 8-bit codes and block scales come back with DeepSpeed's optimizer
+# state. bf16_sr's bitwise resume: test_cli_e2e (the same streams, one process).
+RESUMED_BITWISE = ("collage_8bit",)
 
 
 @pytest.mark.parametrize("precision", RIVALS)
@@ -338,8 +371,8 @@ def test_rival_strategy_under_zero2_matches_its_single_process_run(
     elsewhere than per parameter (measured: at most 7e-5 relative over the 8 steps); a
     wrong reduction moves the loss by more than 1e-2. Each rank holds the state bytes the
     planner (engine.zero_memory) gives, up to a block scale per partly filled block.
-    bf16_sr and collage_8bit resume bit for bit; collage_8bit's checkpoint, whose block
-    scales belong to the ranks' partitions, is refused elsewhere in one line."""
+    collage_8bit resumes bit for bit; its checkpoint, whose block scales belong to the
+    ranks' partitions, is refused elsewhere in one line."""
     single_dir, _ = runs("unsharded", precision)
     zero_dir, _ = runs("zero2", precision)
     zero, single = train_records(zero_dir), train_records(single_dir)
@@ -369,9 +402,9 @@ def test_rival_strategy_under_zero2_matches_its_single_process_run(
     ]
     if not strategy.reshards:  # elastic: 2 ranks -> 1 process, refused, nothing changed
         saved = files_of(run_dir / "checkpoints")
-        refused = run_cli(*args, "train.resume=true")
-        assert refused.returncode == 2, refused.stderr[-2000:]
-        (line,) = refused.error_lines
+        capsys.readouterr()
+        assert run_in_process([*args, "train.resume=true"], run_dir).returncode == 2
+        (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
         assert "resumes only with the engine and number of processes" in line, line
         assert "per block of 256 elements" in line, line
         capsys.readouterr()
@@ -382,7 +415,7 @@ def test_rival_strategy_under_zero2_matches_its_single_process_run(
             assert line.startswith("error:") and "per block of 256 elements" in line, line
             assert not out.exists()
         assert files_of(run_dir / "checkpoints") == saved
-    resumed = run_deepspeed(*args, "distributed=zero2", "train.resume=true")
+    resumed = run_torchrun(*args, "distributed=zero2", "train.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "elastic resume" not in resumed.stdout
     weights = load_file(run_dir / "hf" / "model.safetensors")
@@ -405,7 +438,7 @@ def test_nan_loss_under_zero_is_one_error_line_and_leaves_no_shm_files(
         "precision=collage_plus",
         "distributed=zero2",
     ]
-    result = run_deepspeed(*args)
+    result = run_deepspeed(*args)  # whose launcher adds no traceback of its own
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     (line,) = result.error_lines  # rank 0 reports, once
@@ -414,15 +447,22 @@ def test_nan_loss_under_zero_is_one_error_line_and_leaves_no_shm_files(
 
 
 def test_export_command_consolidates_zero3_shards(runs, tmp_path):
-    zero_dir, _ = runs("zero3", "collage_plus")
+    """The export command gathers the ZeRO-3 run's shards (of the chunked-loss run: the
+    loss is no part of the model) into the run's own export at its end: a standard
+    transformers model, with the one-process run's tensor names."""
+    zero_dir, _ = runs(*collage_plus("zero3"))
     out = tmp_path / "exported"
     result = run_cli(str(zero_dir), "--out", str(out), module="collage_train.export")
     assert result.returncode == 0, result.stderr[-2000:]
     exported = load_file(out / "model.safetensors")
     at_end = load_file(zero_dir / "hf" / "model.safetensors")
     assert exported.keys() == at_end.keys()
+    one_process = load_file(runs("unsharded", "collage_plus")[0] / "hf" / "model.safetensors")
+    assert at_end.keys() == one_process.keys()
     assert all(torch.equal(exported[k], at_end[k]) for k in at_end)
     assert (out / "tokenizer.model").is_file()
+    config = json.loads((zero_dir / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"]
 
 
 def test_torchrun_ranks_share_the_default_run_directory(corpus_dir, cache_dir, tmp_path):
@@ -508,8 +548,9 @@ def relative_gap(mine: torch.Tensor, theirs: torch.Tensor) -> float:
 
 @pytest.mark.parametrize(
     ("source", "precision", "target", "reference"),
+    # A one-process source resharded: test_elastic.py (in process) and the two below; a
+    # sharded one (zero1, whose reader zero2 shares) to ZeRO-3 here.
     [
-        ("unsharded", "collage_plus", "zero3", "zero3"),
         ("zero1", "collage_plus", "zero3", "zero3"),
         # no 8-step zero3 run of mixed_fp32 above: ZeRO-2 clips in fp32 as ZeRO-3 does
         ("unsharded", "mixed_fp32", "zero3", "zero2"),
@@ -522,9 +563,13 @@ def test_resume_on_two_zero_ranks_from_another_layout(
 ):
     run_dir = rewound_to_step_4(runs(source, precision)[0], tmp_path / "run")
     saved = files_of(run_dir / "checkpoints" / "step-4")
-    result = run_deepspeed(
+    # the uninterrupted run on the target's layout (at ZeRO-3 collage_plus: chunked loss)
+    uninterrupted_run = collage_plus(reference) if precision == "collage_plus" else (
+        reference, precision)  # fmt: skip
+    result = run_torchrun(
         *tiny_overrides(corpus_dir, cache_dir, run_dir), "logging.log_every=1",
         f"precision={precision}", f"distributed={target}", "train.resume=true",
+        *uninterrupted_run[2:],
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     (line,) = [x for x in result.stdout.splitlines() if x.startswith("elastic resume:")]
@@ -535,7 +580,7 @@ def test_resume_on_two_zero_ranks_from_another_layout(
     resumed, before = train_records(run_dir), train_records(runs(source, precision)[0])
     assert [r["step"] for r in records(run_dir) if "loss" in r] == list(range(1, 9))
     assert all(resumed[s]["loss"] == before[s]["loss"] for s in range(1, 5))
-    uninterrupted = train_records(runs(reference, precision)[0])
+    uninterrupted = train_records(runs(*uninterrupted_run)[0])
     for step in range(5, 9):
         assert resumed[step]["loss"] == pytest.approx(uninterrupted[step]["loss"], rel=RTOL), step
     # Four steps after the reshard, the model's state is the uninterrupted run's up to the
@@ -547,7 +592,7 @@ def test_resume_on_two_zero_ranks_from_another_layout(
     # for bit at the reshard (test_zero2_on_two_ranks_resumes_on_one_process,
     # test_elastic.py), which fills every component through the same slices as exp_avg.
     mine = open_full_state(run_dir / "checkpoints" / "step-8")
-    theirs = open_full_state(runs(reference, precision)[0] / "checkpoints" / "step-8")
+    theirs = open_full_state(runs(*uninterrupted_run)[0] / "checkpoints" / "step-8")
     assert mine.shapes == theirs.shapes and mine.layout == target
     first = next(iter(theirs.shapes))
     assert mine.read(first).keys() == theirs.read(first).keys()
@@ -557,53 +602,27 @@ def test_resume_on_two_zero_ranks_from_another_layout(
         assert relative_gap(ours, other) < 0.05, key
 
 
+def error_lines(capsys: pytest.CaptureFixture) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+
+
 def test_corrupted_shard_or_other_strategy_is_one_line_and_leaves_the_checkpoint(
-    runs, corpus_dir, cache_dir, tmp_path
+    runs, corpus_dir, cache_dir, tmp_path, capsys
 ):
+    """In this process, as ``python -m collage_train`` runs it (cli.run)."""
     run_dir = rewound_to_step_4(runs("zero2", "collage_plus")[0], tmp_path / "run")
     args = [*tiny_overrides(corpus_dir, cache_dir, run_dir), "train.resume=true"]
-    other = run_cli(*args, "precision=mixed_fp32")  # a different strategy: another run
-    assert other.returncode == 2 and len(other.error_lines) == 1, other.stderr[-2000:]
-    assert "precision=collage_plus" in other.error_lines[0]
+    capsys.readouterr()
+    other = run_in_process([*args, "precision=mixed_fp32"], run_dir)  # another run
+    (line,) = error_lines(capsys)
+    assert other.returncode == 2 and "precision=collage_plus" in line, line
     (shard,) = (run_dir / "checkpoints" / "step-4").glob("*zero_pp_rank_1_*optim_states.pt")
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     before = files_of(run_dir / "checkpoints")
-    result = run_cli(*args, "precision=collage_plus")  # elastic: 2 ranks -> 1 process
-    assert result.returncode == 2, result.stderr[-2000:]
-    (line,) = result.error_lines
+    result = run_in_process([*args, "precision=collage_plus"], run_dir)  # 2 ranks -> 1
+    assert result.returncode == 2
+    (line,) = error_lines(capsys)
     assert "no intact checkpoint" in line and "checksum" in line and shard.name in line, line
     assert files_of(run_dir / "checkpoints") == before
-
-
-def test_zero2_through_universal_and_back_resumes_with_deepspeeds_loader(
-    runs, corpus_dir, cache_dir, tmp_path
-):
-    """2-rank ZeRO-2 -> universal -> ZeRO-2 on 2 ranks (``checkpoint convert --to zero2``)
-    gives DeepSpeed's own files (every tensor, record and mapping as it saved them), which a
-    2-rank launch resumes through DeepSpeed's loader, not the elastic reader, to the very
-    losses and weights of the original resumed (test_zero2_resume_continues_to_the_same_weights:
-    those of the uninterrupted run)."""
-    full_dir, _ = runs("zero2", "collage_plus")
-    run_dir = rewound_to_step_4(full_dir, tmp_path / "run")
-    step_4 = run_dir / "checkpoints" / "step-4"
-    universal, back = tmp_path / "universal", tmp_path / "zero2"
-    assert convert_main(["convert", str(step_4), str(universal)]) == 0
-    to_zero2 = ["--to", "zero2", "--world-size", "2"]
-    assert convert_main(["convert", str(universal), str(back), *to_zero2]) == 0
-    assert_same_deepspeed_files(back, step_4)
-    shutil.rmtree(step_4)
-    back.rename(step_4)
-    result = run_deepspeed(
-        *tiny_overrides(corpus_dir, cache_dir, run_dir), "logging.log_every=1",
-        "precision=collage_plus", "distributed=zero2", "train.resume=true",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from" in result.stdout and "elastic resume" not in result.stdout
-    resumed, full = train_records(run_dir), train_records(full_dir)
-    assert [resumed[s]["loss"] for s in range(5, 9)] == [full[s]["loss"] for s in range(5, 9)]
-    weights = load_file(run_dir / "hf" / "model.safetensors")
-    at_end = load_file(full_dir / "hf" / "model.safetensors")
-    assert weights.keys() == at_end.keys()
-    assert all(torch.equal(weights[k], at_end[k]) for k in at_end)
