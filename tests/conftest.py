@@ -156,6 +156,27 @@ def tiny(corpus_dir, cache_dir, tmp_path):
 
 
 @pytest.fixture
+def in_process(corpus_dir, cache_dir, capsys):
+    """The tiny setup run by ``cli.run`` in this process, as ``tiny`` runs it in a
+    subprocess (the run directory is a keyword; extra overrides win), without the
+    interpreter start and imports of ``python -m collage_train``."""
+    from hydra import compose, initialize_config_dir
+
+    from collage_train import cli
+
+    def _run(*extra: str, run_dir: Path) -> Result:
+        overrides = [*tiny_overrides(corpus_dir, cache_dir, run_dir), *extra]
+        with initialize_config_dir(config_dir=cli.config_dir(), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        capsys.readouterr()
+        status = cli.run(cfg, run_dir)
+        out = capsys.readouterr()
+        return Result(status, out.out, out.err)
+
+    return _run
+
+
+@pytest.fixture
 def make_cfg(corpus_dir, cache_dir):
     """Composes the real config for a tiny in-process run; extra overrides win."""
 

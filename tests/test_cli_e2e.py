@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -98,25 +97,6 @@ def test_full_run_writes_metrics_checkpoints_export_and_summary(in_process, tmp_
 def _final_state(run_dir, step):
     ckpt = run_dir / "checkpoints" / f"step-{step}"
     return load_checkpoint_file(ckpt, "model"), load_checkpoint_file(ckpt, "optimizer")
-
-
-@pytest.fixture
-def in_process(corpus_dir, cache_dir, capsys):
-    """The tiny setup run by ``cli.run`` in this process: (exit status, stdout, stderr)."""
-    from hydra import compose, initialize_config_dir
-
-    from collage_train import cli
-
-    def _run(*extra: str, run_dir) -> SimpleNamespace:
-        overrides = [*tiny_overrides(corpus_dir, cache_dir, run_dir), *extra]
-        with initialize_config_dir(config_dir=cli.config_dir(), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
-        capsys.readouterr()
-        status = cli.run(cfg, run_dir)
-        out = capsys.readouterr()
-        return SimpleNamespace(returncode=status, stdout=out.out, stderr=out.err)
-
-    return _run
 
 
 @pytest.mark.parametrize(
