@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -28,8 +25,6 @@ from collage_train.models import build_model
 from collage_train.optim import decay_param_groups
 from collage_train.precision import available, get_strategy
 from collage_train.trainer import Trainer
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def measured_step_peak(trainer: Trainer) -> int:
@@ -420,20 +415,17 @@ def test_checkpointed_recompute_meets_the_later_blocks_gradients():
     assert plan.backward_peak < plan.persistent + plan.activations + plan.gradients + working
 
 
-def _plan_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "collage_train.plan", *args],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
-    )  # fmt: skip
+def test_plan_cli_prints_the_chosen_setting_and_every_alternative(capsys):
+    """``python -m collage_train.plan ARGS`` is ``plan.main(ARGS)``, run in-process."""
+    from collage_train import plan
 
-
-def test_plan_cli_prints_the_chosen_setting_and_every_alternative():
-    result = _plan_cli(
-        "+experiment=gpt_6.7b", "precision=collage_plus", "distributed=zero2",
-        "plan.gpus=8", "plan.gpu_mem_gb=80",
+    status = plan.main(
+        ["+experiment=gpt_6.7b", "precision=collage_plus", "distributed=zero2",
+         "plan.gpus=8", "plan.gpu_mem_gb=80"]
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
+    printed = capsys.readouterr()
+    assert status == 0, printed.err
+    out = printed.out
     assert "collage_plus with zero2" in out and "8 GPU(s) x 80 GiB" in out
     for word in ("weights", "gradients", "master weights", "dtheta", "dv", "activations"):
         assert word in out
@@ -457,7 +449,7 @@ def test_plan_cli_prints_the_chosen_setting_and_every_alternative():
     ],
 )
 def test_plan_cli_bad_input_is_one_error_line(args, message, capsys):
-    """In-process (the entry point's subprocess is driven above): main's status and stderr."""
+    """main's status and stderr."""
     from collage_train import plan
 
     assert plan.main(args) == 2
