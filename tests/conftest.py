@@ -84,10 +84,12 @@ _share_cores_among_workers()
 _LAUNCH_MARKERS = ("zero", "replicas")
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if any(item.get_closest_marker(name) for name in _LAUNCH_MARKERS):
             item.add_marker(pytest.mark.xdist_group("launches"))
+            item.add_marker(pytest.mark.slow)  # every launch takes seconds
     if config.getoption("--device") != "cuda":
         return
     for item in items:

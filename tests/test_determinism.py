@@ -100,6 +100,7 @@ def test_a_workspace_cublas_would_not_keep_deterministic_is_refused(monkeypatch,
     assert os.environ[CUBLAS] == value
 
 
+@pytest.mark.slow
 def test_an_operation_without_a_deterministic_kernel_is_one_error_line(
     corpus_dir, cache_dir, tmp_path, monkeypatch, capsys
 ):

@@ -141,6 +141,7 @@ def _assert_same_state(trainer: Trainer, reference: Trainer) -> None:
 # of collage_plus; every optimizer's masked step and rewind is tested alone in
 # tests/optim/test_step_mask.py.
 @pytest.mark.parametrize("precision", ["bf16_sr", "scalify"])
+@pytest.mark.slow
 def test_a_nan_and_a_spike_are_skipped_as_if_their_batches_were_never_there(
     make_cfg, tmp_path, patched_trainer, precision
 ):
@@ -172,6 +173,7 @@ def test_a_nan_and_a_spike_are_skipped_as_if_their_batches_were_never_there(
 
 
 @pytest.mark.parametrize("precision", ["collage_plus", "bf16_sr", "scalify"])
+@pytest.mark.slow
 def test_steps_held_back_behind_a_refused_one_are_taken_again(
     make_cfg, tmp_path, patched_trainer, precision
 ):
@@ -213,6 +215,7 @@ def test_steps_held_back_behind_a_refused_one_are_taken_again(
     assert all(math.isfinite(r["loss"]) for r in train)
 
 
+@pytest.mark.slow
 def test_the_guard_off_trains_bit_for_bit_as_the_guard_on_without_a_fault(
     make_cfg, tmp_path, patched_trainer
 ):
@@ -228,6 +231,7 @@ def test_the_guard_off_trains_bit_for_bit_as_the_guard_on_without_a_fault(
         _run(make_cfg, tmp_path / "nan", faulty, *run, "train.guard.enabled=false")
 
 
+@pytest.mark.slow
 def test_steps_skipped_in_a_row_roll_back_and_the_run_continues_past_them(
     make_cfg, tmp_path, patched_trainer
 ):
@@ -254,6 +258,7 @@ def test_steps_skipped_in_a_row_roll_back_and_the_run_continues_past_them(
     assert rollback["step"] == 4 and rollback["rollbacks"] == 1
 
 
+@pytest.mark.slow
 def test_a_persistent_fault_rolls_back_then_stops_with_one_error_line(
     in_process, tmp_path, patched_trainer, monkeypatch
 ):
@@ -337,6 +342,7 @@ def _zero_state(trainer: Trainer) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("stage", ["zero1", "zero3"])
+@pytest.mark.slow
 def test_one_zero_rank_skips_a_spike_as_if_its_batch_were_never_there(
     make_cfg, tmp_path, patched_trainer, monkeypatch, stage
 ):
@@ -426,6 +432,7 @@ def test_a_bad_guard_setting_is_one_line_naming_it(make_cfg, override, message):
         validate(make_cfg(override))
 
 
+@pytest.mark.slow
 def test_a_run_resumed_with_a_far_too_high_lr_ends_in_one_error_line(in_process, tmp_path):
     """The example that opened issue 34: a bf16 run resumed at step 8 with its lr 10,000x too
     high used to reach a loss in the thousands and end with exit status 0 and its export.

@@ -75,6 +75,7 @@ def reference_loss(directory, batch: torch.Tensor) -> float:
     return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()))
 
 
+@pytest.mark.slow
 def test_every_strategy_starts_from_the_exported_weights(exported, make_cfg_module, tmp_path):
     """Every strategy: first loss = the directory's model on that batch (bf16 rounding; fp32:
     exact); the tokenizer is the directory's (data.vocab_size ignored); masters hold the fp32

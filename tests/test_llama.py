@@ -24,6 +24,7 @@ LLAMA = [
 FAST = ["optim.lr=3e-3", "optim.warmup_steps=0", "train.global_batch_size=8"]
 
 
+@pytest.mark.slow
 def test_every_precision_strategy_trains_llama(make_cfg, tmp_path):
     """Four steps on the same batches: the loss falls under every strategy, each block's
     descent is measured in its own layer group."""

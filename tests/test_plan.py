@@ -80,6 +80,7 @@ CASES = [
     CASES,
     ids=[f"{c[0]}-{c[1]}-{'ckpt' if c[-1] else 'plain'}" for c in CASES],
 )
+@pytest.mark.slow
 def test_planned_peak_within_ten_percent_of_measured(
     make_cfg,
     tmp_path,
@@ -131,6 +132,7 @@ CHUNKED_CASES = [
     CHUNKED_CASES,
     ids=[f"{c[0]}-{c[1]}-{'ckpt' if c[2] else 'plain'}" for c in CHUNKED_CASES],
 )
+@pytest.mark.slow
 def test_planned_peak_with_the_chunked_loss_within_ten_percent_of_measured(
     make_cfg, tmp_path, family, precision, ckpt, gemm
 ):
@@ -310,6 +312,7 @@ def test_gradient_dtypes_change_what_a_zero_rank_holds():
     assert plan(mixed, fp32, bf16, stage=1).gradients == 2 * n
 
 
+@pytest.mark.slow
 def test_the_plan_uses_the_configured_gradient_dtypes(make_cfg):
     from collage_train.plan import make_plan
 

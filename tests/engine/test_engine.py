@@ -49,6 +49,7 @@ def test_batch_sizes_and_clipping_come_from_the_trainer_settings():
     assert config["zero_allow_untested_optimizer"] is True
 
 
+@pytest.mark.slow
 def test_buckets_and_overlap_come_from_the_model_size():
     """hidden^2 reduce buckets (Hugging Face's ``auto`` rule), overlapped with backward at
     every stage; stage 3's prefetch 0.9 hidden^2, persistence 10 hidden, two blocks live."""
@@ -373,6 +374,7 @@ def _agree(rank: int, port: int, results) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_launched_ranks_share_rank_zeros_run_stamp():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -442,6 +444,7 @@ def _zero_trainer(make_cfg, run_dir, monkeypatch, *overrides):
     [("collage_plus", 1), ("collage_plus", 2), ("collage_plus", 3), ("bf16", 2),
      ("mixed_fp32", 2)],
 )  # fmt: skip
+@pytest.mark.slow
 def test_zero_steps_the_weight_partition_without_a_copy(
     make_cfg, tmp_path, monkeypatch, precision, stage
 ):

@@ -58,6 +58,7 @@ def compile_ptx(track: bool, capability: int, gated: bool = False, **options) ->
     return compiled.asm["ptx"]
 
 
+@pytest.mark.slow
 def test_triton_kernel_is_bitwise_the_eager_step_in_the_interpreter():
     script = Path(__file__).with_name("triton_interpreted_8bit.py")
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -42,6 +42,7 @@ def _assert_bitwise(a, b) -> None:
 
 
 @pytest.mark.parametrize("precision", ["collage_plus", "mixed_fp32"])
+@pytest.mark.slow
 def test_background_save_holds_the_step_it_was_taken_at(make_cfg, tmp_path, monkeypatch, precision):
     cfg = make_cfg(f"precision={precision}", "train.max_steps=8")
     background, foreground = Trainer(cfg, tmp_path / "bg"), Trainer(cfg, tmp_path / "fg")
@@ -136,6 +137,7 @@ def test_a_rank_that_fails_stops_rank_0_waiting_for_its_share(tmp_path):
     assert sorted(p.name for p in tmp.iterdir()) == [".manifest-rank0.json", ".manifest-rank1.json"]
 
 
+@pytest.mark.slow
 def test_killed_during_a_background_save_resumes_from_the_previous_checkpoint(make_cfg, tmp_path):
     """SIGKILL while the thread writes step 2: step-1 stays the newest checkpoint, the
     half-written directory is never taken, and a resume continues from step 1."""

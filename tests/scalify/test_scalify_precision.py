@@ -268,6 +268,7 @@ def test_scalify_trains_like_fp32_for_100_steps(make_cfg_module, tmp_path, fp32_
 
 @pytest.mark.parametrize("name", ["scalify", "scalify_fp32_params"])
 @pytest.mark.parametrize("model", ["gpt_tiny", "opt_125m"])
+@pytest.mark.slow
 def test_scalify_run_keeps_power_of_two_scales_and_unit_data(make_cfg, tmp_path, model, name):
     """A short fp8 run in-process: every stored scale is a power of two, data near unit RMS."""
     from collage_train.scalify.modules import ScaledLinear
@@ -312,6 +313,7 @@ def _final_state(run_dir, step):
 
 
 @pytest.mark.parametrize("name", ["scalify", "scalify_fp32_params"])
+@pytest.mark.slow
 def test_stopped_and_resumed_scalify_run_equals_the_uninterrupted_one(make_cfg, tmp_path, name):
     """Model (scaled data and scales), optimizer state and every loss after the resume."""
     common = (*TINY, f"precision={name}", "train.max_steps=8", "logging.log_every=1")
