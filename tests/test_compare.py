@@ -49,6 +49,7 @@ def test_every_run_writes_its_own_plots(two_runs):
         assert matplotlib.image.imread(plots / "loss.png").ndim == 3
 
 
+@pytest.mark.slow
 def test_compare_writes_valid_plots_that_show_every_run(two_runs, tmp_path, capsys):
     out = tmp_path / "cmp"
     assert compare.main([*map(str, two_runs), "--out", str(out)]) == 0

@@ -155,6 +155,7 @@ def test_sparseloco_with_its_own_sync_every_needs_nothing_else():
         ),
     ],
 )
+@pytest.mark.slow
 def test_a_setting_the_chosen_option_does_not_have_is_one_error_line(overrides, line):
     """Each option's schema has only its own settings: Hydra refuses another option's (or
     the start-up check does, for one added with +), in one line naming the setting, the

@@ -211,6 +211,7 @@ def test_zero_steps_add_no_waits_of_their_own(make_cfg, tmp_path, monkeypatch):
     assert_syncs_only_when_settling(counter, guard_reads=0, guard_collectives=0)
 
 
+@pytest.mark.slow
 def test_a_nan_between_logged_steps_is_caught_before_the_next_checkpoint(make_cfg, tmp_path):
     """Steps 5-7 are not settled one by one; the loss of step 5 is still reported, and the
     checkpoint of step 8 is never written."""

@@ -460,6 +460,7 @@ def test_plan_cli_bad_input_is_one_error_line(args, message, capsys):
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
 
 
+@pytest.mark.slow
 def test_the_plan_counts_the_step_that_may_run(make_cfg):
     """auto falls back to the eager step when the fused kernel fails its probe: the
     plan counts that step's chunk of fp32 temporaries unless compiled is demanded."""
@@ -474,6 +475,7 @@ def test_the_plan_counts_the_step_that_may_run(make_cfg):
     assert peak["auto"] == peak["eager"] > peak["compiled"]
 
 
+@pytest.mark.slow
 def test_the_plan_resolves_the_loss_block_per_strategy(make_cfg):
     """A set block applies to every strategy with a plain LM head; Scalify's rows keep the
     full-logits loss, and Scalify chosen with a set block is refused as the trainer does."""

@@ -47,6 +47,7 @@ def test_universal_layout_round_trip_resumes_bit_for_bit(make_cfg, tmp_path, pre
     assert resumed.train_step()["loss"] == saved.train_step()["loss"]
 
 
+@pytest.mark.slow
 def test_convert_refuses_damaged_or_existing_targets_in_one_line(make_cfg, tmp_path, capsys):
     trainer = Trainer(make_cfg("precision=bf16"), tmp_path / "run")
     trainer.train_step()

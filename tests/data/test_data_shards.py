@@ -114,6 +114,7 @@ def test_parallel_preparation_writes_the_same_shards(make_cfg: MakeCfg, tmp_path
         assert (serial / "shards" / name).read_bytes() == (parallel / "shards" / name).read_bytes()
 
 
+@pytest.mark.slow
 def test_second_build_reuses_everything(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = make_cfg(shard_tokens=SHARD)
     first = build_data(cfg, seq_len=32, micro_batch_size=4, seed=0)
@@ -245,6 +246,7 @@ def test_waiters_stop_on_a_failed_or_dead_preparation(tmp_path: Path) -> None:
         )
 
 
+@pytest.mark.slow
 def test_an_existing_tokenizer_sets_the_vocabulary(make_cfg: MakeCfg, tmp_path: Path) -> None:
     from tokenizers import Tokenizer as BackendTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -298,6 +300,7 @@ def broken(make_cfg: MakeCfg, how: str) -> tuple[DataSettings, Path, dict[str, t
         ("dtype", r"a vocabulary of 70000 ids does not fit the shards' uint16 tokens"),
     ],
 )
+@pytest.mark.slow
 def test_a_damaged_corpus_is_refused_and_kept(make_cfg: MakeCfg, how: str, message: str) -> None:
     _, directory, before = broken(make_cfg, how)
     with pytest.raises(DataError, match=message):

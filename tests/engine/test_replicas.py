@@ -36,6 +36,7 @@ def _restore_launch_environment():
             os.environ[name] = value
 
 
+@pytest.mark.slow
 def test_comm_group_defaults():
     assert compose_cfg().comm.name == "every_step"
     diloco = outer_settings(compose_cfg("comm=diloco").comm)

@@ -231,6 +231,7 @@ FE_INVALID, FE_TONEAREST, FE_UPWARD = 0x01, 0x000, 0x800  # x86 <fenv.h>
 
 
 @pytest.mark.skipif(not X86, reason="the split tier and MXCSR are x86-64 only")
+@pytest.mark.slow
 def test_without_round_to_nearest_the_split_tier_is_left_out(monkeypatch, no_split_library):
     """Veltkamp's splitting rounds to nearest only in round-to-nearest mode (and needs
     denormals seen, not zeroed): in any other MXCSR mode the kernel does what the build
