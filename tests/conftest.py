@@ -84,10 +84,12 @@ _share_cores_among_workers()
 _LAUNCH_MARKERS = ("zero", "replicas")
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if any(item.get_closest_marker(name) for name in _LAUNCH_MARKERS):
             item.add_marker(pytest.mark.xdist_group("launches"))
+            item.add_marker(pytest.mark.slow)  # every launch takes seconds
     if config.getoption("--device") != "cuda":
         return
     for item in items:
@@ -152,6 +154,27 @@ def tiny(corpus_dir, cache_dir, tmp_path):
         return run_cli(*tiny_overrides(corpus_dir, cache_dir, run_dir), *extra)
 
     _run.run_dir = run_dir
+    return _run
+
+
+@pytest.fixture
+def in_process(corpus_dir, cache_dir, capsys):
+    """The tiny setup run by ``cli.run`` in this process, as ``tiny`` runs it in a
+    subprocess (the run directory is a keyword; extra overrides win), without the
+    interpreter start and imports of ``python -m collage_train``."""
+    from hydra import compose, initialize_config_dir
+
+    from collage_train import cli
+
+    def _run(*extra: str, run_dir: Path) -> Result:
+        overrides = [*tiny_overrides(corpus_dir, cache_dir, run_dir), *extra]
+        with initialize_config_dir(config_dir=cli.config_dir(), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        capsys.readouterr()
+        status = cli.run(cfg, run_dir)
+        out = capsys.readouterr()
+        return Result(status, out.out, out.err)
+
     return _run
 
 

@@ -41,6 +41,7 @@ def two_runs(tmp_path_factory, corpus_dir, cache_dir):
     return dirs
 
 
+@pytest.mark.slow
 def test_every_run_writes_its_own_plots(two_runs):
     for run_dir in two_runs:
         plots = run_dir / "plots"
@@ -48,6 +49,7 @@ def test_every_run_writes_its_own_plots(two_runs):
         assert matplotlib.image.imread(plots / "loss.png").ndim == 3
 
 
+@pytest.mark.slow
 def test_compare_writes_valid_plots_that_show_every_run(two_runs, tmp_path, capsys):
     out = tmp_path / "cmp"
     assert compare.main([*map(str, two_runs), "--out", str(out)]) == 0
@@ -82,6 +84,7 @@ def test_runs_without_a_common_metric_are_refused(two_runs, tmp_path, capsys):
     assert "share no metric" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_wandb_runs_group_and_overlay_by_strategy(tmp_path, monkeypatch):
     """Without set-up, a W&B run is named, grouped and tagged by its strategy."""
     from omegaconf import OmegaConf

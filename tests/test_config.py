@@ -123,6 +123,7 @@ def test_the_schema_declares_its_closed_choices():
 @pytest.mark.parametrize(
     "key,choice,select", choice_fields(), ids=[":".join((*s, k)) for k, _, s in choice_fields()]
 )
+@pytest.mark.slow
 def test_a_value_outside_a_closed_choice_is_one_line_naming_the_choices(key, choice, select):
     from collage_train.compose import compose_job
     from collage_train.errors import ConfigError

@@ -51,6 +51,7 @@ def group_options() -> list[str]:
 
 
 @pytest.mark.parametrize("override", group_options())
+@pytest.mark.slow
 def test_every_group_option_works_with_the_other_defaults(override):
     cfg = compose_and_check([override])
     group, _, option = override.lstrip("+").partition("=")
@@ -76,6 +77,7 @@ def test_the_readme_shows_training_commands():
 
 
 @pytest.mark.parametrize("documented", COMMANDS, ids=str)
+@pytest.mark.slow
 def test_every_documented_training_command_composes(documented: Command):
     """Every launch of README.md, docs/*.md, docker/README.md and the Slurm script's usage
     passes the start-up checks at its world size."""
@@ -153,6 +155,7 @@ def test_sparseloco_with_its_own_sync_every_needs_nothing_else():
         ),
     ],
 )
+@pytest.mark.slow
 def test_a_setting_the_chosen_option_does_not_have_is_one_error_line(overrides, line):
     """Each option's schema has only its own settings: Hydra refuses another option's (or
     the start-up check does, for one added with +), in one line naming the setting, the
@@ -162,6 +165,7 @@ def test_a_setting_the_chosen_option_does_not_have_is_one_error_line(overrides, 
     assert str(error.value).startswith(line) and "\n" not in str(error.value), error.value
 
 
+@pytest.mark.slow
 def test_every_option_is_typed_by_its_own_schema():
     """The schema each option's YAML names is the type of the composed group node."""
     for group in config.SCHEMAS:

@@ -246,6 +246,7 @@ CPU_ONLY = "train.cpu_bf16_gemm (bf16 GEMMs emulated as fp32 ones) acts on CPU r
 
 
 @pytest.mark.cpu_only(reason=CPU_ONLY)
+@pytest.mark.slow
 def test_trainer_emulates_reports_and_records_the_choice(make_cfg, tmp_path, monkeypatch):
     seen = _count_emulated(monkeypatch)
     cfg = make_cfg("precision=collage_plus", "train.cpu_bf16_gemm=fp32")

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from fault_batch import inject
 
 from collage_train import cli
@@ -75,6 +76,7 @@ def test_every_plotted_metric_is_one_a_run_logs(make_cfg, tmp_path, monkeypatch)
     assert len(panels) == 15
 
 
+@pytest.mark.slow
 def test_saving_without_a_reachable_server_is_one_error_line(tmp_path):
     env = {**os.environ, "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "x" * 40,
            "WANDB_HTTP_TIMEOUT": "5", "WANDB_DIR": str(tmp_path)}  # fmt: skip

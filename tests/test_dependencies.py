@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
+import pytest
 from cli_runner import REPO
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -31,6 +32,7 @@ def test_floors_cover_what_the_code_uses_and_deepspeed_is_capped():
     assert any(s.operator == "<" for s in ranges["deepspeed"].specifier)
 
 
+@pytest.mark.slow
 def test_every_declared_dependency_is_imported_by_the_package():
     """Declared means used: each dependency provides a module that collage_train imports."""
     import ast

@@ -100,6 +100,7 @@ def test_a_workspace_cublas_would_not_keep_deterministic_is_refused(monkeypatch,
     assert os.environ[CUBLAS] == value
 
 
+@pytest.mark.slow
 def test_an_operation_without_a_deterministic_kernel_is_one_error_line(
     corpus_dir, cache_dir, tmp_path, monkeypatch, capsys
 ):
@@ -126,15 +127,18 @@ def test_other_runtime_errors_are_not_mistaken_for_a_refusal():
 
 
 @pytest.mark.slow
-def test_a_bad_workspace_is_one_error_line_through_the_cli(tiny, monkeypatch):
+def test_a_bad_workspace_is_one_error_line_through_the_cli(in_process, tmp_path, monkeypatch):
+    """``cli.run`` in-process, as ``python -m collage_train`` runs it."""
     monkeypatch.setenv(CUBLAS, ":0:0")
-    result = tiny("train.deterministic=true")
+    run_dir = tmp_path / "run"
+    result = in_process("train.deterministic=true", run_dir=run_dir)
     assert result.returncode == BAD_INPUT
     (line,) = result.error_lines
     assert "CUBLAS_WORKSPACE_CONFIG" in line and "':0:0'" in line
     assert "Traceback" not in result.stderr
-    assert not tiny.run_dir.exists() or not any(tiny.run_dir.iterdir())  # nothing written
-    assert tiny("train.deterministic=false", "train.max_steps=2").returncode == 0  # only then
+    assert not run_dir.exists() or not any(run_dir.iterdir())  # nothing written
+    only_then = in_process("train.deterministic=false", "train.max_steps=2", run_dir=run_dir)
+    assert only_then.returncode == 0
 
 
 @pytest.mark.slow

@@ -17,6 +17,11 @@ from collage_train import evaluate, export
 from collage_train.cli import train
 from collage_train.metrics.plots import load_run, summary_table
 
+# One worker of ``pytest -n`` (``--dist loadgroup``) runs the module: the 4-step run and
+# the harness's task registry (indexed for an unknown task, ~10 s) are built once. What
+# trains, scores or indexes the registry is marked slow.
+pytestmark = pytest.mark.xdist_group("downstream")
+
 QUESTIONS = [
     ("def f(x):\n    return", [" x", " import", " class"], 0),
     ("for i in range(10):\n   ", [" print(i)", " elif", " except"], 0),
@@ -66,6 +71,7 @@ def loglikelihoods(samples):
     return [[float(r[0]) for r in sample["filtered_resps"]] for sample in samples]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_scores_as_the_harness_scores_its_export(fp32_run, local_task, capsys):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -90,6 +96,7 @@ def test_a_checkpoint_scores_as_the_harness_scores_its_export(fp32_run, local_ta
     assert found.name == "step-4"
 
 
+@pytest.mark.slow
 def test_the_command_records_results_at_the_checkpoints_step(fp32_run, local_task, capsys):
     status = evaluate.main(
         [str(fp32_run), "--tasks", "tiny_code_mc", "--include-path", str(local_task)]
@@ -108,6 +115,7 @@ def test_the_command_records_results_at_the_checkpoints_step(fp32_run, local_tas
     assert "tiny_code_mc/acc" in table and f"{accuracy:.4f}" in table
 
 
+@pytest.mark.slow
 def test_an_unknown_task_is_one_error_line(fp32_run, local_task, capsys):
     status = evaluate.main([str(fp32_run), "--tasks", "no_such_task", "--include-path",
                             str(local_task)])  # fmt: skip
@@ -117,6 +125,7 @@ def test_an_unknown_task_is_one_error_line(fp32_run, local_task, capsys):
     assert "no_such_task" in err[0]
 
 
+@pytest.mark.slow
 def test_without_the_harness_it_says_what_to_install(fp32_run, local_task, capsys, monkeypatch):
     for name in [n for n in sys.modules if n == "lm_eval" or n.startswith("lm_eval.")]:
         monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
@@ -127,6 +136,7 @@ def test_without_the_harness_it_says_what_to_install(fp32_run, local_task, capsy
     assert len(err) == 1 and "pip install 'lm-eval>=0.4.13'" in err[0]
 
 
+@pytest.mark.slow
 def test_tasks_run_in_the_training_loop_at_their_cadence(
     corpus_dir, cache_dir, local_task, tmp_path
 ):
@@ -150,7 +160,11 @@ def test_tasks_run_in_the_training_loop_at_their_cadence(
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["eval.tasks=[no_such_task]"], "unknown lm-eval task(s) no_such_task"),
+        pytest.param(  # indexes the harness's registry
+            ["eval.tasks=[no_such_task]"],
+            "unknown lm-eval task(s) no_such_task",
+            marks=pytest.mark.slow,
+        ),
         (["eval.every=-1"], "eval.every must be 0"),
     ],
 )
@@ -162,11 +176,13 @@ def test_bad_eval_settings_are_refused_before_training(make_cfg, local_task, ove
         validate(make_cfg(*overrides, f"eval.include_path={local_task}"))
 
 
+@pytest.mark.slow
 def test_results_computed_afterwards_join_the_runs_wandb_run(
     corpus_dir, cache_dir, tmp_path, local_task, monkeypatch
 ):
     """A run logged to W&B (offline) and evaluated afterwards: the results go to the same
-    W&B run, appended, at the checkpoint's step and tokens."""
+    W&B run, appended, at the checkpoint's step and tokens. The real CLI: the evaluation
+    reads the run's settings from the .hydra/config.yaml Hydra's app writes."""
     monkeypatch.delenv("WANDB_DIR", raising=False)  # the run directory keeps the W&B files
     run_dir = tmp_path / "run"
     done = run_cli(

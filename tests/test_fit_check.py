@@ -91,6 +91,7 @@ def replace_micro(cfg, micro: int):
     return cfg
 
 
+@pytest.mark.slow
 def test_a_zero_stage_or_more_gpus_when_no_micro_batch_fits():
     cfg, shape, setting = planned(
         "+experiment=gpt_6.7b", "precision=mixed_fp32", "distributed=zero1", gpus=8
@@ -108,6 +109,7 @@ def test_a_step_that_fits_passes():
     check(cfg, shape, setting)
 
 
+@pytest.mark.slow
 def test_trainer_refuses_before_drawing_a_weight(make_cfg, tmp_path, monkeypatch, capsys):
     """Given a device with 1 MiB free, the trainer stops with the check's one line and exit
     status 2, before the model exists and without writing into the run directory."""

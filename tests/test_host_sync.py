@@ -174,6 +174,7 @@ def assert_syncs_only_when_settling(
         ("scalify", "true", 0),
     ],
 )
+@pytest.mark.slow
 def test_single_process_steps_never_wait_for_the_device(
     make_cfg, tmp_path, precision, guard, guard_reads
 ):
@@ -192,6 +193,7 @@ def test_single_process_steps_never_wait_for_the_device(
         assert 0 < record["edq_normalized"] <= 1.5 and record["step_time_s"] > 0
 
 
+@pytest.mark.slow
 def test_zero_steps_add_no_waits_of_their_own(make_cfg, tmp_path, monkeypatch):
     """One rank of ZeRO-2 in this process: DeepSpeed's step may read what it needs; the
     project's own code around it reads nothing until the settle."""
@@ -209,6 +211,7 @@ def test_zero_steps_add_no_waits_of_their_own(make_cfg, tmp_path, monkeypatch):
     assert_syncs_only_when_settling(counter, guard_reads=0, guard_collectives=0)
 
 
+@pytest.mark.slow
 def test_a_nan_between_logged_steps_is_caught_before_the_next_checkpoint(make_cfg, tmp_path):
     """Steps 5-7 are not settled one by one; the loss of step 5 is still reported, and the
     checkpoint of step 8 is never written."""

@@ -8,6 +8,8 @@ import ast
 import itertools
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "collage_train"
 
 
@@ -107,6 +109,7 @@ def find_cycle(graph: dict[str, dict[str, list[str]]]) -> list[str] | None:
     return None
 
 
+@pytest.mark.slow
 def test_no_import_cycle_between_units():
     graph = unit_graph()
     cycle = find_cycle(graph)
@@ -120,6 +123,7 @@ def test_no_import_cycle_between_units():
 KNOWN_BACK_EDGES: set[tuple[str, str]] = set()  # (importer, imported) pairs still to untangle
 
 
+@pytest.mark.slow
 def test_no_import_cycle_between_files():
     graph = file_graph()
     for source, target in KNOWN_BACK_EDGES:
@@ -132,6 +136,7 @@ def test_no_import_cycle_between_files():
         raise AssertionError("import cycle: " + "; ".join(edges))
 
 
+@pytest.mark.slow
 def test_the_file_graph_counts_every_kind_of_import():
     modules = {
         "collage_train.data",

@@ -75,6 +75,7 @@ def reference_loss(directory, batch: torch.Tensor) -> float:
     return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()))
 
 
+@pytest.mark.slow
 def test_every_strategy_starts_from_the_exported_weights(exported, make_cfg_module, tmp_path):
     """Every strategy: first loss = the directory's model on that batch (bf16 rounding; fp32:
     exact); the tokenizer is the directory's (data.vocab_size ignored); masters hold the fp32
@@ -115,6 +116,7 @@ def test_every_strategy_starts_from_the_exported_weights(exported, make_cfg_modu
                 assert state["dtheta"].abs().max() < 1e-2  # one step's worth, not the low bits
 
 
+@pytest.mark.slow
 def test_a_local_gpt2_directory_needs_a_tokenizer(exported, make_cfg_module, tmp_path, capsys):
     """save_pretrained of a random GPT-2 (no tokenizer): refused without data.tokenizer,
     trains with it, first loss = the directory's model's."""
@@ -241,6 +243,7 @@ def test_the_planner_reads_the_directorys_architecture(exported, make_cfg_module
 
 
 @pytest.mark.parametrize(("precision", "stage"), [("mixed_fp32", 3), ("split_fp32", 2)])
+@pytest.mark.slow
 def test_zero_masters_start_from_the_fp32_weights(
     exported, make_cfg_module, tmp_path, monkeypatch, precision, stage
 ):

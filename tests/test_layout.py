@@ -7,6 +7,8 @@ import ast
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 PACKAGE = TESTS.parent / "collage_train"
 OWN_FOLDERS = {"scripts", "support"}
@@ -24,6 +26,7 @@ def test_test_file_names_are_unique_across_folders():
     assert not [name for name, count in names.items() if count > 1]
 
 
+@pytest.mark.slow
 def test_no_test_module_imports_another():
     """Shared helpers live in tests/support/, not in test files other tests import."""
     for path in TESTS.rglob("*.py"):

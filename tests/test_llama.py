@@ -24,6 +24,7 @@ LLAMA = [
 FAST = ["optim.lr=3e-3", "optim.warmup_steps=0", "train.global_batch_size=8"]
 
 
+@pytest.mark.slow
 def test_every_precision_strategy_trains_llama(make_cfg, tmp_path):
     """Four steps on the same batches: the loss falls under every strategy, each block's
     descent is measured in its own layer group."""
@@ -36,6 +37,7 @@ def test_every_precision_strategy_trains_llama(make_cfg, tmp_path):
         assert trainer.layer_groups == ["block_0", "block_1", "embeddings", "head"]
 
 
+@pytest.mark.slow
 def test_llama_checkpointing_and_export(make_cfg, tmp_path):
     """Checkpointed Llama blocks recompute the same gradients; the exported directory loads
     with AutoModelForCausalLM and AutoTokenizer, gives the trained model's logits, and
@@ -67,6 +69,7 @@ def test_llama_checkpointing_and_export(make_cfg, tmp_path):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.slow
 def test_llama_under_zero_in_process(make_cfg, tmp_path, monkeypatch, stage):
     """One ZeRO rank in this process (DeepSpeed's engine; stage 3: GQA and SwiGLU weights
     partitioned and gathered): Collage-plus trains the Llama and the gathered export loads."""
@@ -86,6 +89,7 @@ def test_llama_under_zero_in_process(make_cfg, tmp_path, monkeypatch, stage):
     assert model.config.num_key_value_heads == 2 and model.config.intermediate_size == 88
 
 
+@pytest.mark.slow
 def test_llama_one_diloco_replica_trains_like_the_plain_optimizer(make_cfg, tmp_path):
     """comm=diloco in this process, a world of one syncing every step with outer lr 1 and
     no momentum: each outer step hands the inner step's result back unchanged, so the Llama's

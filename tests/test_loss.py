@@ -304,6 +304,7 @@ def test_a_block_size_that_is_no_count_is_one_config_error(value):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_a_block_size_for_scalify_is_refused_at_start_up(make_cfg):
     from collage_train.run.validate import validate
 
@@ -353,6 +354,7 @@ def test_chunked_loss_on_cuda_is_the_plain_loss(mode):
 # ------------------------------------------------------------------ in the trainer
 
 
+@pytest.mark.slow
 def test_the_trainer_trains_alike_with_the_chunked_loss(make_cfg, tmp_path):
     """collage_plus with 3 accumulated micro-batches of 4 x 32 tokens in blocks of 48:
     losses, gradient norms and validation as with full logits; the run records the block."""

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -28,8 +25,6 @@ from collage_train.models import build_model
 from collage_train.optim import decay_param_groups
 from collage_train.precision import available, get_strategy
 from collage_train.trainer import Trainer
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def measured_step_peak(trainer: Trainer) -> int:
@@ -85,6 +80,7 @@ CASES = [
     CASES,
     ids=[f"{c[0]}-{c[1]}-{'ckpt' if c[-1] else 'plain'}" for c in CASES],
 )
+@pytest.mark.slow
 def test_planned_peak_within_ten_percent_of_measured(
     make_cfg,
     tmp_path,
@@ -136,6 +132,7 @@ CHUNKED_CASES = [
     CHUNKED_CASES,
     ids=[f"{c[0]}-{c[1]}-{'ckpt' if c[2] else 'plain'}" for c in CHUNKED_CASES],
 )
+@pytest.mark.slow
 def test_planned_peak_with_the_chunked_loss_within_ten_percent_of_measured(
     make_cfg, tmp_path, family, precision, ckpt, gemm
 ):
@@ -315,6 +312,7 @@ def test_gradient_dtypes_change_what_a_zero_rank_holds():
     assert plan(mixed, fp32, bf16, stage=1).gradients == 2 * n
 
 
+@pytest.mark.slow
 def test_the_plan_uses_the_configured_gradient_dtypes(make_cfg):
     from collage_train.plan import make_plan
 
@@ -420,20 +418,17 @@ def test_checkpointed_recompute_meets_the_later_blocks_gradients():
     assert plan.backward_peak < plan.persistent + plan.activations + plan.gradients + working
 
 
-def _plan_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "collage_train.plan", *args],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
-    )  # fmt: skip
+def test_plan_cli_prints_the_chosen_setting_and_every_alternative(capsys):
+    """``python -m collage_train.plan ARGS`` is ``plan.main(ARGS)``, run in-process."""
+    from collage_train import plan
 
-
-def test_plan_cli_prints_the_chosen_setting_and_every_alternative():
-    result = _plan_cli(
-        "+experiment=gpt_6.7b", "precision=collage_plus", "distributed=zero2",
-        "plan.gpus=8", "plan.gpu_mem_gb=80",
+    status = plan.main(
+        ["+experiment=gpt_6.7b", "precision=collage_plus", "distributed=zero2",
+         "plan.gpus=8", "plan.gpu_mem_gb=80"]
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
+    printed = capsys.readouterr()
+    assert status == 0, printed.err
+    out = printed.out
     assert "collage_plus with zero2" in out and "8 GPU(s) x 80 GiB" in out
     for word in ("weights", "gradients", "master weights", "dtheta", "dv", "activations"):
         assert word in out
@@ -457,7 +452,7 @@ def test_plan_cli_prints_the_chosen_setting_and_every_alternative():
     ],
 )
 def test_plan_cli_bad_input_is_one_error_line(args, message, capsys):
-    """In-process (the entry point's subprocess is driven above): main's status and stderr."""
+    """main's status and stderr."""
     from collage_train import plan
 
     assert plan.main(args) == 2
@@ -465,6 +460,7 @@ def test_plan_cli_bad_input_is_one_error_line(args, message, capsys):
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
 
 
+@pytest.mark.slow
 def test_the_plan_counts_the_step_that_may_run(make_cfg):
     """auto falls back to the eager step when the fused kernel fails its probe: the
     plan counts that step's chunk of fp32 temporaries unless compiled is demanded."""
@@ -479,6 +475,7 @@ def test_the_plan_counts_the_step_that_may_run(make_cfg):
     assert peak["auto"] == peak["eager"] > peak["compiled"]
 
 
+@pytest.mark.slow
 def test_the_plan_resolves_the_loss_block_per_strategy(make_cfg):
     """A set block applies to every strategy with a plain LM head; Scalify's rows keep the
     full-logits loss, and Scalify chosen with a set block is refused as the trainer does."""

@@ -78,6 +78,7 @@ def test_cpu_launches_hide_the_gpus_and_cuda_launches_take_one_each(monkeypatch)
         suite_device.suite_device()
 
 
+@pytest.mark.slow
 def test_the_option_reaches_the_tests_and_cuda_needs_a_gpu():
     """``--device cpu`` runs the test above on CPU (the option wins over the variable);
     ``--device cuda`` runs it on CUDA and skips, each with its reason, what is CPU only

@@ -22,6 +22,7 @@ def sweep_overrides(corpus_dir, cache_dir, tmp_path) -> list[str]:
     return [o for o in tiny if not o.startswith("hydra.run.dir=")] + short
 
 
+@pytest.mark.slow
 def test_a_two_job_sweep_runs_each_job_in_its_own_directory(corpus_dir, cache_dir, tmp_path):
     sweep = tmp_path / "sweep"
     overrides = sweep_overrides(corpus_dir, cache_dir, tmp_path)
@@ -40,6 +41,7 @@ def test_a_two_job_sweep_runs_each_job_in_its_own_directory(corpus_dir, cache_di
     assert len(table) == 4 and "mixed_fp32" in table[2] and "bf16" in table[3]
 
 
+@pytest.mark.slow
 def test_a_failed_job_is_recorded_and_the_others_run(corpus_dir, cache_dir, tmp_path, capsys):
     sweep = tmp_path / "sweep"
     overrides = sweep_overrides(corpus_dir, cache_dir, tmp_path)

@@ -61,6 +61,7 @@ def assert_same_full_state(mine: FullState, theirs: FullState) -> None:
     ("precision", "stage"),
     [("mixed_fp32", 3), ("collage_plus", 2), ("split_fp32", 1), ("bf16_sr", 2)],
 )
+@pytest.mark.slow
 def test_one_process_converted_to_zero_loads_with_deepspeeds_own_loader(
     make_cfg, tmp_path, monkeypatch, capsys, precision, stage
 ):
@@ -122,6 +123,7 @@ def zero_to_fp32(path: Path) -> dict[str, torch.Tensor]:
     return get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
 
 
+@pytest.mark.slow
 def test_layouts_chain_over_3_and_6_ranks_and_back_to_one_process_bit_for_bit(make_cfg, tmp_path):
     """One process -> ZeRO-2 on 3 ranks -> ZeRO-3 on 6 -> one process (mixed_fp32: fp32
     masters apart from the weights): every component of every parameter arrives bit for bit
@@ -247,6 +249,7 @@ def exit_status(source: Path, out: Path, *options: str) -> int:
         return int(stop.code)
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_error_line_and_leaves_the_source(make_cfg, tmp_path, capsys):
     trainer = Trainer(make_cfg("precision=collage_plus"), tmp_path / "run")  # batch 16 = 8 x 2
     trainer.train_step()

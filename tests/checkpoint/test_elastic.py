@@ -25,6 +25,7 @@ from collage_train.trainer import Trainer
 
 
 @pytest.mark.parametrize("precision", ["split_fp32", "collage_plus"])
+@pytest.mark.slow
 def test_universal_layout_round_trip_resumes_bit_for_bit(make_cfg, tmp_path, precision):
     cfg = make_cfg(f"precision={precision}")
     saved = Trainer(cfg, tmp_path / "a")
@@ -46,6 +47,7 @@ def test_universal_layout_round_trip_resumes_bit_for_bit(make_cfg, tmp_path, pre
     assert resumed.train_step()["loss"] == saved.train_step()["loss"]
 
 
+@pytest.mark.slow
 def test_convert_refuses_damaged_or_existing_targets_in_one_line(make_cfg, tmp_path, capsys):
     trainer = Trainer(make_cfg("precision=bf16"), tmp_path / "run")
     trainer.train_step()
@@ -64,6 +66,7 @@ def test_convert_refuses_damaged_or_existing_targets_in_one_line(make_cfg, tmp_p
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_another_model_shape_and_a_batch_that_does_not_split_are_refused(make_cfg, tmp_path):
     cfg = make_cfg("precision=collage_plus")
     trainer = Trainer(cfg, tmp_path / "a")
@@ -90,6 +93,7 @@ def test_zero3_pieces_tile_each_parameter_and_refuse_another_model():
 
 
 @pytest.mark.parametrize(("precision", "stage"), [("mixed_fp32", 3), ("split_fp32", 2)])
+@pytest.mark.slow
 def test_one_process_checkpoint_resumes_under_zero_element_for_element(
     make_cfg, tmp_path, monkeypatch, precision, stage
 ):
@@ -121,6 +125,7 @@ def test_one_process_checkpoint_resumes_under_zero_element_for_element(
     assert open_full_state(path).layout == "unsharded"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_written_under_the_old_choice_names_resumes_as_the_same_run(
     make_cfg, tmp_path
 ):

@@ -165,6 +165,7 @@ def test_two_ranks_split_the_global_batch() -> None:
     world_size=st.integers(1, 4),
     seed=st.integers(0, 2**32),
 )
+@pytest.mark.slow
 def test_one_epoch_over_all_ranks_covers_disjoint_samples(
     num_samples: int, seq_len: int, batch_size: int, world_size: int, seed: int
 ) -> None:

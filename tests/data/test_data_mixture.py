@@ -36,6 +36,7 @@ def loader(**overrides: object) -> MixtureLoader:
     return MixtureLoader(**arguments)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_draws_follow_the_weights_and_each_source_its_own_order() -> None:
     mix = loader()
     rows = torch.cat([mix.next_batch() for _ in range(400)])
@@ -107,6 +108,7 @@ def test_a_missing_source_is_named(make_cfg: MakeCfg, code_corpus: Path, tmp_pat
     )
 
 
+@pytest.mark.slow
 def test_a_mixture_prepared_and_served(
     code_corpus: Path, tmp_path: Path, corpus_writer: Callable[..., Path]
 ) -> None:

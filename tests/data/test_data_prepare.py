@@ -27,6 +27,7 @@ def overrides(corpus: Path, cache: Path, *extra: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_prepares_the_entry_training_reuses(
     code_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -63,6 +63,7 @@ def test_validation_spans_are_spread_and_sized(total: int, fraction: float) -> N
     assert validation_spans(20, 0.01) == []
 
 
+@pytest.mark.slow
 def test_shards_hold_every_document_then_eot(make_cfg: MakeCfg, code_corpus: Path) -> None:
     bundle = build_data(
         make_cfg(val_fraction=0.1, shard_tokens=SHARD), seq_len=32, micro_batch_size=4, seed=0
@@ -99,6 +100,7 @@ def test_shards_hold_every_document_then_eot(make_cfg: MakeCfg, code_corpus: Pat
     assert np.asarray(bundle.train_loader.tokens).tolist() == stream[~in_val].tolist()
 
 
+@pytest.mark.slow
 def test_parallel_preparation_writes_the_same_shards(make_cfg: MakeCfg, tmp_path: Path) -> None:
     serial = prepare_shards(DataSettings.from_config(make_cfg(shard_tokens=SHARD, num_workers=1)))
     parallel = prepare_shards(
@@ -112,6 +114,7 @@ def test_parallel_preparation_writes_the_same_shards(make_cfg: MakeCfg, tmp_path
         assert (serial / "shards" / name).read_bytes() == (parallel / "shards" / name).read_bytes()
 
 
+@pytest.mark.slow
 def test_second_build_reuses_everything(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = make_cfg(shard_tokens=SHARD)
     first = build_data(cfg, seq_len=32, micro_batch_size=4, seed=0)
@@ -141,6 +144,7 @@ def test_changed_corpus_or_vocab_prepares_again(
     assert changed.meta["cache_dir"] != first.meta["cache_dir"]
 
 
+@pytest.mark.slow
 def test_a_crash_keeps_the_complete_shards_and_resumes(
     make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -175,6 +179,7 @@ def test_a_crash_keeps_the_complete_shards_and_resumes(
     ).read_text().replace(str(tmp_path / "clean"), "")
 
 
+@pytest.mark.slow
 def test_kill_9_at_any_moment_then_resume(make_cfg: MakeCfg, tmp_path: Path) -> None:
     clean = prepare_shards(
         DataSettings.from_config(
@@ -205,6 +210,7 @@ def test_kill_9_at_any_moment_then_resume(make_cfg: MakeCfg, tmp_path: Path) -> 
     assert np.array_equal(stream_of(directory), stream_of(clean))
 
 
+@pytest.mark.slow
 def test_other_ranks_wait_for_the_manifest(make_cfg: MakeCfg, tmp_path: Path) -> None:
     settings = DataSettings.from_config(make_cfg(shard_tokens=SHARD, num_workers=1))
     child = os.fork()
@@ -240,6 +246,7 @@ def test_waiters_stop_on_a_failed_or_dead_preparation(tmp_path: Path) -> None:
         )
 
 
+@pytest.mark.slow
 def test_an_existing_tokenizer_sets_the_vocabulary(make_cfg: MakeCfg, tmp_path: Path) -> None:
     from tokenizers import Tokenizer as BackendTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -293,6 +300,7 @@ def broken(make_cfg: MakeCfg, how: str) -> tuple[DataSettings, Path, dict[str, t
         ("dtype", r"a vocabulary of 70000 ids does not fit the shards' uint16 tokens"),
     ],
 )
+@pytest.mark.slow
 def test_a_damaged_corpus_is_refused_and_kept(make_cfg: MakeCfg, how: str, message: str) -> None:
     _, directory, before = broken(make_cfg, how)
     with pytest.raises(DataError, match=message):

@@ -161,6 +161,7 @@ def test_packing_equals_the_prepared_path(stream_cfg: MakeCfg, tmp_path: Path) -
 
 
 @pytest.mark.parametrize(("rank", "world_size"), [(0, 1), (1, 2)])
+@pytest.mark.slow
 def test_resume_gives_bitwise_the_same_batches(
     stream_cfg: MakeCfg, rank: int, world_size: int
 ) -> None:

@@ -57,6 +57,7 @@ def compose_stream(stream: Path, cache: Path, *overrides: str) -> DictConfig:
         )
 
 
+@pytest.mark.slow
 def test_streaming_run_resumes_from_a_checkpoint_exactly(stream: Path, tmp_path: Path) -> None:
     cfg = compose_stream(stream, tmp_path / "cache")
     first = Trainer(cfg, tmp_path / "run")

@@ -49,6 +49,7 @@ def test_batch_sizes_and_clipping_come_from_the_trainer_settings():
     assert config["zero_allow_untested_optimizer"] is True
 
 
+@pytest.mark.slow
 def test_buckets_and_overlap_come_from_the_model_size():
     """hidden^2 reduce buckets (Hugging Face's ``auto`` rule), overlapped with backward at
     every stage; stage 3's prefetch 0.9 hidden^2, persistence 10 hidden, two blocks live."""
@@ -90,6 +91,7 @@ def test_a_user_bucket_or_overlap_wins_over_the_derived_one():
     assert zero["allgather_bucket_size"] == 2048 * 2048  # the others stay derived
 
 
+@pytest.mark.slow
 def test_the_model_size_is_the_planners_shape(make_cfg):
     """The engine sizes buckets from the built model, the planner from the config: the same
     width, parameter count and block."""
@@ -139,12 +141,14 @@ def test_precision_strategies_map_to_deepspeed_bf16_flags(precision, bf16):
         ("collage_plus", "zero2", "bf16", "bf16"),
     ],
 )
+@pytest.mark.slow
 def test_auto_gradient_dtypes_follow_the_strategy(precision, distributed, reduce, accumulate):
     config = render(f"distributed={distributed}", precision=precision)
     assert config["communication_data_type"] == reduce
     assert config["data_types"] == {"grad_accum_dtype": accumulate}
 
 
+@pytest.mark.slow
 def test_explicit_gradient_dtypes_are_written_for_deepspeed():
     config = render("distributed.reduce_dtype=fp32", "distributed.grad_accum_dtype=fp32")
     assert config["communication_data_type"] == "fp32"
@@ -201,6 +205,7 @@ def test_pass_through_cannot_contradict_derived_settings(override, names):
         render(override)
 
 
+@pytest.mark.slow
 def test_offload_rules_are_explained():
     with pytest.raises(ConfigError, match="only distributed=zero3 has it"):
         compose_job(["distributed=zero2", "distributed.offload_param=true"])
@@ -373,6 +378,7 @@ def _agree(rank: int, port: int, results) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_launched_ranks_share_rank_zeros_run_stamp():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -442,6 +448,7 @@ def _zero_trainer(make_cfg, run_dir, monkeypatch, *overrides):
     [("collage_plus", 1), ("collage_plus", 2), ("collage_plus", 3), ("bf16", 2),
      ("mixed_fp32", 2)],
 )  # fmt: skip
+@pytest.mark.slow
 def test_zero_steps_the_weight_partition_without_a_copy(
     make_cfg, tmp_path, monkeypatch, precision, stage
 ):
@@ -509,6 +516,7 @@ def test_zero_steps_the_weight_partition_without_a_copy(
     [("collage_plus", 1), ("mixed_fp32", 1), ("collage_plus", 2), ("mixed_fp32", 2),
      ("collage_plus", 3), ("mixed_fp32", 3)],
 )  # fmt: skip
+@pytest.mark.slow
 def test_the_planned_buckets_are_the_ones_deepspeed_allocates(
     make_cfg, tmp_path, monkeypatch, precision, stage
 ):
@@ -607,6 +615,7 @@ def test_train_compile_under_zero_compiles_through_deepspeed(
     assert losses == pytest.approx(eager_losses, rel=2e-3)
 
 
+@pytest.mark.slow
 def test_one_zero2_rank_trains_bit_for_bit_like_one_process(make_cfg, tmp_path, monkeypatch):
     """A world of one: ZeRO-2 reduces nothing, and DeepSpeed's clipping leaves a gradient
     under the limit untouched, so its steps are one process's to the bit, losses, weights

@@ -36,6 +36,7 @@ def _restore_launch_environment():
             os.environ[name] = value
 
 
+@pytest.mark.slow
 def test_comm_group_defaults():
     assert compose_cfg().comm.name == "every_step"
     diloco = outer_settings(compose_cfg("comm=diloco").comm)
@@ -99,6 +100,7 @@ def test_training_ends_and_validates_on_an_outer_step_derived_from_sync_every(
     assert "comm.sync_every" not in capsys.readouterr().out  # nothing to say
 
 
+@pytest.mark.slow
 def test_zero_with_replicas_ends_in_one_error_line(tiny):
     result = tiny("distributed=zero1", "comm=sparseloco")
     assert result.returncode == 2
@@ -148,6 +150,7 @@ def assert_states_equal(a: dict, b: dict, collage: bool) -> None:
     ],
     ids=["diloco", "sparseloco"],
 )
+@pytest.mark.slow
 def test_one_replica_syncing_every_step_trains_like_the_plain_optimizer(
     make_cfg, tmp_path, precision, comm
 ):

@@ -31,6 +31,7 @@ def quiet(monkeypatch):
         monkeypatch.delenv(key, raising=False)
 
 
+@pytest.mark.slow
 def test_the_environment_applies_where_the_config_is_silent(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_PROJECT", "from-env")
@@ -60,6 +61,7 @@ def test_mode_comes_from_the_config_then_the_environment_then_offline(monkeypatc
         wandb_mode(wandb_cfg())
 
 
+@pytest.mark.slow
 def test_a_resumed_run_rewinds_its_wandb_run_to_the_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

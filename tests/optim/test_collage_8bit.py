@@ -47,6 +47,7 @@ def second_moment(opt, param) -> torch.Tensor:
 # ------------------------------------------------------------------ float64 numerics
 
 
+@pytest.mark.slow
 def test_beta2_decay_survives_stochastic_rounding_and_sticks_under_nearest():
     """Elements whose gradient went to 0: v must decay as 0.999^t. In every block one
     element keeps gradient 1 (v = 1 = the block's absmax, held exactly). Under stochastic

@@ -245,6 +245,7 @@ def fresh_build(monkeypatch, tmp_path):
     kernels.compiled_matches_eager.cache_clear()
 
 
+@pytest.mark.slow
 def test_auto_runs_the_kernel_once_the_probe_passes(fresh_build, monkeypatch):
     monkeypatch.setattr(kernels, "AUTO_COMPILE_MIN_PARAMS", 1000)
     small = run("auto", start_weights(999, 1), gradients(999, 1, seed=1), lambda _: False)
@@ -254,6 +255,7 @@ def test_auto_runs_the_kernel_once_the_probe_passes(fresh_build, monkeypatch):
     assert len(list(fresh_build.glob("eight_bit_kernel-*.so"))) == 1
 
 
+@pytest.mark.slow
 def test_the_probe_catches_a_kernel_that_differs(fresh_build, monkeypatch, caplog):
     fused_step = eight_bit_kernel.eight_bit_step
 

@@ -11,6 +11,7 @@ from collage_train.optim.collage import cpu_kernel
 
 
 @pytest.mark.skipif(cpu_kernel.c_compiler() is None, reason="needs a C compiler (gcc or clang)")
+@pytest.mark.slow
 def test_trainer_runs_the_fused_8bit_step(make_cfg, tmp_path):
     from collage_train.trainer import Trainer
 

@@ -58,6 +58,7 @@ def compile_ptx(track: bool, capability: int, gated: bool = False, **options) ->
     return compiled.asm["ptx"]
 
 
+@pytest.mark.slow
 def test_triton_kernel_is_bitwise_the_eager_step_in_the_interpreter():
     script = Path(__file__).with_name("triton_interpreted_8bit.py")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -70,6 +71,7 @@ def test_triton_kernel_is_bitwise_the_eager_step_in_the_interpreter():
 
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.slow
 def test_the_kernel_compiles_to_exact_ptx(capability, gated):
     """The tracked variant (a superset of the untracked one's arithmetic), with and
     without the step guard's mask."""

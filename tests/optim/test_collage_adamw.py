@@ -16,6 +16,7 @@ def second_moment(opt, param):
     return state["exp_avg_sq"].double() + (state["dv"].double() if "dv" in state else 0.0)
 
 
+@pytest.mark.slow
 def test_v_tracking_with_beta2_0999(device):
     """Constant g^2 = 1 for 4000 steps: true v = 1 - 0.999^4000 = 0.9817 (Collage paper,
     section 3)."""
@@ -99,6 +100,7 @@ def trajectories():
     return errors
 
 
+@pytest.mark.slow
 def test_trajectory_error_of_theta_ranks_the_strategies(trajectories):
     """Error of the weights the model computes with, relative to the float64 displacement.
 
@@ -114,6 +116,7 @@ def test_trajectory_error_of_theta_ranks_the_strategies(trajectories):
     assert err["bf16"] > 0.9  # plain bf16 barely moves: its updates are rounded away
 
 
+@pytest.mark.slow
 def test_trajectory_error_of_the_compensated_value(trajectories):
     """theta + dtheta for Collage, the fp32 master for mixed_fp32.
 
@@ -187,6 +190,7 @@ def test_tracking_off_does_no_descent_work(device):
 # ------------------------------------------------------------------- drop-in use
 
 
+@pytest.mark.slow
 def test_plain_training_loop_with_param_groups(device):
     """A plain PyTorch loop, no trainer: learns, honours per-group lr, exposes EDQ."""
     torch.manual_seed(0)

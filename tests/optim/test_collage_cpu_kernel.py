@@ -126,6 +126,7 @@ def without_split_tier(monkeypatch, no_split_library):
 
 
 @pytest.mark.parametrize("mode", ["none", "light", "plus"])
+@pytest.mark.slow
 def test_the_build_without_the_split_tier_is_bitwise_equal_too(without_split_tier, mode):
     before = tier_counts()
     assert agrees_with_eager(mode, 2049, 0.95)
@@ -230,6 +231,7 @@ FE_INVALID, FE_TONEAREST, FE_UPWARD = 0x01, 0x000, 0x800  # x86 <fenv.h>
 
 
 @pytest.mark.skipif(not X86, reason="the split tier and MXCSR are x86-64 only")
+@pytest.mark.slow
 def test_without_round_to_nearest_the_split_tier_is_left_out(monkeypatch, no_split_library):
     """Veltkamp's splitting rounds to nearest only in round-to-nearest mode (and needs
     denormals seen, not zeroed): in any other MXCSR mode the kernel does what the build
@@ -305,6 +307,7 @@ def fresh_build(monkeypatch, tmp_path):
     kernels.compiled_matches_eager.cache_clear()
 
 
+@pytest.mark.slow
 def test_builds_once_into_the_cache(fresh_build):
     cpu_kernel.load_library()
     built = list(fresh_build.glob("cpu_kernel-*.so"))
@@ -372,12 +375,14 @@ def run_exhaustive_check(name: str, tmp_path: Path) -> None:
     assert sum(int(words[1]) for words, _ in outcomes) == 65536
 
 
+@pytest.mark.slow
 def test_two_sum_roundings_the_kernel_skips_are_exact_for_every_bf16_pair(tmp_path):
     """All 2^32 input pairs (a few seconds): the proof behind the skipped roundings."""
     run_exhaustive_check("exhaustive_two_sum", tmp_path)
 
 
 @pytest.mark.skipif(not X86, reason="the split tier is x86-64 only")
+@pytest.mark.slow
 def test_split_rounding_is_rb_or_flagged_for_every_fp32_value(tmp_path):
     """All 2^32 fp32 values (about 15 seconds): the proof behind the split tier."""
     run_exhaustive_check("exhaustive_split", tmp_path)

@@ -152,6 +152,7 @@ def test_probe_rejects_a_kernel_that_rounds_differently(monkeypatch):
         kernels.compiled_matches_eager.cache_clear()
 
 
+@pytest.mark.slow
 def test_trainer_runs_the_compiled_step(make_cfg, tmp_path):
     """optim.kernel=compiled end to end: the same weights as the eager reference."""
     from collage_train.trainer import Trainer
@@ -168,6 +169,7 @@ def test_trainer_runs_the_compiled_step(make_cfg, tmp_path):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+@pytest.mark.slow
 def test_triton_kernel_arithmetic_is_bitwise_equal_in_the_interpreter():
     """The Triton kernel, run by Triton's CPU interpreter: bitwise equal, both branches.
 

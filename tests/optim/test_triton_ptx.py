@@ -81,6 +81,7 @@ def compile_ptx(
 
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("mode", ["none", "light", "plus"])
+@pytest.mark.slow
 def test_every_launched_variant_compiles_to_exact_ptx(mode, capability):
     for (track, write_update), gated in itertools.product(_CALLS.values(), (False, True)):
         ptx = compile_ptx(mode, track, write_update, capability, gated=gated)

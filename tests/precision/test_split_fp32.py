@@ -23,6 +23,7 @@ def fp32_from_bits(bits: list[int]) -> torch.Tensor:
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=2**32 - 1), min_size=1, max_size=64))
+@pytest.mark.slow
 def test_split_then_join_is_the_identity_on_every_finite_fp32(bits):
     master = fp32_from_bits([b - 2**32 if b >= 2**31 else b for b in bits])
     master = master[torch.isfinite(master)]
@@ -111,6 +112,7 @@ def test_measured_state_is_14_bytes_per_parameter():
     assert strategy.expected_state_bytes_per_param == 14
 
 
+@pytest.mark.slow
 def test_training_run_equals_mixed_fp32_bit_for_bit(make_cfg, tmp_path):
     weights, losses = {}, {}
     for name in ("mixed_fp32", "split_fp32"):

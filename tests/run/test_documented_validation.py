@@ -53,6 +53,7 @@ def bundles() -> dict[tuple[int, int, int], DataBundle]:
 
 
 @pytest.mark.parametrize("documented", COMMANDS, ids=str)
+@pytest.mark.slow
 def test_documented_command_validates_on_the_embedded_corpus(
     documented: Command, cache_dir: Path, bundles: dict[tuple[int, int, int], DataBundle]
 ) -> None:

@@ -42,6 +42,7 @@ def _assert_bitwise(a, b) -> None:
 
 
 @pytest.mark.parametrize("precision", ["collage_plus", "mixed_fp32"])
+@pytest.mark.slow
 def test_background_save_holds_the_step_it_was_taken_at(make_cfg, tmp_path, monkeypatch, precision):
     cfg = make_cfg(f"precision={precision}", "train.max_steps=8")
     background, foreground = Trainer(cfg, tmp_path / "bg"), Trainer(cfg, tmp_path / "fg")
@@ -96,6 +97,7 @@ def test_a_save_in_flight_is_not_a_checkpoint_until_committed(make_cfg, tmp_path
 
 
 @pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
+@pytest.mark.slow
 def test_a_failed_background_write_is_kept_and_leaves_the_last_checkpoint(
     make_cfg, tmp_path, monkeypatch, code
 ):
@@ -136,6 +138,7 @@ def test_a_rank_that_fails_stops_rank_0_waiting_for_its_share(tmp_path):
     assert sorted(p.name for p in tmp.iterdir()) == [".manifest-rank0.json", ".manifest-rank1.json"]
 
 
+@pytest.mark.slow
 def test_killed_during_a_background_save_resumes_from_the_previous_checkpoint(make_cfg, tmp_path):
     """SIGKILL while the thread writes step 2: step-1 stays the newest checkpoint, the
     half-written directory is never taken, and a resume continues from step 1."""
@@ -185,6 +188,7 @@ def test_killed_during_a_background_save_resumes_from_the_previous_checkpoint(ma
 
 
 @pytest.mark.parametrize("precision", ["collage_plus", "mixed_fp32", "bf16"])
+@pytest.mark.slow
 def test_the_planned_host_copy_is_what_a_background_save_holds(make_cfg, tmp_path, precision):
     """What the start-up check and ``collage_train.plan`` count for the copy
     (``memory_plan.checkpoint_copy_bytes``) is what the first background save allocates."""
@@ -209,6 +213,7 @@ def test_the_planned_host_copy_is_what_a_background_save_holds(make_cfg, tmp_pat
     assert "for the background checkpoint's copy of the state" in render(make_plan(cfg))
 
 
+@pytest.mark.slow
 def test_a_run_whose_background_write_fails_stops_with_one_line(
     make_cfg, tmp_path, monkeypatch, capsys
 ):

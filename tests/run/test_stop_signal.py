@@ -113,6 +113,7 @@ def two_ranks(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.parametrize("name,target,at", [p for p in PLACED if p[1] is not None])
+@pytest.mark.slow
 def test_both_ranks_stop_at_the_same_step_within_two(two_ranks, name, target, at):
     records = [ranks[name] for ranks in two_ranks]
     assert [r["stopped_at"] for r in records] == [at + 1, at + 1]  # read one step late
@@ -124,6 +125,7 @@ def test_both_ranks_stop_at_the_same_step_within_two(two_ranks, name, target, at
     assert records[target]["elapsed"] > 0.0
 
 
+@pytest.mark.slow
 def test_without_a_signal_no_rank_ever_stops(two_ranks):
     for ranks in two_ranks:
         record = ranks["no_signal"]
@@ -133,6 +135,7 @@ def test_without_a_signal_no_rank_ever_stops(two_ranks):
 
 
 @pytest.mark.parametrize("trial", range(LANDED_TRIALS))
+@pytest.mark.slow
 def test_a_signal_landing_anywhere_stops_within_two_steps(two_ranks, trial):
     records = [ranks[f"landed_{trial}"] for ranks in two_ranks]
     assert records[0]["stopped_at"] is not None
@@ -143,6 +146,7 @@ def test_a_signal_landing_anywhere_stops_within_two_steps(two_ranks, trial):
     assert signalled["stopped_at"] <= landed_in + 1 + 1  # within two optimizer steps
 
 
+@pytest.mark.slow
 def test_the_flag_lives_in_host_memory_on_a_gloo_group(two_ranks):
     for ranks in two_ranks:
         assert ranks["backend"] == "gloo"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from types import SimpleNamespace
 
+import pytest
 import torch
 from tiny_config import assert_same_logits_and_grads, logits_and_grads
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
@@ -137,6 +138,7 @@ def test_rmsnorm_backward_rescale_keeps_small_gradients():
     assert results[False].abs().max() == 0
 
 
+@pytest.mark.slow
 def test_scalify_llama_run_trains_with_unit_data(make_cfg, tmp_path):
     """fp8 matmuls, fp16 master and state on llama_tiny: the loss falls, the residual stream
     and every matmul operand (the SwiGLU product included) keep data near unit RMS."""

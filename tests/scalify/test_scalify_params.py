@@ -60,6 +60,7 @@ def _f64_rounding(value: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------ the layout
 
 
+@pytest.mark.slow
 def test_the_registry_entries_and_their_bytes(make_cfg):
     eight = strategy_for(make_cfg("precision=scalify").precision)
     twelve = strategy_for(make_cfg("precision=scalify_fp32_params").precision)
@@ -311,6 +312,7 @@ def test_step_temporaries_of_scaled_parameters_match_the_planner():
 # ------------------------------------------------------------------ a real run
 
 
+@pytest.mark.slow
 def test_an_eight_byte_run_measures_8_bytes_and_exports_ordinary_weights(make_cfg, tmp_path):
     run_dir = tmp_path / "run"
     cfg = make_cfg(

@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tiny_config import tiny_model_and_data
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
+@pytest.mark.slow
 def test_both_modes_are_timed_save_by_save(corpus_dir, cache_dir, tmp_path):
     data = [o for o in tiny_model_and_data(corpus_dir, cache_dir) if "seq_len" not in o]
     out = tmp_path / "rows.json"

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_cpu_bf16
 
@@ -52,6 +54,7 @@ def test_ratios_are_against_the_fp32_step_of_the_same_instruction_set():
     assert "| avx2 | bf16 | native | 8.000 | 8.000-8.000 | 8.00 |" in text
 
 
+@pytest.mark.slow
 def test_a_tiny_real_run(tmp_path, corpus_dir, cache_dir):
     from tiny_config import tiny_model_and_data
 

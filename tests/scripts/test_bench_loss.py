@@ -6,10 +6,13 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_loss
 
 
+@pytest.mark.slow
 def test_a_tiny_real_run_holds_less_with_blocks(tmp_path, monkeypatch, capsys):
     """128 tokens at a 2048-token vocabulary in blocks of 32: the loss's peak falls by
     more than half at both precisions (12 bytes per logit of the micro-batch against 8
@@ -33,6 +36,7 @@ def test_a_tiny_real_run_holds_less_with_blocks(tmp_path, monkeypatch, capsys):
     assert "| mixed_fp32 | blocks of 32 |" in printed
 
 
+@pytest.mark.slow
 def test_the_planner_rows_compare_the_same_settings_before_and_after():
     rows = bench_loss.planned_rows()
     assert len(rows) == len(bench_loss.PLAN_MODELS) * len(bench_loss.PLAN_SETTINGS)

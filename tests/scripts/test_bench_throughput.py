@@ -45,6 +45,7 @@ def _step_peak(shape: ModelShape, strategy: str, micro: int) -> float:
     return estimate(shape, setting, micro_batch=micro, accum_steps=1, checkpointing=True).peak
 
 
+@pytest.mark.slow
 def test_the_dry_run_plans_each_strategys_largest_micro_batch(tmp_path, monkeypatch, capsys):
     """Every strategy at micro-batch 8 and at the largest one-step micro-batch the planner
     fits in 80 GiB less 2 (the next one does not fit), compile off and on alike; less

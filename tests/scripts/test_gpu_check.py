@@ -17,6 +17,8 @@ import pytest
 import torch
 from cli_runner import REPO
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 
 
