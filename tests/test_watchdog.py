@@ -168,6 +168,8 @@ def test_a_process_that_hangs_exits_with_its_status_and_its_stacks(tmp_path):
     assert "sleeping_in_a_step" in done.stderr  # the stacks are in the job's log too
 
 
+@pytest.mark.slow
+@pytest.mark.zero  # a 2-rank ZeRO-1 launch
 def test_a_rank_asleep_in_a_step_ends_the_launch_intact_and_the_run_resumes(
     corpus_dir, cache_dir, tmp_path
 ):

@@ -12,12 +12,16 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from cli_runner import remove_shm_buffers, run_torchrun, start_torchrun, tiny_overrides
 from launched_runs import assert_same_checkpoint_tensors, rank_pids
 
 from collage_train import checkpoint
 
 STEPS = 12
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.zero]  # a 2-rank ZeRO-2 launch
 
 
 def test_sigterm_at_a_random_step_stops_within_two_steps_and_resumes_bitwise(

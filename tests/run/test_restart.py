@@ -13,6 +13,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from cli_runner import remove_shm_buffers, run_torchrun, start_torchrun, tiny_overrides
 from launched_runs import assert_same_checkpoint_tensors, rank_pids
 
@@ -31,6 +32,9 @@ def _steps_logged(metrics: Path) -> list[int]:
     return [
         json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line
     ]
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.zero]  # a 2-rank ZeRO-2 launch
 
 
 def test_a_killed_rank_is_restarted_by_torchrun_and_the_job_ends_as_if_never_killed(
