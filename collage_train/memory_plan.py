@@ -350,7 +350,9 @@ def chunked_loss_bytes(
     Forward: the output embedding's gradient accumulated in fp32 (4 bytes per weight),
     the weight's copy in the compute dtype where the parameters are wider (autocast) and
     one block's working set (``CHUNK_BYTES_PER_LOGIT``); with ``fp32_gemms`` (``cpu_bf16``)
-    also the emulated GEMMs' fp32 copy of the weight and their fp32 result. Backward: the
+    also the weight up-cast once to fp32 for the loss's own fp32 GEMMs and the block's
+    hidden states up-cast (the rounded logit gradients stay in the block's fp32 storage,
+    so they add nothing at the peak). Backward: the
     accumulator and the gradient rounded from it (fp32 parameters: the accumulator itself
     becomes the gradient).
     """
@@ -359,7 +361,7 @@ def chunked_loss_bytes(
     weight_copy = elem * weights if param > elem else 0
     block = CHUNK_BYTES_PER_LOGIT * chunk_tokens * shape.vocab
     if fp32_gemms:
-        block += 4 * weights + 2 * chunk_tokens * shape.vocab
+        block += 4 * weights + 4 * chunk_tokens * shape.hidden
     forward = accumulator + weight_copy + block
     backward = accumulator + (param * weights if param < 4 else 0)
     return max(forward, backward)

@@ -642,7 +642,16 @@ class Trainer:
 
     def fit(self, sinks: Sequence[Sink] = ()) -> dict[str, Any] | None:
         """Train to ``max_steps`` (or ``stop_at_step``), logging to ``sinks``; return the
-        summary, None if stopped before ``max_steps``."""
+        summary, None if stopped before ``max_steps``. A run that ends in an error (a NaN
+        loss, out of memory) first lets a checkpoint being written in the background land:
+        its writer is a daemon thread, which the process's exit would cut short."""
+        try:
+            return self._fit(sinks)
+        except BaseException:
+            self.saver.wait()  # bounded: rank 0 waits for the other ranks' shares a while
+            raise
+
+    def _fit(self, sinks: Sequence[Sink]) -> dict[str, Any] | None:
         train = self.cfg.train
         end = train.stop_at_step or train.max_steps
         # Written once a resume has been accepted, so a refused one leaves the run as it was.

@@ -212,9 +212,23 @@ def test_zero_steps_add_no_waits_of_their_own(make_cfg, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_nan_between_logged_steps_is_caught_before_the_next_checkpoint(make_cfg, tmp_path):
+def test_a_nan_between_logged_steps_is_caught_before_the_next_checkpoint(
+    make_cfg, tmp_path, monkeypatch
+):
     """Steps 5-7 are not settled one by one; the loss of step 5 is still reported, and the
-    checkpoint of step 8 is never written."""
+    checkpoint of step 8 is never written. Step 4's, still being written in the background
+    when the error ends the run (its writer slowed here), lands before fit() raises."""
+    import time
+
+    from collage_train.run import checkpointing
+
+    write = checkpointing._SaveJob.run
+
+    def slow_write(job) -> None:
+        time.sleep(1.0)
+        write(job)
+
+    monkeypatch.setattr(checkpointing._SaveJob, "run", slow_write)
     cfg = make_cfg(
         *RUN[:-1],
         "train.checkpoint_every=4",

@@ -158,10 +158,12 @@ def test_planned_peak_with_the_chunked_loss_within_ten_percent_of_measured(
     assert abs(planned / measured - 1) < 0.10, (planned, measured)
 
 
-def test_chunked_loss_bytes_are_what_the_loss_holds():
-    """The chunked loss alone (bf16, one sequence of 1024 tokens in blocks of 128): its
-    live-tensor peak above its inputs is ``chunked_loss_bytes`` plus the hidden states'
-    gradient (counted with the activations in the plan) and a few per-token vectors."""
+@pytest.mark.parametrize("fp32_gemms", [False, True])
+def test_chunked_loss_bytes_are_what_the_loss_holds(fp32_gemms):
+    """The chunked loss alone (bf16, one sequence of 1024 tokens in blocks of 128; with
+    ``fp32_gemms``, its own fp32 GEMMs as under the CPU's bf16 emulation): its live-tensor
+    peak above its inputs is ``chunked_loss_bytes`` plus the hidden states' gradient
+    (counted with the activations in the plan) and a few per-token vectors."""
     from collage_train.loss import chunked_cross_entropy
 
     tokens, hidden_size, vocab, chunk = 1024, 64, 3000, 128
@@ -171,9 +173,10 @@ def test_chunked_loss_bytes_are_what_the_loss_holds():
     with LiveTensorBytes() as live:
         live.track([hidden, weight])
         before = live.current
-        chunked_cross_entropy(hidden, weight, targets, chunk).backward()
+        chunked_cross_entropy(hidden, weight, targets, chunk, fp32_gemms=fp32_gemms).backward()
     shape = SimpleNamespace(vocab=vocab, hidden=hidden_size)
-    planned = chunked_loss_bytes(shape, chunk, elem=2, param=2) + tokens * hidden_size * 2
+    planned = chunked_loss_bytes(shape, chunk, elem=2, param=2, fp32_gemms=fp32_gemms)
+    planned += tokens * hidden_size * 2
     assert live.peak - before == pytest.approx(planned, rel=0.05)
 
 
