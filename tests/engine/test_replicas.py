@@ -5,7 +5,6 @@ The multi-process runs (two replicas through torchrun) are in test_replicas_laun
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -20,20 +19,7 @@ from collage_train.errors import ConfigError
 from collage_train.metrics import RecordingSink
 from collage_train.trainer import Trainer
 
-_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LOSSLESS = ("comm.chunk=256", "comm.topk=256", "comm.bits=32", "comm.error_feedback=0")
-
-
-@pytest.fixture(autouse=True)
-def _restore_launch_environment():
-    """A lone replica joins a world of one, which exports the launch variables: undo that."""
-    saved = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 @pytest.mark.slow
