@@ -13,7 +13,7 @@ import statistics
 
 import pytest
 import torch
-from cli_runner import REPO, run_torchrun, tiny_overrides
+from cli_runner import REPO, run_ranks, tiny_overrides
 from fault_batch import inject
 from launched_runs import assert_same_checkpoint_tensors
 from zero_rank import one_zero_rank
@@ -307,7 +307,7 @@ def test_two_zero2_ranks_skip_the_same_steps_and_end_as_without_the_batches(
     monkeypatch.setenv("FAULT_KIND", "nan;spike")
     monkeypatch.setenv("FAULT_STEPS", "5;7")
     guarded_dir = tmp_path / "guarded"
-    guarded = run_torchrun(
+    guarded = run_ranks(
         *tiny_overrides(corpus_dir, cache_dir, guarded_dir),
         *common,
         entry=f"{REPO}/tests/support/fault_batch.py",
@@ -316,7 +316,7 @@ def test_two_zero2_ranks_skip_the_same_steps_and_end_as_without_the_batches(
     monkeypatch.setenv("FAULT_KIND", "drop")
     monkeypatch.setenv("FAULT_STEPS", "5,7")
     reference_dir = tmp_path / "reference"
-    reference = run_torchrun(
+    reference = run_ranks(
         *tiny_overrides(corpus_dir, cache_dir, reference_dir),
         *common,
         "train.stop_at_step=7",
@@ -390,7 +390,7 @@ def test_a_replica_skips_its_own_bad_steps_and_both_roll_back_together(
     monkeypatch.setenv("FAULT_STEPS", "3,4")
     monkeypatch.setenv("FAULT_RANK", "1")
     run_dir = tmp_path / "run"
-    done = run_torchrun(
+    done = run_ranks(
         *tiny_overrides(corpus_dir, cache_dir, run_dir),
         "comm=diloco",
         "comm.sync_every=2",

@@ -1,6 +1,6 @@
 """The Llama family end to end: every precision strategy, activation checkpointing, the
 HF export (loads in AutoModelForCausalLM and AutoTokenizer, generates), ZeRO-1/2/3 and a
-DiLoCo replica in this process, SparseLoCo replicas through torchrun."""
+DiLoCo replica in this process, SparseLoCo replicas on two launched ranks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from cli_runner import run_torchrun, tiny_overrides
+from cli_runner import run_ranks, tiny_overrides
 from zero_rank import one_zero_rank
 
 from collage_train.precision import available
@@ -112,12 +112,12 @@ def test_llama_one_diloco_replica_trains_like_the_plain_optimizer(make_cfg, tmp_
 
 
 @pytest.mark.slow
-def test_llama_sparseloco_replicas_through_torchrun(corpus_dir, cache_dir, tmp_path):
-    """Two SparseLoCo replicas launched by torchrun train a Llama and export it."""
+def test_llama_sparseloco_replicas_on_two_ranks(corpus_dir, cache_dir, tmp_path):
+    """Two SparseLoCo replicas (ranks of one launch) train a Llama and export it."""
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "run"
-    result = run_torchrun(
+    result = run_ranks(
         *tiny_overrides(corpus_dir, cache_dir, run_dir), *LLAMA,
         "train.max_steps=4", "train.checkpoint_every=4", "logging.log_every=1",
         "precision=bf16", "comm=sparseloco", "comm.sync_every=2", cwd=tmp_path,

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cli_runner import REPO, run_torchrun
+from cli_runner import REPO, run_ranks
 from transformers import AutoModelForCausalLM
 
 from collage_train.model_init import largest_unit_numel, materialise, module_seed, units
@@ -168,7 +168,7 @@ def test_two_zero3_ranks_start_from_the_one_process_weights(corpus_dir, cache_di
     the one-process run's bit for bit."""
     script = tmp_path / "initial_weights.py"
     script.write_text(INITIAL_WEIGHTS_RANK.format(tests=str(Path(__file__).parent / "support")))
-    result = run_torchrun(
+    result = run_ranks(
         str(corpus_dir), str(cache_dir), str(tmp_path), "3", entry=str(script), cwd=REPO
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_runner import REPO, run_torchrun, tiny_overrides
+from cli_runner import REPO, run_ranks, run_torchrun, tiny_overrides
 
 from collage_train import checkpoint, watchdog
 from collage_train.errors import HUNG, ConfigError
@@ -207,7 +207,7 @@ def test_a_rank_asleep_in_a_step_ends_the_launch_intact_and_the_run_resumes(
     assert checkpoint.damage(run_dir / "checkpoints/step-4") is None
     assert not list((run_dir / "checkpoints").glob(".*"))
 
-    resumed = run_torchrun(*args, "train.resume=true", entry=entry, timeout=300)
+    resumed = run_ranks(*args, "train.resume=true", entry=entry, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
     records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())

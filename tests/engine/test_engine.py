@@ -383,8 +383,10 @@ def test_launched_ranks_share_rank_zeros_run_stamp():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    results = mp.get_context("spawn").Manager().dict()
-    mp.start_processes(_agree, args=(port, results), nprocs=2, start_method="spawn")
+    # forked from the suite's preloaded forkserver (tests/support/forked_ranks.py): no
+    # interpreter start and imports per rank
+    results = mp.get_context("forkserver").Manager().dict()
+    mp.start_processes(_agree, args=(port, results), nprocs=2, start_method="forkserver")
     assert dict(results) == {0: "clock-of-rank-0", 1: "clock-of-rank-0"}
 
 

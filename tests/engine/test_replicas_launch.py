@@ -1,10 +1,11 @@
-"""Two DiLoCo/SparseLoCo replicas through the real CLI under torchrun (2 CPU processes, gloo).
+"""Two DiLoCo/SparseLoCo replicas through the real CLI on 2 launched CPU ranks (gloo; one
+launch by the ``deepspeed`` launcher, the others forked: tests/support/forked_ranks.py).
 
 A run of ``gpt_tiny`` with H = 4 for ten outer steps (40 inner steps, each rank on its
 own data shard) is compared with ``replica_sim.simulate_replicas``, a single-process
 simulation of the same two replicas built from the pure outer-step functions: the
 shared weights after every outer step, the losses, and each rank's final state must
-match bit for bit. Both sides run with one thread (torchrun's default), so that CPU
+match bit for bit. Both sides run with one thread (a launch's default on 2 cores), so that CPU
 kernels reduce in the same order.
 
 Run these alone with ``pytest -m replicas``.
@@ -18,8 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import REPO, run_deepspeed
-from cli_runner import run_torchrun as torchrun
+from cli_runner import REPO, run_deepspeed, run_ranks
 from hydra import compose, initialize_config_dir
 from replica_sim import simulate_replicas
 from safetensors.torch import load_file
@@ -84,7 +84,7 @@ def state_tensors(state: dict) -> list[torch.Tensor]:
 def two_replicas(corpus_dir, cache_dir, tmp_path_factory):
     """The 2-process run, launched once for the module."""
     run_dir = tmp_path_factory.mktemp("sparseloco") / "run"
-    result = torchrun(*overrides(corpus_dir, cache_dir), f"hydra.run.dir={run_dir}")
+    result = run_ranks(*overrides(corpus_dir, cache_dir), f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return run_dir
 
@@ -162,7 +162,7 @@ def test_export_takes_rank_zeros_replica(two_replicas, tmp_path):
 
 def test_a_diverging_replica_stops_the_run_with_one_error_line(corpus_dir, cache_dir, tmp_path):
     args = overrides(corpus_dir, cache_dir, "train.max_steps=8", "train.eval_every=8")
-    result = torchrun(
+    result = run_ranks(
         *args,
         f"hydra.run.dir={tmp_path / 'run'}",
         entry=str(REPO / "tests/support/replica_corrupt.py"),
@@ -228,11 +228,11 @@ def test_collage_replicas_merge_theta_plus_dtheta_like_the_simulation(
     run_dir = tmp_path / "run"
     args = [*overrides(corpus_dir, cache_dir, *extra), f"hydra.run.dir={run_dir}"]
     if stop_at is not None:
-        stopped = torchrun(*args, f"train.stop_at_step={stop_at}")
+        stopped = run_ranks(*args, f"train.stop_at_step={stop_at}")
         assert stopped.returncode == 0, stopped.stderr[-3000:]
         assert f"stopped at step {stop_at} of {H * outer_steps}" in stopped.stdout
         args.append("train.resume=true")
-    result = torchrun(*args)
+    result = run_ranks(*args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     if stop_at is not None:
         assert f"step-{stop_at} at step {stop_at}" in result.stdout

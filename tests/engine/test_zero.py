@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO on 2 CPU processes with gloo, started by ``torchrun`` (the ZeRO-2
-collage_plus run most tests read: by the ``deepspeed`` launcher).
+"""DeepSpeed ZeRO on 2 CPU processes with gloo: ranks forked with torchrun's launch
+variables (tests/support/forked_ranks.py); the ZeRO-2 collage_plus run most tests read
+is started by the ``deepspeed`` launcher, and one test's ranks by ``torchrun``.
 
 Every ZeRO run here is compared with a single-process run of the same global batch
 and data order. The comparison tolerance is relative 1e-3 on loss, gradient norm and
@@ -27,7 +28,15 @@ import torch
 from checkpoint_checks import (
     assert_same_deepspeed_files,
 )
-from cli_runner import Result, rank_threads, run_cli, run_deepspeed, run_torchrun, tiny_overrides
+from cli_runner import (
+    Result,
+    rank_threads,
+    run_cli,
+    run_deepspeed,
+    run_ranks,
+    run_torchrun,
+    tiny_overrides,
+)
 from safetensors.torch import load_file
 from tiny_config import compose_tiny
 
@@ -50,7 +59,7 @@ RTOL = 1e-3
 # The module's ZeRO-3 collage_plus run computes the loss in chunks (collage_train.loss),
 # which ZeRO-3's gathered head weight must see: one launch for both behaviours.
 CHUNKED = "train.loss_chunk_tokens=48"
-# Launched by the ``deepspeed`` launcher (the others by ``torchrun``, which starts ranks
+# Launched by the ``deepspeed`` launcher (the others' ranks are forked, which starts them
 # seconds sooner; both set the same launch variables): the run most tests here read.
 BY_DEEPSPEED = ("zero2", "collage_plus")
 
@@ -101,7 +110,7 @@ def runs(corpus_dir, cache_dir, tmp_path_factory):
             elif (distributed, precision) == BY_DEEPSPEED and not extra:
                 result = run_deepspeed(*args)
             else:
-                result = run_torchrun(*args)
+                result = run_ranks(*args)
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
             assert not result.leftover_shm, result.leftover_shm  # engine/zero.py unlinks them
             done[key] = (run_dir, result)
@@ -293,7 +302,7 @@ def test_scalify_under_zero3_resumes_on_its_layout_only(runs, corpus_dir, cache_
     with pytest.raises(ConfigError, match="resumes only with the engine and number of proc"):
         check_resume(run_dir / "checkpoints" / "step-4", one_process, world_size=1)
 
-    resumed = run_torchrun(*args, "distributed=zero3")
+    resumed = run_ranks(*args, "distributed=zero3")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     weights = load_file(run_dir / "hf" / "model.safetensors")
@@ -337,7 +346,7 @@ def test_zero2_resume_continues_to_the_same_weights(runs, corpus_dir, cache_dir,
     assert_same_deepspeed_files(back, step_4)
     shutil.rmtree(step_4)
     back.rename(step_4)
-    result = run_torchrun(
+    result = run_ranks(
         *tiny_overrides(corpus_dir, cache_dir, run_dir), "logging.log_every=1",
         "precision=collage_plus", "distributed=zero2", "train.resume=true",
     )  # fmt: skip
@@ -415,7 +424,7 @@ def test_rival_strategy_under_zero2_matches_its_single_process_run(
             assert line.startswith("error:") and "per block of 256 elements" in line, line
             assert not out.exists()
         assert files_of(run_dir / "checkpoints") == saved
-    resumed = run_torchrun(*args, "distributed=zero2", "train.resume=true")
+    resumed = run_ranks(*args, "distributed=zero2", "train.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "elastic resume" not in resumed.stdout
     weights = load_file(run_dir / "hf" / "model.safetensors")
@@ -566,7 +575,7 @@ def test_resume_on_two_zero_ranks_from_another_layout(
     # the uninterrupted run on the target's layout (at ZeRO-3 collage_plus: chunked loss)
     uninterrupted_run = collage_plus(reference) if precision == "collage_plus" else (
         reference, precision)  # fmt: skip
-    result = run_torchrun(
+    result = run_ranks(
         *tiny_overrides(corpus_dir, cache_dir, run_dir), "logging.log_every=1",
         f"precision={precision}", f"distributed={target}", "train.resume=true",
         *uninterrupted_run[2:],

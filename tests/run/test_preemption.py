@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_runner import remove_shm_buffers, run_torchrun, start_torchrun, tiny_overrides
+from cli_runner import remove_shm_buffers, run_ranks, start_torchrun, tiny_overrides
 from launched_runs import assert_same_checkpoint_tensors, rank_pids
 
 from collage_train import checkpoint
@@ -39,7 +39,7 @@ def test_sigterm_at_a_random_step_stops_within_two_steps_and_resumes_bitwise(
             "train.export_hf=false",
         ]
 
-    reference = run_torchrun(*overrides(tmp_path / "reference"))
+    reference = run_ranks(*overrides(tmp_path / "reference"))
     assert reference.returncode == 0, reference.stderr[-3000:]
 
     run_dir = tmp_path / "preempted"
@@ -72,7 +72,7 @@ def test_sigterm_at_a_random_step_stops_within_two_steps_and_resumes_bitwise(
     assert at_step < landed and saved - landed <= 1, (at_step, landed, saved)
     assert [step for step, _ in checkpoint.list_checkpoints(run_dir)] == [saved]
 
-    resumed = run_torchrun(*overrides(run_dir), "train.resume=true")
+    resumed = run_ranks(*overrides(run_dir), "train.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     final = f"checkpoints/step-{STEPS}"
     assert_same_checkpoint_tensors(run_dir / final, tmp_path / "reference" / final)

@@ -5,8 +5,9 @@ Malicious checkpoints: a pickle whose ``__reduce__`` would create a marker file 
 in each ``.pt`` file of a single-process and of a 2-rank ZeRO-2 checkpoint; resume, export
 and generate must refuse each with one error line, and the marker must never appear. The
 refusals are checked in-process (``cli.run``, ``export.main``, ``generate.main``: the
-same code the commands run), and once each through the real deepspeed launcher, where
-DeepSpeed itself would otherwise unpickle the file.
+same code the commands run), and once by the two ranks of a launch, where DeepSpeed
+itself would otherwise unpickle the file (the run they resume was started by the real
+deepspeed launcher).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import REPO, run_cli, run_deepspeed, tiny_overrides
+from cli_runner import REPO, run_cli, run_deepspeed, run_ranks, tiny_overrides
 from hydra import compose, initialize_config_dir
 
 from collage_train import checkpoint, cli, export, generate
@@ -248,7 +249,7 @@ def test_malicious_zero_checkpoint_is_refused_by_the_launched_ranks(
     marker = tmp_path / "payload-ran"
     name = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     plant(run_dir / "checkpoints" / "step-1" / name, marker)
-    result = run_deepspeed(
+    result = run_ranks(
         *tiny_overrides(corpus_dir, cache_dir, run_dir),
         "distributed=zero2",
         "precision=bf16",
@@ -323,7 +324,7 @@ def test_zero_launch_on_a_locked_directory_is_refused_by_rank_zero(corpus_dir, c
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        result = run_deepspeed(
+        result = run_ranks(
             *tiny_overrides(corpus_dir, cache_dir, run_dir), "distributed=zero2", timeout=300
         )
         assert result.returncode != 0

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_runner import remove_shm_buffers, run_torchrun, start_torchrun, tiny_overrides
+from cli_runner import remove_shm_buffers, run_ranks, start_torchrun, tiny_overrides
 from launched_runs import assert_same_checkpoint_tensors, rank_pids
 
 STEPS = 12
@@ -52,7 +52,7 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_job_ends_as_if_never_kil
             "train.export_hf=false",
         ]
 
-    reference = run_torchrun(*overrides(tmp_path / "reference"))
+    reference = run_ranks(*overrides(tmp_path / "reference"))
     assert reference.returncode == 0, reference.stderr[-3000:]
 
     run_dir = tmp_path / "restarted"

@@ -164,6 +164,37 @@ def run_deepspeed(*args: str, ranks: int = 2, timeout: float = 900) -> Result:
     return _launch("deepspeed", options, args, REPO, timeout, ranks)
 
 
+def run_ranks(
+    *args: str,
+    ranks: int = 2,
+    entry: str = "-m collage_train",
+    cwd: Path = REPO,
+    timeout: float = 900,
+) -> Result:
+    """``python ENTRY ARGS`` as ``ranks`` ranks of one launch, forked from a process
+    that imported the trainer once (tests/support/forked_ranks.py): what
+    ``torchrun --nproc_per_node RANKS`` starts, seconds sooner, for the tests whose
+    subject is what the ranks do rather than the launcher. Same environment, threads,
+    port retry and /dev/shm check as ``run_torchrun``."""
+    from forked_ranks import forked_ranks
+
+    skip_without_gpus(ranks)
+    env = _launch_env(ranks)
+    for _ in range(3):
+        port = _free_port()
+        try:
+            code, stdout, stderr = forked_ranks(
+                *args, env=env, ranks=ranks, port=port, threads=rank_threads(ranks),
+                entry=entry, cwd=cwd, timeout=timeout,
+            )  # fmt: skip
+        finally:
+            left = _remove_shm_buffers(port)
+        result = Result(code, stdout, stderr, left)
+        if "address already in use" not in result.stderr.lower():
+            break
+    return result
+
+
 def run_torchrun(
     *args: str,
     cwd: Path = REPO,
