@@ -46,6 +46,7 @@ from collage_train.fit_check import (
     planned_setting,
     smallest_free_memory,
 )
+from collage_train.generate import context_length, prompt_ids, sample_after_training
 from collage_train.guard import GuardSettings, StepGuard, Verdict
 from collage_train.loss import install_chunked_loss, resolve_chunk_tokens
 from collage_train.memory_plan import GIB, ModelShape, checkpoint_copy_bytes
@@ -68,6 +69,7 @@ from collage_train.precision import strategy_for
 from collage_train.run import checkpointing, resume
 from collage_train.run.checkpointing import CheckpointSaver
 from collage_train.run.stop_signal import StopAgreement, StopRequest, stop_group
+from collage_train.scalify.params import has_scaled_parameters
 
 
 class Trainer:
@@ -113,6 +115,7 @@ class Trainer:
         if self.engine.is_main and (note := self.validation_plan.note()) is not None:
             print(note, flush=True)
         self.model = self._build_model()
+        self._check_sample_prompt()
         self.loss_chunk_tokens = self._install_loss()
         self.num_params = count_parameters(self.model)
         self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
@@ -755,13 +758,14 @@ class Trainer:
                 "continue with train.resume=true"
             )
             return None
-        if train.export_hf:
-            self.export_hf(self.run_dir / "hf")
+        sample = self._export_and_sample()
         steady = history[1:] or history  # the first step pays for warm-up
         wall_time = time.perf_counter() - wall_start
         summary = report.run_summary(
             self.facts, self.progress(), last_record, val, steady, wall_time, start_step
         )
+        if sample is not None:
+            summary["sample"] = sample
         if self.engine.is_main:
             report.write_summary(self.run_dir, summary, plots=self.cfg.logging.plots)
         for sink in sinks:
@@ -866,3 +870,44 @@ class Trainer:
     def export_hf(self, target: Path) -> None:
         """Write the whole model (transformers format) and tokenizer to ``target``."""
         export_from_engine(self.engine, self.data.tokenizer, target)
+
+    def _check_sample_prompt(self) -> None:
+        """The end-of-run sample's prompt must leave the model room to write: refused at
+        start, not after training."""
+        logging_cfg = self.cfg.logging
+        context = context_length(self.model)
+        if not logging_cfg.sample_tokens or context is None:
+            return
+        used = len(prompt_ids(self.data.tokenizer, logging_cfg.sample_prompt))
+        if used >= context:
+            raise ConfigError(
+                f"logging.sample_prompt is {used - 1} tokens and the model reads at most "
+                f"{context - 1} after the document start (data.seq_len): shorten it, or set "
+                "logging.sample_tokens=0"
+            )
+
+    def _export_and_sample(self) -> str | None:
+        """At the end of the run: export the model to ``hf/`` (``train.export_hf``), then
+        write the end-of-run sample (``logging.sample_tokens``) and return it on rank 0.
+        Rank 0 samples alone, or every rank the same tokens where each forward needs them
+        all (ZeRO-3). A Scalify model (scaled fp16 parameters, whose forward needs the
+        training step's scales) is sampled from its export: ``python -m
+        collage_train.generate RUN``."""
+        if self.cfg.train.export_hf:
+            self.export_hf(self.run_dir / "hf")
+        tokens = self.cfg.logging.sample_tokens
+        if not tokens or has_scaled_parameters(self.model):
+            return None
+        if not (self.engine.is_main or self.engine.forward_on_every_rank):
+            self.engine.barrier()
+            return None
+        sample = sample_after_training(
+            self.model,
+            self.data.tokenizer,
+            self.cfg.logging.sample_prompt,
+            max_new_tokens=tokens,
+            seed=self.cfg.train.seed,
+            every_rank=self.engine.forward_on_every_rank,
+        )
+        self.engine.barrier()
+        return sample if self.engine.is_main else None

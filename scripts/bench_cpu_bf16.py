@@ -29,6 +29,7 @@ ISAS = {
     "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
 }
 STRATEGIES = ("fp32", "mixed_fp32", "bf16", "collage_plus")
+GEMMS = ("native", "fp32")  # the bf16 strategies' GEMMs: torch's own, or emulated in fp32
 _PROBE = (
     "import json, torch; from collage_train.cpu_bf16 import probe_gflops; "
     "print(json.dumps([torch.backends.cpu.get_cpu_capability(), *probe_gflops()]))"
@@ -41,14 +42,16 @@ def probe(env: dict[str, str]) -> tuple[str, float, float]:
     return capability, native, emulated
 
 
-def configurations(isas: list[str], precisions: list[str]) -> list[tuple[str, str, str]]:
+def configurations(
+    isas: list[str], precisions: list[str], gemms: tuple[str, ...] = GEMMS
+) -> list[tuple[str, str, str]]:
     """(isa, precision, gemm) for every run; fp32 (the baseline, always run) has no bf16
     product to emulate."""
     return [
         (isa, precision, gemm)
         for isa in isas
         for precision in ["fp32", *(p for p in precisions if p != "fp32")]
-        for gemm in (("native",) if precision == "fp32" else ("native", "fp32"))
+        for gemm in (("native",) if precision == "fp32" else gemms)
     ]
 
 
@@ -88,10 +91,18 @@ def main() -> None:
     cli = parser(__doc__, steps=8, repeats=2, overrides=True)
     cli.add_argument("--isa", nargs="+", choices=list(ISAS), default=list(ISAS))
     cli.add_argument("--precisions", nargs="+", default=list(STRATEGIES))
+    cli.add_argument(
+        "--gemms",
+        nargs="+",
+        choices=GEMMS,
+        default=list(GEMMS),
+        help="the bf16 strategies' GEMMs: native, fp32 (emulated) or both (native bf16 "
+        "GEMMs on an AVX2-only CPU take seconds per step)",
+    )
     args = cli.parse_args()
 
     probes = {isa: probe(ISAS[isa]) for isa in args.isa}
-    configs = configurations(args.isa, args.precisions)
+    configs = configurations(args.isa, args.precisions, tuple(args.gemms))
     measured: dict[tuple[str, str, str], list[dict]] = {c: [] for c in configs}
     for repeat in range(args.repeats):
         shift = repeat % len(configs)

@@ -69,6 +69,11 @@ def test_full_run_writes_metrics_checkpoints_export_and_summary(in_process, tmp_
     assert "global batch 8 sequences x 32 tokens = 256 tokens" in result.stdout
     assert "micro-batch 4 x 2 accumulation" in result.stdout
     assert summary["global_batch_tokens"] == 256
+    # the end-of-run sample: below the summary table, as summary.json keeps it
+    assert summary["sample"].startswith("def ") and len(summary["sample"]) > len("def ")
+    heading = result.stdout.index("what the model writes now")
+    assert result.stdout.index("run summary") < heading
+    assert result.stdout.index(summary["sample"]) > heading
 
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["step-12", "step-8"]  # keep_checkpoints=2
@@ -92,6 +97,10 @@ def test_full_run_writes_metrics_checkpoints_export_and_summary(in_process, tmp_
     )
     assert status == 0
     assert capsys.readouterr().out == gen.stdout  # same weights, greedy: same text
+    # the command with the run's seed and length writes the end-of-run sample again: the
+    # training model (bf16, chunked-loss head) generates as its export does
+    assert generate.main([str(run_dir), "--seed", "1234", "--max-new-tokens", "48"]) == 0
+    assert capsys.readouterr().out == summary["sample"] + "\n"
 
 
 def _final_state(run_dir, step):

@@ -87,6 +87,9 @@ class Engine(Protocol):
     # (DeepSpeed ZeRO's flat fp32 partitions): what seeds the masters (``model.init_from``)
     # writes into them after ``prepare``; False: the client optimizer's, before it.
     masters_built_at_prepare: bool
+    # True where every rank must run each forward of the model together (ZeRO-3 gathers
+    # each layer's weights from every rank as it runs): generation is then done by all.
+    forward_on_every_rank: bool
 
     @property
     def is_main(self) -> bool: ...

@@ -74,6 +74,7 @@ class SingleProcessEngine:
     name = "unsharded"  # engine.base.Engine
     independent_replicas = False  # one rank steps alone anyway
     masters_built_at_prepare = False  # the client optimizer's masters
+    forward_on_every_rank = False  # whole weights in each process
 
     @property
     def is_main(self) -> bool:

@@ -217,6 +217,7 @@ class ZeroEngine:
     def __init__(self, dist_cfg: Any, device: torch.device) -> None:
         self.dist_cfg = dist_cfg
         self.stage = int(dist_cfg.zero_stage)
+        self.forward_on_every_rank = self.stage == 3  # engine.base.Engine
         self.deepspeed = _import_deepspeed(device.type)
         init_process_group(dist_cfg.timeout_minutes, device.type)
         check_process_group(device)

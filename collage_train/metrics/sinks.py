@@ -166,12 +166,18 @@ class ConsoleSink:
         self.close()
         table = Table(title="run summary", show_header=False)
         for key, value in summary.items():
+            if key == "sample":  # printed below the table, as written
+                continue
             if isinstance(value, dict):
                 value = ", ".join(f"{k} {v}" for k, v in value.items())
             elif isinstance(value, float) and math.isfinite(value):
                 value = f"{value:.6g}"
             table.add_row(key, str(value))
         self.console.print(table)
+        if "sample" in summary:
+            self.console.rule("what the model writes now (logging.sample_tokens)")
+            self.console.print(summary["sample"], markup=False, soft_wrap=True)
+            self.console.rule()
 
     def close(self) -> None:
         if self._progress is not None:

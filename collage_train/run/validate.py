@@ -42,6 +42,10 @@ def validate(cfg: DictConfig) -> None:
     check_train(cfg.train)
     check_loss_chunk(cfg)
     check_positive("logging.log_every", cfg.logging.log_every, "step")
+    if cfg.logging.sample_tokens < 0:
+        raise ConfigError(
+            f"logging.sample_tokens must be 0 (no sample) or more, got {cfg.logging.sample_tokens}"
+        )
     if cfg.metrics.edq_every is not None and cfg.metrics.edq_every < 0:
         raise ConfigError(f"metrics.edq_every must be 0 (off) or more, got {cfg.metrics.edq_every}")
     check_model_extra(cfg.model)

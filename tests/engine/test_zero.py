@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO on 2 CPU processes with gloo: ranks forked with torchrun's launch
-variables (tests/support/forked_ranks.py); the ZeRO-2 collage_plus run most tests read
-is started by the ``deepspeed`` launcher, and one test's ranks by ``torchrun``.
+variables (tests/support/forked_ranks.py); one test's ranks are started by ``torchrun``
+and one's by the ``deepspeed`` launcher.
 
 Every ZeRO run here is compared with a single-process run of the same global batch
 and data order. The comparison tolerance is relative 1e-3 on loss, gradient norm and
@@ -59,9 +59,6 @@ RTOL = 1e-3
 # The module's ZeRO-3 collage_plus run computes the loss in chunks (collage_train.loss),
 # which ZeRO-3's gathered head weight must see: one launch for both behaviours.
 CHUNKED = "train.loss_chunk_tokens=48"
-# Launched by the ``deepspeed`` launcher (the others' ranks are forked, which starts them
-# seconds sooner; both set the same launch variables): the run most tests here read.
-BY_DEEPSPEED = ("zero2", "collage_plus")
 
 
 def collage_plus(stage: str) -> tuple[str, ...]:
@@ -107,8 +104,6 @@ def runs(corpus_dir, cache_dir, tmp_path_factory):
             ]
             if distributed == "unsharded":
                 result = run_in_process(args, run_dir)
-            elif (distributed, precision) == BY_DEEPSPEED and not extra:
-                result = run_deepspeed(*args)
             else:
                 result = run_ranks(*args)
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

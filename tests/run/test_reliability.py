@@ -6,8 +6,7 @@ in each ``.pt`` file of a single-process and of a 2-rank ZeRO-2 checkpoint; resu
 and generate must refuse each with one error line, and the marker must never appear. The
 refusals are checked in-process (``cli.run``, ``export.main``, ``generate.main``: the
 same code the commands run), and once by the two ranks of a launch, where DeepSpeed
-itself would otherwise unpickle the file (the run they resume was started by the real
-deepspeed launcher).
+itself would otherwise unpickle the file.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import REPO, run_cli, run_deepspeed, run_ranks, tiny_overrides
+from cli_runner import REPO, run_cli, run_ranks, tiny_overrides
 from hydra import compose, initialize_config_dir
 
 from collage_train import checkpoint, cli, export, generate
@@ -192,7 +191,7 @@ def test_disk_full_while_checkpointing_keeps_the_last_checkpoint(
 def zero_run(corpus_dir, cache_dir, tmp_path_factory) -> tuple[Path, list[int]]:
     """A finished 2-rank ZeRO-2 run (checkpoint at step 1) and its ranks' pids."""
     run_dir = tmp_path_factory.mktemp("zero") / "run"
-    result = run_deepspeed(
+    result = run_ranks(
         *tiny_overrides(corpus_dir, cache_dir, run_dir),
         "distributed=zero2",
         "precision=bf16",
@@ -202,18 +201,13 @@ def zero_run(corpus_dir, cache_dir, tmp_path_factory) -> tuple[Path, list[int]]:
         "train.export_hf=false",
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    pids = [
-        int(line.split("process ")[1].split()[0])
-        for line in (result.stdout + result.stderr).splitlines()
-        if "spawned with command" in line
-    ]
-    return run_dir, pids
+    return run_dir, list(result.rank_pids)
 
 
 def test_zero_run_locks_its_directory_on_rank_zero_only(zero_run):
     run_dir, pids = zero_run
     holder = json.loads((run_dir / LOCK_FILE).read_text())
-    assert len(pids) == 2 and holder["pid"] == pids[0]  # the launcher spawns rank 0 first
+    assert len(pids) == 2 and holder["pid"] == pids[0]
     assert holder["host"] == socket.gethostname()
 
 
@@ -361,6 +355,7 @@ sys.stdin.read()
         ("train.checkpoint_every=0", ["train.checkpoint_every", "at least 1 step"]),
         ("train.eval_every=-5", ["train.eval_every", "at least 1 step"]),
         ("logging.log_every=0", ["logging.log_every", "at least 1 step"]),
+        ("logging.sample_tokens=-1", ["logging.sample_tokens", "0 (no sample) or more"]),
         ("train.micro_batch_size=0", ["train.micro_batch_size", "at least 1 sequence"]),
         ("+train.foo=1", ["unknown setting train.foo"]),
         ("+train.max_step=3", ["train.max_step", "did you mean max_steps"]),

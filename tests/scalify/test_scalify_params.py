@@ -327,6 +327,7 @@ def test_an_eight_byte_run_measures_8_bytes_and_exports_ordinary_weights(make_cf
     )
     summary = train(cfg, run_dir)
     assert summary["precision"] == "scalify"
+    assert "sample" not in summary  # scaled parameters: sampled from the export instead
     assert summary["state_bytes_per_param"] == pytest.approx(8, abs=0.02)  # + 0-d scales
     assert math.isfinite(summary["final_val_loss"])
     stored = load_checkpoint_file(run_dir / "checkpoints" / "step-4", "model")

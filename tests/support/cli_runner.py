@@ -23,6 +23,8 @@ class Result:
     stderr: str
     # /dev/shm files of DeepSpeed's CPU all-reduce the run left behind (then removed)
     leftover_shm: tuple[str, ...] = ()
+    # the ranks' pids, in rank order (``run_ranks``)
+    rank_pids: tuple[int, ...] = ()
 
     @property
     def error_lines(self) -> list[str]:
@@ -183,13 +185,13 @@ def run_ranks(
     for _ in range(3):
         port = _free_port()
         try:
-            code, stdout, stderr = forked_ranks(
+            code, stdout, stderr, pids = forked_ranks(
                 *args, env=env, ranks=ranks, port=port, threads=rank_threads(ranks),
                 entry=entry, cwd=cwd, timeout=timeout,
             )  # fmt: skip
         finally:
             left = _remove_shm_buffers(port)
-        result = Result(code, stdout, stderr, left)
+        result = Result(code, stdout, stderr, left, pids)
         if "address already in use" not in result.stderr.lower():
             break
     return result

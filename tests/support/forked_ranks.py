@@ -95,10 +95,10 @@ def forked_ranks(
     entry: str = "-m collage_train",
     cwd: Path,
     timeout: float,
-) -> tuple[int, str, str]:
+) -> tuple[int, str, str, tuple[int, ...]]:
     """Run ``python ENTRY ARGS`` as ``ranks`` forked ranks on ``port``; return the
     launch's exit status (the first non-zero rank's, as torchrun reports a failed
-    worker) and the ranks' stdout and stderr, rank by rank."""
+    worker), the ranks' stdout and stderr, rank by rank, and their pids."""
     with tempfile.TemporaryDirectory(prefix="forked_ranks_") as scratch:
         processes = []
         for rank in range(ranks):
@@ -134,7 +134,8 @@ def forked_ranks(
         failed = [code if code >= 0 else 128 - code for code in codes if code != 0]
         stdout = "".join(_read(f"{scratch}/{r}.out") for r in range(ranks))
         stderr = "".join(_read(f"{scratch}/{r}.err") for r in range(ranks))
-    return (failed[0] if failed else 0), stdout, stderr
+    pids = tuple(process.pid for process in processes)
+    return (failed[0] if failed else 0), stdout, stderr, pids
 
 
 def _read(path: str) -> str:
