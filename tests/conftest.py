@@ -41,14 +41,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """Export the switch for test modules, CLI subprocesses and launched ranks; refuse
     ``--device cuda`` in one line when torch sees no GPU (nothing would test the GPU)."""
     device = config.getoption("--device")
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise pytest.UsageError(
-                "--device cuda but torch sees no CUDA device; run on a GPU machine "
-                "or without --device"
-            )
+    suite_device.check_device_option(device)
     os.environ[suite_device.VARIABLE] = device
     config.addinivalue_line(
         "markers",

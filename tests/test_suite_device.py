@@ -82,8 +82,7 @@ def test_cpu_launches_hide_the_gpus_and_cuda_launches_take_one_each(monkeypatch)
 def test_the_option_reaches_the_tests_and_cuda_needs_a_gpu():
     """``--device cpu`` runs the test above on CPU (the option wins over the variable);
     ``--device cuda`` runs it on CUDA and skips, each with its reason, what is CPU only
-    and a launch of more ranks than GPUs; where torch sees no GPU, ``--device cuda`` (or
-    ``COLLAGE_TEST_DEVICE=cuda``) stops in one line."""
+    and a launch of more ranks than GPUs."""
     test = "tests/test_suite_device.py::test_this_run_uses_the_device_it_was_given"
     cpu_only = "tests/test_cpu_bf16.py::test_trainer_emulates_reports_and_records_the_choice"
     launch = (
@@ -102,16 +101,17 @@ def test_the_option_reaches_the_tests_and_cuda_needs_a_gpu():
         done.stdout
     )
 
-    if not torch.cuda.is_available():
-        done = run_pytest("-q", test, env=on_cuda)
-        assert done.returncode == 4, done.stdout[-2000:]  # pytest's usage error
-        # torchao (the dev environment's reference for tests/optim, imported by transformers)
-        # reports its CUDA-only extensions missing on a CPU build: its lines, not ours
-        ours = [
-            line for line in done.stderr.strip().splitlines()
-            if not line.startswith("Failed to load") and "_pytree.py" not in line
-        ]  # fmt: skip
-        assert ours == [
-            "ERROR: --device cuda but torch sees no CUDA device; run on a GPU machine "
-            "or without --device"
-        ]
+
+def test_cuda_without_a_gpu_is_a_usage_error_in_one_line(monkeypatch):
+    """``--device cuda`` (or ``COLLAGE_TEST_DEVICE=cuda``, the option's default) where
+    torch sees no GPU: pytest stops with this line and exit status 4 (a UsageError from
+    conftest's ``pytest_configure``); with a GPU, or on CPU, the suite runs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(pytest.UsageError) as refused:
+        suite_device.check_device_option("cuda")
+    assert str(refused.value) == (
+        "--device cuda but torch sees no CUDA device; run on a GPU machine or without --device"
+    )
+    suite_device.check_device_option("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    suite_device.check_device_option("cuda")

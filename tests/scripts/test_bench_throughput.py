@@ -79,35 +79,45 @@ def test_the_dry_run_plans_each_strategys_largest_micro_batch(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_tiny_runs_on_cpu_measure_every_row(corpus_dir, cache_dir, tmp_path):
+def test_tiny_runs_on_cpu_measure_every_row_and_what_deterministic_costs(
+    corpus_dir, cache_dir, tmp_path
+):
     """Real runs (the CLI, one process each) of a tiny model: each row gets tokens/s, MFU
     (against this CPU's measured matmul rate), the measured peak and the planner's, at the
     micro-batch the planner chose; a micro-batch the planner cannot fit is a row with its
-    reason, not a run."""
+    reason, not a run. ``--deterministic both`` runs each row again with
+    train.deterministic=true, and the table gives its tokens/s over the first's."""
     data = [o for o in tiny_model_and_data(corpus_dir, cache_dir) if "seq_len" not in o]
     out = tmp_path / "rows.json"
     budget_gb = 0.0012  # 1.3 MB: a few sequences of 32 tokens of the 2-layer model
-    _run(
+    proc = _run(
         "--model", "gpt_tiny", "--seq-len", "32", "--device", "cpu", "--strategies", "bf16",
         "--micro-batch", "64", "--gpu-mem-gb", str(budget_gb), "--reserve-gb", "0",
-        "--compile", "off", "--timed-tokens", "1", "--min-timed-steps", "1",
-        "--no-record", "--json", str(out), *data,
+        "--compile", "off", "--deterministic", "both", "--timed-tokens", "1",
+        "--min-timed-steps", "1", "--no-record", "--json", str(out), *data,
     )  # fmt: skip
     result = json.loads(out.read_text())
-    equal, largest = result["rows"]
+    equal, equal_deterministic, largest, deterministic = result["rows"]
     shape = _shape("gpt_tiny", 32, data)
     micro = largest["micro_batch"]
     assert 1 < micro < 64 and equal["micro_batch"] == 64
     assert (
         _step_peak(shape, "bf16", micro) <= budget_gb * GIB < _step_peak(shape, "bf16", micro + 1)
     )
-    assert "fits at most micro-batch" in equal["error"] and "tokens_per_s" not in equal
+    for refused in (equal, equal_deterministic):
+        assert "fits at most micro-batch" in refused["error"] and "tokens_per_s" not in refused
     assert largest["tokens_per_s"] > 0 and 0 < largest["mfu"] < 1
     assert largest["peak_mem_bytes"] > 0 and largest["optimizer_kernel"] == "eager"
     assert largest["predicted_peak_bytes"] == _step_peak(shape, "bf16", micro)
     assert largest["predicted_over_measured"] == pytest.approx(
         largest["predicted_peak_bytes"] / largest["peak_mem_bytes"]
     )
+    assert not largest["deterministic"] and deterministic["deterministic"]
+    assert deterministic["micro_batch"] == micro and deterministic["tokens_per_s"] > 0
+    (line,) = [row for row in proc.stdout.splitlines() if "(largest, deterministic)" in row]
+    cost = deterministic["tokens_per_s"] / largest["tokens_per_s"]
+    assert line.rstrip(" |").endswith(f"{cost:.2f}")
+    assert "x deterministic off" in proc.stdout
 
 
 def test_deterministic_both_plans_each_row_with_and_without_the_setting(
@@ -123,24 +133,3 @@ def test_deterministic_both_plans_each_row_with_and_without_the_setting(
         ("collage_plus", "equal", True),
     ]
     assert rows[0]["micro_batch"] == rows[1]["micro_batch"] == 8
-
-
-@pytest.mark.slow
-def test_deterministic_both_measures_what_the_setting_costs(corpus_dir, cache_dir, tmp_path):
-    """Two real tiny runs, the second with train.deterministic=true: the table gives its
-    tokens/s over the first's."""
-    data = [o for o in tiny_model_and_data(corpus_dir, cache_dir) if "seq_len" not in o]
-    out = tmp_path / "rows.json"
-    proc = _run(
-        "--model", "gpt_tiny", "--seq-len", "32", "--device", "cpu", "--strategies", "bf16",
-        "--micro-batch", "4", "--gpu-mem-gb", "1", "--reserve-gb", "0", "--roles", "equal",
-        "--compile", "off", "--deterministic", "both", "--timed-tokens", "1",
-        "--min-timed-steps", "1", "--no-record", "--json", str(out), *data,
-    )  # fmt: skip
-    plain, deterministic = json.loads(out.read_text())["rows"]
-    assert not plain["deterministic"] and deterministic["deterministic"]
-    assert plain["tokens_per_s"] > 0 and deterministic["tokens_per_s"] > 0
-    (line,) = [row for row in proc.stdout.splitlines() if "(equal, deterministic)" in row]
-    cost = deterministic["tokens_per_s"] / plain["tokens_per_s"]
-    assert line.rstrip(" |").endswith(f"{cost:.2f}")
-    assert "x deterministic off" in proc.stdout

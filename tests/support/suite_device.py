@@ -29,6 +29,15 @@ VARIABLE = "COLLAGE_TEST_DEVICE"
 DEVICES = ("cpu", "cuda")
 
 
+def check_device_option(device: str) -> None:
+    """``--device cuda`` where torch sees no GPU is a usage error (pytest: one line, exit
+    status 4): nothing would test the GPU."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(
+            "--device cuda but torch sees no CUDA device; run on a GPU machine or without --device"
+        )
+
+
 def suite_device() -> str:
     """``cpu`` or ``cuda``: the device the suite's training runs are told to use."""
     value = os.environ.get(VARIABLE, "cpu") or "cpu"
