@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO on 2 CPU processes with gloo: ranks forked with torchrun's launch
-variables (tests/support/forked_ranks.py); one test's ranks are started by ``torchrun``
-and one's by the ``deepspeed`` launcher.
+variables (tests/support/forked_ranks.py). The real launchers: torchrun in
+tests/run/test_preemption.py (which also covers the default run directory both ranks
+share) and test_restart.py, the ``deepspeed`` launcher in test_replicas_launch.py.
 
 Every ZeRO run here is compared with a single-process run of the same global batch
 and data order. The comparison tolerance is relative 1e-3 on loss, gradient norm and
@@ -32,9 +33,7 @@ from cli_runner import (
     Result,
     rank_threads,
     run_cli,
-    run_deepspeed,
     run_ranks,
-    run_torchrun,
     tiny_overrides,
 )
 from safetensors.torch import load_file
@@ -442,7 +441,7 @@ def test_nan_loss_under_zero_is_one_error_line_and_leaves_no_shm_files(
         "precision=collage_plus",
         "distributed=zero2",
     ]
-    result = run_deepspeed(*args)  # whose launcher adds no traceback of its own
+    result = run_ranks(*args)
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     (line,) = result.error_lines  # rank 0 reports, once
@@ -467,23 +466,6 @@ def test_export_command_consolidates_zero3_shards(runs, tmp_path):
     assert (out / "tokenizer.model").is_file()
     config = json.loads((zero_dir / "hf" / "config.json").read_text())
     assert config["architectures"] == ["GPT2LMHeadModel"]
-
-
-def test_torchrun_ranks_share_the_default_run_directory(corpus_dir, cache_dir, tmp_path):
-    """No hydra.run.dir: both ranks still write into rank 0's timestamped directory."""
-    args = [
-        arg
-        for arg in tiny_overrides(corpus_dir, cache_dir, tmp_path / "unused")
-        if not arg.startswith("hydra.run.dir=")
-    ]
-    result = run_torchrun(
-        *args, "train.max_steps=2", "precision=bf16", "distributed=zero1", cwd=tmp_path
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir,) = (tmp_path / "outputs").glob("*/*")
-    assert (run_dir / "summary.json").is_file() and (run_dir / "hf" / "config.json").is_file()
-    assert (run_dir / ".hydra" / "config.yaml").is_file()
-    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
 
 
 # ------------------------------------------------------------------ elastic resume

@@ -130,14 +130,19 @@ def _launch_env(ranks: int) -> dict[str, str]:
 
 
 def start_torchrun(
-    *args: str, ranks: int = 2, options: tuple[str, ...] = (), rendezvous: str = "static"
+    *args: str,
+    ranks: int = 2,
+    options: tuple[str, ...] = (),
+    rendezvous: str = "static",
+    cwd: Path = REPO,
 ) -> tuple[subprocess.Popen, int]:
     """``torchrun --nproc_per_node RANKS OPTIONS -m collage_train ARGS`` started, not
-    waited for (text pipes); ``options`` are torchrun's own (``--max-restarts 1``).
-    ``rendezvous="c10d"`` rendezvouses as on a cluster (``--rdzv_backend c10d``), which
-    restarted workers need: the static one keeps its store, and the previous attempt's
-    keys in it, across restarts. Returns it and its port (``remove_shm_buffers(port)``
-    once it ended)."""
+        waited for (text pipes); ``options`` are torchrun's own (``--max-restarts 1``).
+        ``rendezvous="c10d"`` rendezvouses as on a cluster (``--rdzv_backend c10d``), which
+        restarted workers need: the static one keeps its store, and the previous attempt's
+        keys in it, across restarts. ``cwd``: where it runs (a run without hydra.run.dir lands
+    in ``cwd/outputs/``). Returns it and its port (``remove_shm_buffers(port)``
+        once it ended)."""
     skip_without_gpus(ranks)
     launcher = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     port = _free_port()
@@ -147,7 +152,7 @@ def start_torchrun(
     command = [launcher, *where, "--nproc_per_node", str(ranks), *options]
     proc = subprocess.Popen(
         [*command, "-m", "collage_train", *args],
-        cwd=REPO,
+        cwd=cwd,
         env=_launch_env(ranks),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
