@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from cli_runner import start_rank_forkserver
 from tiny_config import compose_cfg
 from zero_rank import one_zero_rank
 
@@ -385,6 +386,7 @@ def test_launched_ranks_share_rank_zeros_run_stamp():
         port = sock.getsockname()[1]
     # forked from the suite's preloaded forkserver (tests/support/forked_ranks.py): no
     # interpreter start and imports per rank
+    start_rank_forkserver()
     results = mp.get_context("forkserver").Manager().dict()
     mp.start_processes(_agree, args=(port, results), nprocs=2, start_method="forkserver")
     assert dict(results) == {0: "clock-of-rank-0", 1: "clock-of-rank-0"}

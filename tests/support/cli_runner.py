@@ -171,6 +171,14 @@ def run_deepspeed(*args: str, ranks: int = 2, timeout: float = 900) -> Result:
     return _launch("deepspeed", options, args, REPO, timeout, ranks)
 
 
+def start_rank_forkserver(ranks: int = 2) -> None:
+    """Start the forkserver ``run_ranks`` forks its ranks from (if it is not running yet),
+    in a launch's environment; for tests that fork their own processes from it."""
+    from forked_ranks import start_forkserver
+
+    start_forkserver(_launch_env(ranks))
+
+
 def run_ranks(
     *args: str,
     ranks: int = 2,

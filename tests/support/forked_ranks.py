@@ -39,6 +39,23 @@ def preload_trainer() -> None:
 preload_trainer()
 
 
+def start_forkserver(env: dict[str, str]) -> None:
+    """Start this process's forkserver, if it is not running yet, in the ranks'
+    environment ``env``: what is read at import (DeepSpeed picks its accelerator from
+    ``DS_ACCELERATOR`` and the GPUs ``CUDA_VISIBLE_DEVICES`` shows) is then what a
+    launched rank would have read."""
+    from multiprocessing import forkserver
+
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def _rank(
     entry: str, args: list[str], env: dict[str, str], cwd: str, out: str, err: str,
     threads: int,
@@ -99,6 +116,7 @@ def forked_ranks(
     """Run ``python ENTRY ARGS`` as ``ranks`` forked ranks on ``port``; return the
     launch's exit status (the first non-zero rank's, as torchrun reports a failed
     worker), the ranks' stdout and stderr, rank by rank, and their pids."""
+    start_forkserver(env)
     with tempfile.TemporaryDirectory(prefix="forked_ranks_") as scratch:
         processes = []
         for rank in range(ranks):
