@@ -80,20 +80,17 @@ def test_cpu_launches_hide_the_gpus_and_cuda_launches_take_one_each(monkeypatch)
 
 @pytest.mark.slow
 def test_the_option_reaches_the_tests_and_cuda_needs_a_gpu():
-    """``--device cpu`` runs the test above on CPU (the option wins over the variable);
-    ``--device cuda`` runs it on CUDA and skips, each with its reason, what is CPU only
-    and a launch of more ranks than GPUs."""
+    """``--device cuda`` runs the test above on CUDA although the variable says cpu (the
+    option wins over it), and skips, each with its reason, what is CPU only and a launch
+    of more ranks than GPUs. (``--device cpu``: this suite's own run of that test.)"""
     test = "tests/test_suite_device.py::test_this_run_uses_the_device_it_was_given"
     cpu_only = "tests/test_cpu_bf16.py::test_trainer_emulates_reports_and_records_the_choice"
     launch = (
         "tests/engine/test_zero.py::"
         "test_nan_loss_under_zero_is_one_error_line_and_leaves_no_shm_files"
     )
-    on_cuda = {**os.environ, suite_device.VARIABLE: "cuda"}
-    done = run_pytest("-q", "--device", "cpu", test, env=on_cuda)
-    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:]
-
-    done = run_pytest("-rs", "--device", "cuda", test, cpu_only, launch, gpus=1)
+    on_cpu = {**os.environ, suite_device.VARIABLE: "cpu"}
+    done = run_pytest("-rs", "--device", "cuda", test, cpu_only, launch, gpus=1, env=on_cpu)
     assert done.returncode == 0 and "1 passed, 2 skipped" in done.stdout, done.stdout[-3000:]
     assert "device: cuda (1 x Stand-in GPU)" in done.stdout
     assert "--device cuda: CPU only: train.cpu_bf16_gemm" in done.stdout
