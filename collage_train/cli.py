@@ -118,7 +118,7 @@ def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> di
         try:
             return trainer.fit(sinks)
         finally:
-            for sink in sinks:
+            for sink in reversed(sinks):  # the console last: its sample ends the output
                 sink.close()
     finally:
         trainer.engine.close()

@@ -139,6 +139,7 @@ class ConsoleSink:
         self.console = Console(highlight=False)
         self.max_steps = max_steps
         self._progress: Progress | None = None
+        self._sample: str | None = None  # the summary's, printed at close
         if style == "rich" and self.console.is_terminal:
             self._progress = Progress(
                 TextColumn("[bold]train"),
@@ -163,10 +164,10 @@ class ConsoleSink:
             )
 
     def summary(self, summary: dict[str, Any]) -> None:
-        self.close()
+        self._stop_progress()
         table = Table(title="run summary", show_header=False)
         for key, value in summary.items():
-            if key == "sample":  # printed below the table, as written
+            if key == "sample":  # printed as written, when the sink closes
                 continue
             if isinstance(value, dict):
                 value = ", ".join(f"{k} {v}" for k, v in value.items())
@@ -174,12 +175,19 @@ class ConsoleSink:
                 value = f"{value:.6g}"
             table.add_row(key, str(value))
         self.console.print(table)
-        if "sample" in summary:
-            self.console.rule("what the model writes now (logging.sample_tokens)")
-            self.console.print(summary["sample"], markup=False, soft_wrap=True)
-            self.console.rule()
+        self._sample = summary.get("sample")
 
     def close(self) -> None:
+        """Stop the progress bar; then the end-of-run sample, the run's last words (the
+        trainer closes this sink after the others, whose closing may print)."""
+        self._stop_progress()
+        if self._sample is not None:
+            self.console.rule("what the model writes now (logging.sample_tokens)")
+            self.console.print(self._sample, markup=False, soft_wrap=True)
+            self.console.rule()
+            self._sample = None
+
+    def _stop_progress(self) -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
