@@ -16,7 +16,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
-import forked_ranks
 import pytest
 import suite_device
 from cli_runner import Result, run_cli, tiny_overrides
@@ -72,7 +71,6 @@ def _share_cores_among_workers() -> None:
 
 
 _share_cores_among_workers()
-forked_ranks.preload_trainer()  # whichever test starts the forkserver first
 
 # Multi-process launches (each already uses every core) run one after another on one
 # worker under ``--dist loadgroup``; everything else is shared out among the workers.

@@ -384,7 +384,7 @@ def test_launched_ranks_share_rank_zeros_run_stamp():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    # forked from the suite's preloaded forkserver (tests/support/forked_ranks.py): no
+    # forked from the forkserver that imported the trainer (tests/support/forked_ranks.py): no
     # interpreter start and imports per rank
     start_rank_forkserver()
     results = mp.get_context("forkserver").Manager().dict()

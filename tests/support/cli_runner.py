@@ -137,12 +137,12 @@ def start_torchrun(
     cwd: Path = REPO,
 ) -> tuple[subprocess.Popen, int]:
     """``torchrun --nproc_per_node RANKS OPTIONS -m collage_train ARGS`` started, not
-        waited for (text pipes); ``options`` are torchrun's own (``--max-restarts 1``).
-        ``rendezvous="c10d"`` rendezvouses as on a cluster (``--rdzv_backend c10d``), which
-        restarted workers need: the static one keeps its store, and the previous attempt's
-        keys in it, across restarts. ``cwd``: where it runs (a run without hydra.run.dir lands
-    in ``cwd/outputs/``). Returns it and its port (``remove_shm_buffers(port)``
-        once it ended)."""
+    waited for (text pipes); ``options`` are torchrun's own (``--max-restarts 1``).
+    ``rendezvous="c10d"`` rendezvouses as on a cluster (``--rdzv_backend c10d``), which
+    restarted workers need: the static one keeps its store, and the previous attempt's
+    keys in it, across restarts. ``cwd``: where it runs (a run without hydra.run.dir lands
+    in ``cwd/outputs/``). Returns it and its port (``remove_shm_buffers(port)`` once it
+    ended)."""
     skip_without_gpus(ranks)
     launcher = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     port = _free_port()

@@ -30,22 +30,14 @@ _PRELOAD = ["collage_train.cli", "collage_train.trainer", "deepspeed"]
 _CONTEXT = multiprocessing.get_context("forkserver")
 
 
-def preload_trainer() -> None:
-    """Have the forkserver import the trainer before it forks anything: call before the
-    first forkserver child of the process is started (tests/conftest.py does)."""
-    _CONTEXT.set_forkserver_preload(_PRELOAD)
-
-
-preload_trainer()
-
-
 def start_forkserver(env: dict[str, str]) -> None:
-    """Start this process's forkserver, if it is not running yet, in the ranks'
-    environment ``env``: what is read at import (DeepSpeed picks its accelerator from
-    ``DS_ACCELERATOR`` and the GPUs ``CUDA_VISIBLE_DEVICES`` shows) is then what a
-    launched rank would have read."""
+    """Start this process's forkserver, if it is not running yet, with the trainer
+    imported, in the ranks' environment ``env``: what is read at import (DeepSpeed picks
+    its accelerator from ``DS_ACCELERATOR`` and the GPUs ``CUDA_VISIBLE_DEVICES`` shows) is
+    then what a launched rank would have read."""
     from multiprocessing import forkserver
 
+    _CONTEXT.set_forkserver_preload(_PRELOAD)
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(env)
