@@ -577,10 +577,25 @@ def test_train_compile_under_zero_compiles_through_deepspeed(
     """train.compile under ZeRO compiles the module DeepSpeed wraps after
     deepspeed.initialize (its engine.compile), never before, with the CPU bf16 backend
     (fp32 GEMMs decomposed for Inductor): Dynamo compiles, the emulation runs, and the
-    losses follow the eager ZeRO run's (Inductor fuses and reorders: 2e-3)."""
+    losses follow the eager ZeRO run's (2e-3).
+
+    The backend's graphs go through Inductor's decompositions and AOTAutograd but not its
+    C++ code generation (ZeRO-3's hooks break the model into some 40 graphs: 40 s of
+    builds from a cold cache); the emulation's generated code is test_cpu_bf16's subject.
+    """
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
     from torch._dynamo.utils import counters
+    from torch._inductor import compile_fx
 
     from collage_train import cpu_bf16
+
+    def without_code_generation(graph, example_inputs, decompositions):
+        return aot_autograd(fw_compiler=boxed_nop, decompositions=decompositions)(
+            graph, example_inputs
+        )
+
+    monkeypatch.setattr(compile_fx, "compile_fx", without_code_generation)
 
     common = ("precision=bf16", "train.cpu_bf16_gemm=fp32", f"distributed=zero{stage}")
     eager = _zero_trainer(make_cfg, tmp_path / "eager", monkeypatch, *common)
@@ -615,7 +630,7 @@ def test_train_compile_under_zero_compiles_through_deepspeed(
     finally:
         trainer.engine.close()
     assert counters["stats"]["unique_graphs"] >= 1  # Dynamo compiled the model
-    assert torch.ops.aten.mm.default in seen  # Inductor traced the fp32-GEMM decompositions
+    assert torch.ops.aten.mm.default in seen  # the backend traced the fp32-GEMM decompositions
     assert losses == pytest.approx(eager_losses, rel=2e-3)
 
 

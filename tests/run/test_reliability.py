@@ -259,7 +259,8 @@ def test_malicious_zero_checkpoint_is_refused_by_the_launched_ranks(
 
 
 def _start_run(corpus_dir: Path, cache_dir: Path, run_dir: Path) -> subprocess.Popen:
-    """A long real run in the background, once it holds its run directory's lock."""
+    """A long real run in the background, once it holds its run directory's lock, then
+    stopped (SIGSTOP: it keeps the lock and leaves the cores to the test)."""
     args = [*tiny_overrides(corpus_dir, cache_dir, run_dir), "train.max_steps=100000"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "collage_train", *args],
@@ -273,6 +274,7 @@ def _start_run(corpus_dir: Path, cache_dir: Path, run_dir: Path) -> subprocess.P
     while not record.is_file() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert record.is_file(), "the background run did not start"
+    proc.send_signal(signal.SIGSTOP)
     return proc
 
 

@@ -5,14 +5,14 @@ A launched rank spends most of a test's launch importing torch, transformers and
 DeepSpeed (about 4.5 s of a 9 s two-rank ZeRO run on 2 cores, plus 1.8 s for the
 launcher itself). Tests whose subject is what the ranks compute, save and load (ZeRO
 numerics, resume, EDQ, replicas) start their ranks here instead: each rank is forked
-from a multiprocessing *forkserver* that imported the trainer once per test worker, and
-runs ``python -m collage_train`` as it would under ``torchrun --nproc_per_node N``
-(the same ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``LOCAL_WORLD_SIZE``/``MASTER_*``
-variables, its own working directory, OpenMP threads, exit status and output, atexit
-handlers run at exit). The forkserver itself never computes, so its children inherit
-no thread pools. Tests whose subject is the launcher (restarts, signal forwarding,
-the ``deepspeed`` command, run directories shared by launched ranks) keep the real one
-(cli_runner.run_torchrun / run_deepspeed).
+from a multiprocessing *forkserver* that imported the trainer once per test worker (with
+what a rank loads at its start: rank_preload.py), and runs ``python -m collage_train``
+as it would under ``torchrun --nproc_per_node N`` (the same ``RANK``/``LOCAL_RANK``/
+``WORLD_SIZE``/``LOCAL_WORLD_SIZE``/``MASTER_*`` variables, its own working directory,
+OpenMP threads, exit status and output, atexit handlers run at exit). The forkserver
+itself never computes, so its children inherit no thread pools. Tests whose subject is
+the launcher (restarts, signal forwarding, the ``deepspeed`` command, run directories
+shared by launched ranks) keep the real one (cli_runner.run_torchrun / run_deepspeed).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-_PRELOAD = ["collage_train.cli", "collage_train.trainer", "deepspeed"]
+_PRELOAD = ["rank_preload"]  # the trainer, DeepSpeed and what they load at a rank's start
 _CONTEXT = multiprocessing.get_context("forkserver")
 
 
@@ -41,6 +41,10 @@ def start_forkserver(env: dict[str, str]) -> None:
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(env)
+    # the forkserver imports its preload before it would apply this process's sys.path
+    # (Python 3.11 never does): the preload module's folder goes on its PYTHONPATH
+    here = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
     try:
         forkserver.ensure_running()
     finally:
