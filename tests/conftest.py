@@ -72,8 +72,7 @@ def _share_cores_among_workers() -> None:
 
 _share_cores_among_workers()
 
-# Multi-process launches (each already uses every core) run one after another on one
-# worker under ``--dist loadgroup``; everything else is shared out among the workers.
+# Multi-process launches take seconds each: ``-m 'not slow'`` leaves them out.
 _LAUNCH_MARKERS = ("zero", "replicas")
 
 
@@ -81,8 +80,7 @@ _LAUNCH_MARKERS = ("zero", "replicas")
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if any(item.get_closest_marker(name) for name in _LAUNCH_MARKERS):
-            item.add_marker(pytest.mark.xdist_group("launches"))
-            item.add_marker(pytest.mark.slow)  # every launch takes seconds
+            item.add_marker(pytest.mark.slow)
     if config.getoption("--device") != "cuda":
         return
     for item in items:

@@ -17,10 +17,9 @@ from collage_train import evaluate, export
 from collage_train.cli import train
 from collage_train.metrics.plots import load_run, summary_table
 
-# One worker of ``pytest -n`` (``--dist loadgroup``) runs the module: the 4-step run and
+# One worker of ``pytest -n`` (``--dist loadfile``) runs the module: the 4-step run and
 # the harness's task registry (indexed for an unknown task, ~10 s) are built once. What
 # trains, scores or indexes the registry is marked slow.
-pytestmark = pytest.mark.xdist_group("downstream")
 
 QUESTIONS = [
     ("def f(x):\n    return", [" x", " import", " class"], 0),

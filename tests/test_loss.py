@@ -394,11 +394,18 @@ def test_auto_keeps_the_model_as_built_where_it_would_not_chunk(make_cfg, tmp_pa
 
 
 @pytest.mark.slow
-def test_the_compiled_model_trains_alike_with_the_chunked_loss(make_cfg, tmp_path):
+def test_the_compiled_model_trains_alike_with_the_chunked_loss(make_cfg, tmp_path, monkeypatch):
     """train.compile=true traces the instance forward and the loss's autograd Function:
-    the same losses and gradient norms as eager to fp32 rounding."""
+    the same losses and gradient norms as eager to fp32 rounding (Inductor's code
+    generation for them: test_cpu_bf16's compiled test)."""
+    from compile_backends import stop_inductor_before_code_generation
+    from torch._dynamo.utils import counters
+
     from collage_train.trainer import Trainer
 
+    stop_inductor_before_code_generation(monkeypatch)
+    torch._dynamo.reset()
+    counters.clear()
     stats = {}
     for compiled in (False, True):
         cfg = make_cfg(
@@ -412,4 +419,6 @@ def test_the_compiled_model_trains_alike_with_the_chunked_loss(make_cfg, tmp_pat
         assert trainer.loss_chunk_tokens == 48
         steps = [trainer.train_step() for _ in range(3)]
         stats[compiled] = [x for s in steps for x in (s["loss"], s["grad_norm"])]
+    assert counters["stats"]["unique_graphs"] >= 1  # Dynamo compiled the model
+    assert trainer.model._compiled_call_impl is not None
     assert stats[True] == pytest.approx(stats[False], rel=1e-4)

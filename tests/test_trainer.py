@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from compile_backends import stop_inductor_before_code_generation
 from suite_device import torch_device
 
 from collage_train import cli
@@ -208,9 +209,11 @@ LLAMA = (
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", [("model=gpt_tiny",), LLAMA], ids=["gpt", "llama"])
-def test_compiled_model_trains_like_the_eager_one(make_cfg, tmp_path, model):
+def test_compiled_model_trains_like_the_eager_one(make_cfg, tmp_path, monkeypatch, model):
     """train.compile=true: the same losses and gradient norms as eager to fp32 rounding
-    (Llama: rotary embeddings, GQA and SwiGLU traced too)."""
+    (Llama: rotary embeddings, GQA and SwiGLU traced too). Traced by Dynamo and
+    AOTAutograd; Inductor's code generation for the model: test_cpu_bf16's compiled test."""
+    stop_inductor_before_code_generation(monkeypatch)
     _, eager_stats = _three_steps(make_cfg(*model, "precision=fp32"), tmp_path / "eager")
     cfg = make_cfg(*model, "precision=fp32", "train.compile=true")
     trainer, stats = _three_steps(cfg, tmp_path / "compiled")

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from cli_runner import start_rank_forkserver
+from compile_backends import stop_inductor_before_code_generation
 from tiny_config import compose_cfg
 from zero_rank import one_zero_rank
 
@@ -583,19 +584,11 @@ def test_train_compile_under_zero_compiles_through_deepspeed(
     C++ code generation (ZeRO-3's hooks break the model into some 40 graphs: 40 s of
     builds from a cold cache); the emulation's generated code is test_cpu_bf16's subject.
     """
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.debugging import boxed_nop
     from torch._dynamo.utils import counters
-    from torch._inductor import compile_fx
 
     from collage_train import cpu_bf16
 
-    def without_code_generation(graph, example_inputs, decompositions):
-        return aot_autograd(fw_compiler=boxed_nop, decompositions=decompositions)(
-            graph, example_inputs
-        )
-
-    monkeypatch.setattr(compile_fx, "compile_fx", without_code_generation)
+    stop_inductor_before_code_generation(monkeypatch)
 
     common = ("precision=bf16", "train.cpu_bf16_gemm=fp32", f"distributed=zero{stage}")
     eager = _zero_trainer(make_cfg, tmp_path / "eager", monkeypatch, *common)

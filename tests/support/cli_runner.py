@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,6 +210,21 @@ def run_ranks(
         if "address already in use" not in result.stderr.lower():
             break
     return result
+
+
+def launch_forked(
+    script: Path, worker_args: list[str], ranks: int, *, label: str, **launcher_options: object
+) -> list[object]:
+    """scripts/runs.py's ``launch_ranks`` with the ranks forked (``run_ranks``) rather than
+    started by a launcher: for a script test whose subject is what its ranks measure. The
+    launcher, device and repo options are the real function's; the ranks here run on the
+    suite's device. Returns each rank's ``rank_output``, in rank order."""
+    del launcher_options  # the real launchers: tests/scripts/test_scripts_common.py
+    with tempfile.TemporaryDirectory(prefix=f"{script.stem}_") as scratch:
+        out = Path(scratch) / "out"
+        result = run_ranks("--worker-out", str(out), *worker_args, ranks=ranks, entry=str(script))
+        assert result.returncode == 0, f"{label}: {result.stdout[-3000:]}{result.stderr[-3000:]}"
+        return [json.loads(Path(f"{out}.rank{rank}").read_text()) for rank in range(ranks)]
 
 
 def run_torchrun(
