@@ -5,6 +5,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from compile_backends import fresh_dynamo
 
 from collage_train import cpu_bf16
 from collage_train.cpu_bf16 import Bf16GemmsAsFp32, choose_cpu_bf16_gemm
@@ -276,16 +277,13 @@ def test_compiled_model_gets_the_emulation_from_inductor(make_cfg, tmp_path, mon
     With the chunked loss (its autograd Function and the model's instance forward traced
     too): the suite's one TorchInductor run of the trainer's model, code generation
     included; the other compiled-model tests stop after AOTAutograd."""
-    from torch._dynamo.utils import counters
-
     common = ("precision=bf16", "train.cpu_bf16_gemm=fp32", "train.micro_batch_size=4",
               "train.global_batch_size=8", "train.loss_chunk_tokens=48")  # fmt: skip
     eager = Trainer(make_cfg(*common), tmp_path / "e")
     assert eager.loss_chunk_tokens == 48
     eager_stats = [x for _ in range(3) for x in _loss_and_grad_norm(eager.train_step())]
     seen = _count_emulated(monkeypatch)
-    torch._dynamo.reset()
-    counters.clear()
+    counters = fresh_dynamo()
     compiled = Trainer(make_cfg(*common, "train.compile=true"), tmp_path / "c")
     stats = [x for _ in range(3) for x in _loss_and_grad_norm(compiled.train_step())]
     assert counters["stats"]["unique_graphs"] >= 1  # Dynamo compiled the model

@@ -398,14 +398,12 @@ def test_the_compiled_model_trains_alike_with_the_chunked_loss(make_cfg, tmp_pat
     """train.compile=true traces the instance forward and the loss's autograd Function:
     the same losses and gradient norms as eager to fp32 rounding (Inductor's code
     generation for them: test_cpu_bf16's compiled test)."""
-    from compile_backends import stop_inductor_before_code_generation
-    from torch._dynamo.utils import counters
+    from compile_backends import fresh_dynamo, stop_inductor_before_code_generation
 
     from collage_train.trainer import Trainer
 
     stop_inductor_before_code_generation(monkeypatch)
-    torch._dynamo.reset()
-    counters.clear()
+    counters = fresh_dynamo()
     stats = {}
     for compiled in (False, True):
         cfg = make_cfg(

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from compile_backends import stop_inductor_before_code_generation
+from compile_backends import fresh_dynamo, stop_inductor_before_code_generation
 from suite_device import torch_device
 
 from collage_train import cli
@@ -216,7 +216,9 @@ def test_compiled_model_trains_like_the_eager_one(make_cfg, tmp_path, monkeypatc
     stop_inductor_before_code_generation(monkeypatch)
     _, eager_stats = _three_steps(make_cfg(*model, "precision=fp32"), tmp_path / "eager")
     cfg = make_cfg(*model, "precision=fp32", "train.compile=true")
+    counters = fresh_dynamo()
     trainer, stats = _three_steps(cfg, tmp_path / "compiled")
+    assert counters["stats"]["unique_graphs"] >= 1  # Dynamo compiled the model
     assert type(trainer.model).__name__ == (
         "LlamaForCausalLM" if model == LLAMA else "GPT2LMHeadModel"
     )

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from cli_runner import start_rank_forkserver
-from compile_backends import stop_inductor_before_code_generation
+from compile_backends import fresh_dynamo, stop_inductor_before_code_generation
 from tiny_config import compose_cfg
 from zero_rank import one_zero_rank
 
@@ -584,8 +584,6 @@ def test_train_compile_under_zero_compiles_through_deepspeed(
     C++ code generation (ZeRO-3's hooks break the model into some 40 graphs: 40 s of
     builds from a cold cache); the emulation's generated code is test_cpu_bf16's subject.
     """
-    from torch._dynamo.utils import counters
-
     from collage_train import cpu_bf16
 
     stop_inductor_before_code_generation(monkeypatch)
@@ -612,8 +610,7 @@ def test_train_compile_under_zero_compiles_through_deepspeed(
         return initialize(self, model, *args, **kwargs)
 
     monkeypatch.setattr(zero_engine.ZeroEngine, "prepare", spied)
-    torch._dynamo.reset()
-    counters.clear()
+    counters = fresh_dynamo()
     trainer = _zero_trainer(make_cfg, tmp_path / "compiled", monkeypatch, *common,
                             "train.compile=true")  # fmt: skip
     try:

@@ -29,3 +29,17 @@ def stop_inductor_before_code_generation(monkeypatch: pytest.MonkeyPatch) -> Non
         return aot_autograd(fw_compiler=boxed_nop, decompositions=table)(graph, example_inputs)
 
     monkeypatch.setattr(compile_fx, "compile_fx", traced)
+
+
+def fresh_dynamo() -> Any:
+    """TorchDynamo as in a new process; returns its counters, cleared. Code objects every
+    model shares (transformers' deprecation decorator wraps many forwards) collect one
+    cache entry per model compiled before in this process, and past Dynamo's recompile
+    limit a later ``torch.compile`` runs eager without failing: a compiled-model test
+    starts here and checks ``counters["stats"]["unique_graphs"]``."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    return counters
