@@ -55,7 +55,11 @@ def test_wheel_contains_package_and_configs_and_finds_them(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "hidden_size: 4096" in proc.stdout
     located = subprocess.run(
-        [sys.executable, "-c", "from collage_train.cli import config_dir; print(config_dir())"],
+        [
+            sys.executable,
+            "-c",
+            "from collage_train.config_options import config_dir; print(config_dir())",
+        ],
         cwd=tmp_path,
         env={"PYTHONPATH": str(site)},
         capture_output=True,
