@@ -10,10 +10,6 @@ STAMP := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.0
 ARGS ?=
 
-# DeepSpeed builds its CPU shared-memory all-reduce the first time a ZeRO run starts on a
-# CPU (20 s or more, every rank waiting on it); the install builds it into the same cache.
-export DEEPSPEED_CPU_OP := from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load(verbose=False)
-
 .PHONY: install train test lint clean
 
 $(STAMP): pyproject.toml
@@ -24,9 +20,12 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install --quiet "$(TORCH_CPU)"; \
 	fi
 	$(PY) -m pip install --quiet -e ".[dev]"
+	@# DeepSpeed builds its CPU shared-memory all-reduce when a ZeRO run first starts on a
+	@# CPU (20 s or more, every rank waiting); the install builds it into the same cache.
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		echo "building DeepSpeed's CPU all-reduce extension (once, about 20 s)"; \
-		DS_ACCELERATOR=cpu $(PY) -c "$$DEEPSPEED_CPU_OP" >/dev/null 2>&1 \
+		DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; \
+			ShareMemCommBuilder().load(verbose=False)" >/dev/null 2>&1 \
 			|| echo "warning: DeepSpeed's CPU extension did not build; ZeRO on CPU builds it at its first launch"; \
 	fi
 	touch $(STAMP)

@@ -264,10 +264,6 @@ def test_trainer_emulates_reports_and_records_the_choice(make_cfg, tmp_path, mon
     assert summary["cpu_bf16_gemm"] == "n/a" and seen == []
 
 
-def _loss_and_grad_norm(step: dict) -> tuple[float, float]:
-    return step["loss"], step["grad_norm"]
-
-
 @pytest.mark.slow
 @pytest.mark.cpu_only(reason=CPU_ONLY)
 def test_compiled_model_gets_the_emulation_from_inductor(make_cfg, tmp_path, monkeypatch):
@@ -281,11 +277,15 @@ def test_compiled_model_gets_the_emulation_from_inductor(make_cfg, tmp_path, mon
               "train.global_batch_size=8", "train.loss_chunk_tokens=48")  # fmt: skip
     eager = Trainer(make_cfg(*common), tmp_path / "e")
     assert eager.loss_chunk_tokens == 48
-    eager_stats = [x for _ in range(3) for x in _loss_and_grad_norm(eager.train_step())]
+    eager_stats = [
+        x for s in (eager.train_step() for _ in range(3)) for x in (s["loss"], s["grad_norm"])
+    ]
     seen = _count_emulated(monkeypatch)
     counters = fresh_dynamo()
     compiled = Trainer(make_cfg(*common, "train.compile=true"), tmp_path / "c")
-    stats = [x for _ in range(3) for x in _loss_and_grad_norm(compiled.train_step())]
+    stats = [
+        x for s in (compiled.train_step() for _ in range(3)) for x in (s["loss"], s["grad_norm"])
+    ]
     assert counters["stats"]["unique_graphs"] >= 1  # Dynamo compiled the model
     assert "mm.default" in seen  # the decompositions ran while Inductor traced
     assert compiled.model._compiled_call_impl is not None
