@@ -138,7 +138,7 @@ def load_pretrained(cfg: Any, *, vocab_size: int, seq_len: int) -> torch.nn.Modu
         model, info = _from_pretrained(
             cfg.init_from,
             config=config,
-            attn_implementation=cfg.attn_implementation,
+            attn_implementation=str(cfg.attn_implementation),  # a plain str, as models.py
             output_loading_info=True,
         )
     except WEIGHT_LOAD_ERRORS as err:

@@ -193,8 +193,10 @@ def build_meta_model(cfg: Any, *, vocab_size: int, seq_len: int, eot_id: int) ->
     stores them."""
     hf_config = build_hf_config(cfg, vocab_size=vocab_size, seq_len=seq_len, eot_id=eot_id)
     with torch.device("meta"):
+        # A plain str: the config's Choice member (a str subclass) reached Dynamo as an
+        # opaque object, a graph break in every attention layer under torch.compile.
         model = AutoModelForCausalLM.from_config(
-            hf_config, attn_implementation=cfg.attn_implementation
+            hf_config, attn_implementation=str(cfg.attn_implementation)
         )
     model.config.use_cache = False
     return model

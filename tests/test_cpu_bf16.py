@@ -287,6 +287,7 @@ def test_compiled_model_gets_the_emulation_from_inductor(make_cfg, tmp_path, mon
         x for s in (compiled.train_step() for _ in range(3)) for x in (s["loss"], s["grad_norm"])
     ]
     assert counters["stats"]["unique_graphs"] >= 1  # Dynamo compiled the model
+    assert not counters["graph_break"], list(counters["graph_break"])  # in one piece
     assert "mm.default" in seen  # the decompositions ran while Inductor traced
     assert compiled.model._compiled_call_impl is not None
     assert stats == pytest.approx(eager_stats, rel=2e-3)
