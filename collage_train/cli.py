@@ -36,7 +36,6 @@ from collage_train.metrics import ConsoleSink, JsonlSink, Sink, WandbSink
 from collage_train.metrics.sinks import wandb_mode
 from collage_train.run.directory import write_hydra_record
 from collage_train.run.resume import check_resume, choose_checkpoint, record_changes
-from collage_train.trainer import Trainer
 
 
 def build_sinks(
@@ -91,6 +90,10 @@ def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> di
         checkpoint.verify_checkpoint_files(existing)
         changes = check_resume(existing, cfg, launched_world_size())
     run_dir.mkdir(parents=True, exist_ok=True)
+    # Imported here: ``--help``, ``--cfg job`` and a refused setting need no model code
+    # (transformers' model stack takes seconds to import).
+    from collage_train.trainer import Trainer
+
     trainer = Trainer(cfg, run_dir)
     try:
         main = trainer.engine.is_main

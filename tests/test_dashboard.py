@@ -12,7 +12,7 @@ import sys
 import pytest
 from fault_batch import inject
 
-from collage_train import cli
+from collage_train import trainer
 from collage_train.cli import train
 from collage_train.dashboard import build_workspace, definition, main
 from collage_train.metrics import RecordingSink
@@ -46,9 +46,9 @@ def test_dry_run_writes_the_definition_with_runs_grouped_by_strategy(tmp_path, c
 def test_every_plotted_metric_is_one_a_run_logs(make_cfg, tmp_path, monkeypatch):
     """A run with two bad steps in a row (skipped, then rolled back): every panel's metric,
     the guard's included, is one it logged."""
-    faulty = type("FaultyTrainer", (cli.Trainer,), {})
+    faulty = type("FaultyTrainer", (trainer.Trainer,), {})
     inject(faulty, "nan", "4,5")
-    monkeypatch.setattr(cli, "Trainer", faulty)
+    monkeypatch.setattr(trainer, "Trainer", faulty)  # what cli.train builds
     sink = RecordingSink()
     cfg = make_cfg(
         "metrics.edq_every=1",

@@ -265,12 +265,12 @@ def test_a_persistent_fault_rolls_back_then_stops_with_one_error_line(
     """Every batch from step 6's on is bad: steps 6 and 7 are skipped, the run rolls back to
     step 4, steps 5 and 6 (with later batches) are skipped, and the run stops with one
     error line and exit status 1, its checkpoint as it was (``cli.run`` in-process)."""
-    from collage_train import cli
+    from collage_train import trainer
 
     run_dir = tmp_path / "run"
     faulty = patched_trainer()
     inject(faulty, "nan", "6-")
-    monkeypatch.setattr(cli, "Trainer", faulty)
+    monkeypatch.setattr(trainer, "Trainer", faulty)  # what cli.train builds
     done = in_process(
         "train.max_steps=12",
         "train.guard.min_history=4",
