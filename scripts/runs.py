@@ -106,6 +106,11 @@ def run_training(
     _, error = proc.communicate()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, proc.args))} failed:\n{error[-2000:]}")
+    return finished_run(run_dir)
+
+
+def finished_run(run_dir: Path) -> tuple[dict, list[dict]]:
+    """A finished run's summary and metric records."""
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return summary, records

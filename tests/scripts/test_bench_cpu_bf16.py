@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -61,20 +60,25 @@ def test_ratios_are_against_the_fp32_step_of_the_same_instruction_set():
 
 
 @pytest.mark.slow
-def test_a_tiny_real_run(tmp_path, corpus_dir, cache_dir):
+def test_a_tiny_real_run(tmp_path, corpus_dir, cache_dir, monkeypatch, capsys):
+    """The script in this process, its runs forked (``run_training_forked``: the native
+    instruction set needs no process of its own) and its probe a real process."""
+    from cli_runner import run_training_forked
     from tiny_config import tiny_model_and_data
 
     out = tmp_path / "rows.json"
-    command = [sys.executable, str(SCRIPT), "--steps", "2", "--repeats", "1", "--isa", "native"]
-    command += ["--precisions", "bf16", "--gemms", "fp32", "--no-record", "--json", str(out)]
-    command += ["--"]
-    command += [
+    argv = [str(SCRIPT), "--steps", "2", "--repeats", "1", "--isa", "native"]
+    argv += ["--precisions", "bf16", "--gemms", "fp32", "--no-record", "--json", str(out)]
+    argv += ["--"]
+    argv += [
         *tiny_model_and_data(corpus_dir, cache_dir),
         "train.micro_batch_size=4",
         "train.global_batch_size=8",
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(bench_cpu_bf16, "run_training", run_training_forked)
+    bench_cpu_bf16.main()
+    printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert [(r["precision"], r["gemm"]) for r in data["rows"]] == [
         ("fp32", "n/a"),
@@ -83,4 +87,4 @@ def test_a_tiny_real_run(tmp_path, corpus_dir, cache_dir):
     assert all(r["step_s"] > 0 for r in data["rows"])
     capability, native, emulated = data["probes"]["native"]
     assert isinstance(capability, str) and capability
-    assert native > 0 and emulated > 0 and "auto picks" in result.stdout
+    assert native > 0 and emulated > 0 and "auto picks" in printed

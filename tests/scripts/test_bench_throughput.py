@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from argparse import Namespace
 from pathlib import Path
 
 import pytest
+from cli_runner import run_training_forked
 from tiny_config import tiny_model_and_data
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -18,13 +18,6 @@ import bench_throughput  # noqa: E402
 
 from collage_train.memory_plan import GIB, ModelShape, Setting, estimate  # noqa: E402
 from collage_train.precision import get_strategy  # noqa: E402
-
-
-def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(SCRIPTS / "bench_throughput.py"), *args]
-    proc = subprocess.run(command, cwd=SCRIPTS, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
 
 
 def _dry_run(monkeypatch, capsys, *args: str) -> str:
@@ -80,9 +73,9 @@ def test_the_dry_run_plans_each_strategys_largest_micro_batch(tmp_path, monkeypa
 
 @pytest.mark.slow
 def test_tiny_runs_on_cpu_measure_every_row_and_what_deterministic_costs(
-    corpus_dir, cache_dir, tmp_path
+    corpus_dir, cache_dir, tmp_path, monkeypatch, capsys
 ):
-    """Real runs (the CLI, one process each) of a tiny model: each row gets tokens/s, MFU
+    """Real runs (the CLI, one forked process each) of a tiny model: each row gets tokens/s, MFU
     (against this CPU's measured matmul rate), the measured peak and the planner's, at the
     micro-batch the planner chose; a micro-batch the planner cannot fit is a row with its
     reason, not a run. ``--deterministic both`` runs each row again with
@@ -90,12 +83,17 @@ def test_tiny_runs_on_cpu_measure_every_row_and_what_deterministic_costs(
     data = [o for o in tiny_model_and_data(corpus_dir, cache_dir) if "seq_len" not in o]
     out = tmp_path / "rows.json"
     budget_gb = 0.0012  # 1.3 MB: a few sequences of 32 tokens of the 2-layer model
-    proc = _run(
-        "--model", "gpt_tiny", "--seq-len", "32", "--device", "cpu", "--strategies", "bf16",
-        "--micro-batch", "64", "--gpu-mem-gb", str(budget_gb), "--reserve-gb", "0",
-        "--compile", "off", "--deterministic", "both", "--timed-tokens", "1",
-        "--min-timed-steps", "1", "--no-record", "--json", str(out), *data,
-    )  # fmt: skip
+    argv = [
+        "bench_throughput.py", "--model", "gpt_tiny", "--seq-len", "32", "--device", "cpu",
+        "--strategies", "bf16", "--micro-batch", "64", "--gpu-mem-gb", str(budget_gb),
+        "--reserve-gb", "0", "--compile", "off", "--deterministic", "both",
+        "--timed-tokens", "1", "--min-timed-steps", "1", "--no-record", "--json", str(out),
+        *data,
+    ]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(bench_throughput, "run_training", run_training_forked)
+    bench_throughput.main()  # in this process, its runs forked
+    printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     equal, equal_deterministic, largest, deterministic = result["rows"]
     shape = _shape("gpt_tiny", 32, data)
@@ -114,10 +112,10 @@ def test_tiny_runs_on_cpu_measure_every_row_and_what_deterministic_costs(
     )
     assert not largest["deterministic"] and deterministic["deterministic"]
     assert deterministic["micro_batch"] == micro and deterministic["tokens_per_s"] > 0
-    (line,) = [row for row in proc.stdout.splitlines() if "(largest, deterministic)" in row]
+    (line,) = [row for row in printed.splitlines() if "(largest, deterministic)" in row]
     cost = deterministic["tokens_per_s"] / largest["tokens_per_s"]
     assert line.rstrip(" |").endswith(f"{cost:.2f}")
-    assert "x deterministic off" in proc.stdout
+    assert "x deterministic off" in printed
 
 
 def test_deterministic_both_plans_each_row_with_and_without_the_setting(

@@ -95,3 +95,13 @@ def test_two_torchrun_ranks_each_write_their_output(tmp_path):
     worker.write_text(WORKER.format(scripts=str(SCRIPTS)))
     outputs = runs.launch_ranks(worker, ["--x"], 2, label="two ranks")
     assert outputs == [{"args": ["--x"]}, {"args": ["--x"]}]
+
+
+def test_a_training_run_is_the_cli_in_its_own_process_with_the_environment_added(tmp_path):
+    """``run_training`` starts the CLI with ``env`` added to this environment and raises
+    with its error line (the benchmark tests fork their successful runs instead:
+    cli_runner.run_training_forked, which reads the finished run as ``finished_run``)."""
+    with pytest.raises(RuntimeError) as failed:
+        runs.run_training(["train.max_steps=1"], tmp_path / "run", env={"WANDB_MODE": "loud"})
+    assert "error: WANDB_MODE must be online, offline or disabled, got 'loud'" in str(failed.value)
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -227,6 +227,23 @@ def launch_forked(
         return [json.loads(Path(f"{out}.rank{rank}").read_text()) for rank in range(ranks)]
 
 
+def run_training_forked(
+    overrides: list[str], run_dir: Path, env: dict[str, str] | None = None, ranks: int = 1
+) -> tuple[dict, list[dict]]:
+    """scripts/runs.py's ``run_training`` with the CLI's processes forked (``run_ranks``)
+    rather than started: for a script test whose subject is what the script does with
+    its runs. ``env`` is refused: what it sets (an instruction set, an allocator) is read
+    when a process starts, so those runs keep the real function (tests/scripts/
+    test_bench_cpu_bf16.py runs it through its script)."""
+    from runs import finished_run
+
+    assert not env, f"forked runs inherit the forkserver's start-up; {env} needs a process"
+    result = run_ranks(*overrides, f"hydra.run.dir={run_dir}", ranks=ranks)
+    if result.returncode != 0:
+        raise RuntimeError(f"forked run of {run_dir} failed:\n{result.stderr[-2000:]}")
+    return finished_run(run_dir)
+
+
 def run_torchrun(
     *args: str,
     cwd: Path = REPO,
