@@ -16,50 +16,57 @@ from collage_train.cli import Outcome
 from collage_train.sweep import FAILED_FILE, run_sweep_job
 
 
-def sweep_overrides(corpus_dir, cache_dir, tmp_path) -> list[str]:
+@pytest.fixture(scope="module")
+def sweep(corpus_dir, cache_dir, tmp_path_factory):
+    """One four-job sweep that both tests read (one process start): micro-batch 4, then
+    3, which does not divide the global batch of 8, each with precision mixed_fp32 and
+    bf16 (jobs 0 and 1 run, 2 and 3 are refused). Returns the sweep directory and
+    the CLI's result."""
+    tmp_path = tmp_path_factory.mktemp("sweep")
     tiny = tiny_overrides(corpus_dir, cache_dir, tmp_path / "unused")
     short = ["train.max_steps=4", "train.eval_every=4", "train.checkpoint_every=4"]
-    return [o for o in tiny if not o.startswith("hydra.run.dir=")] + short
+    overrides = [o for o in tiny if not o.startswith("hydra.run.dir=")] + short
+    sweep = tmp_path / "sweep"
+    done = run_cli(
+        "-m", *overrides, "precision=mixed_fp32,bf16", "train.micro_batch_size=4,3",
+        f"hydra.sweep.dir={sweep}",
+    )  # fmt: skip
+    return sweep, done
 
 
 @pytest.mark.slow
-def test_a_two_job_sweep_runs_each_job_in_its_own_directory(corpus_dir, cache_dir, tmp_path):
-    sweep = tmp_path / "sweep"
-    overrides = sweep_overrides(corpus_dir, cache_dir, tmp_path)
-    done = run_cli("-m", *overrides, "precision=mixed_fp32,bf16", f"hydra.sweep.dir={sweep}")
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_a_sweep_runs_each_job_in_its_own_directory(sweep, tmp_path, capsys):
+    sweep, _ = sweep
     jobs = sorted(path.name for path in sweep.iterdir() if path.is_dir())
-    assert jobs == ["0", "1"]
-    for job, precision in zip(jobs, ("mixed_fp32", "bf16"), strict=True):
+    assert jobs == ["0", "1", "2", "3"]
+    for job, precision in (("0", "mixed_fp32"), ("1", "bf16")):
         summary = json.loads((sweep / job / "summary.json").read_text())
         assert summary["precision"] == precision and summary["steps"] == 4
         config = OmegaConf.load(sweep / job / ".hydra" / "config.yaml")
         assert config.logging.wandb.group == f"sweep-{sweep.name}"  # one group for the sweep
     out = tmp_path / "comparison"
+    capsys.readouterr()
     assert compare.main([str(sweep), "--out", str(out)]) == 0
     table = (out / "summary.md").read_text().splitlines()
     assert len(table) == 4 and "mixed_fp32" in table[2] and "bf16" in table[3]
+    printed = capsys.readouterr().out
+    assert f"{sweep / '2'}: failed: " in printed and "| 1: " in printed
 
 
 @pytest.mark.slow
-def test_a_failed_job_is_recorded_and_the_others_run(corpus_dir, cache_dir, tmp_path, capsys):
-    sweep = tmp_path / "sweep"
-    overrides = sweep_overrides(corpus_dir, cache_dir, tmp_path)
-    # a micro-batch of 3 does not divide the global batch of 8: the first job is refused
-    done = run_cli("-m", *overrides, "train.micro_batch_size=3,4", f"hydra.sweep.dir={sweep}")
+def test_a_failed_job_is_recorded_and_the_others_run(sweep):
+    sweep, done = sweep
     assert done.returncode == 2, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: 1 of 2 sweep jobs failed in {sweep}: job 0 (")
+    assert last.startswith(f"error: 2 of 4 sweep jobs failed in {sweep}: job 2 (")
     assert "train.micro_batch_size=3" in last
-    record = json.loads((sweep / "0" / FAILED_FILE).read_text())
-    assert record["exit_status"] == 2 and "micro_batch_size" in record["error"]
-    assert "train.micro_batch_size=3" in record["overrides"]
-    assert json.loads((sweep / "1" / "summary.json").read_text())["steps"] == 4
-    assert not (sweep / "1" / FAILED_FILE).exists()
-    capsys.readouterr()
-    assert compare.main([str(sweep), "--out", str(tmp_path / "comparison")]) == 0
-    printed = capsys.readouterr().out
-    assert f"{sweep / '0'}: failed: " in printed and "| 1: " in printed
+    for job in ("2", "3"):
+        record = json.loads((sweep / job / FAILED_FILE).read_text())
+        assert record["exit_status"] == 2 and "micro_batch_size" in record["error"]
+        assert "train.micro_batch_size=3" in record["overrides"]
+    for job in ("0", "1"):
+        assert json.loads((sweep / job / "summary.json").read_text())["steps"] == 4
+        assert not (sweep / job / FAILED_FILE).exists()
 
 
 @pytest.mark.parametrize(
