@@ -36,7 +36,7 @@ train: $(STAMP)
 	$(PY) -m collage_train $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist loadfile --durations=25 $(ARGS)
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=25 $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

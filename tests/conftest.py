@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
+import file_costs
 import pytest
 import suite_device
 from cli_runner import Result, run_cli, tiny_overrides
@@ -34,6 +35,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="device of the tests' training runs and device tensors: cpu (default) or cuda "
         f"(every test that can run on a GPU does; also {suite_device.VARIABLE}=cuda)",
     )
+    parser.addoption(
+        "--store-file-costs",
+        action="store_true",
+        help="write each test file's seconds in this run to tests/file_costs.json, the order "
+        "make test's workers take the files in (tests/support/file_costs.py)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -42,6 +49,8 @@ def pytest_configure(config: pytest.Config) -> None:
     device = config.getoption("--device")
     suite_device.check_device_option(device)
     os.environ[suite_device.VARIABLE] = device
+    if config.getoption("--store-file-costs") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(file_costs.CostRecorder(), "file_costs")
     config.addinivalue_line(
         "markers",
         "cpu_only(reason): the subject exists only on the CPU; skipped under --device cuda",
@@ -78,6 +87,8 @@ _LAUNCH_MARKERS = ("zero", "replicas")
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the costliest files first
+        items[:] = file_costs.costliest_first(items, file_costs.load())
     for item in items:
         if any(item.get_closest_marker(name) for name in _LAUNCH_MARKERS):
             item.add_marker(pytest.mark.slow)
