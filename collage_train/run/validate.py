@@ -3,7 +3,8 @@
 Hydra's schema (``collage_train/config.py``: one per kind of option) already refuses
 misspelt keys, keys the chosen option does not have and wrongly typed values; this module
 refuses what it lets through: keys added with ``+`` under the project's own groups, a
-ZeRO stage other than the engine's name says, values of the right type that cannot work
+ZeRO stage other than the engine's name says, replicas (DiLoCo, SparseLoCo) on a sharded
+engine or with comm settings out of range, values of the right type that cannot work
 (a negative learning rate, a cadence of 0 steps, betas outside [0, 1), a loss block
 size that is neither ``auto``, ``off`` nor a count, or a count for Scalify, a
 non-deterministic CUBLAS_WORKSPACE_CONFIG under ``train.deterministic``), ``model.extra``
@@ -26,6 +27,7 @@ from urllib.parse import urlsplit
 
 from omegaconf import DictConfig, OmegaConf
 
+from collage_train.comm.settings import check_engine
 from collage_train.config_options import chosen_option, not_a_setting
 from collage_train.determinism import check_cublas_config
 from collage_train.errors import ConfigError
@@ -50,6 +52,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"metrics.edq_every must be 0 (off) or more, got {cfg.metrics.edq_every}")
     check_model_extra(cfg.model)
     check_zero_stage(cfg)
+    check_engine(cfg.comm, str(cfg.distributed.name))  # and again where the engine is built
     check_wandb(cfg.logging.wandb)
     check_eval(cfg)
 

@@ -94,6 +94,7 @@ def test_zero_with_replicas_ends_in_one_error_line(tiny):
         "error: comm=sparseloco keeps one whole model per process and needs "
         "distributed=unsharded, not distributed=zero1"
     ]
+    assert not tiny.run_dir.exists()  # refused at start-up, before anything is prepared
 
 
 def final_state(run_dir: Path, replica: bool) -> dict:
