@@ -87,12 +87,10 @@ _LAUNCH_MARKERS = ("zero", "replicas")
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    launching = set()
+    file_costs.order_for_worker(config, items)
     for item in items:
         if any(item.get_closest_marker(name) for name in _LAUNCH_MARKERS):
             item.add_marker(pytest.mark.slow)
-            launching.add(file_costs.file_of(item.nodeid))
-    file_costs.order_for_worker(config, items, launching)
     if config.getoption("--device") != "cuda":
         return
     for item in items:

@@ -22,15 +22,6 @@ def test_whole_files_move_by_recorded_cost_and_keep_their_own_order():
     assert ordered == ["b.py::x", "b.py::y", "c.py::x", "a.py::x", "a.py::y", "d.py::x"]
 
 
-def test_launching_files_and_the_others_take_turns_while_both_last():
-    costs = {"l1": 60, "l2": 40, "l3": 30, "p1": 50, "p2": 5, "p3": 3, "p4": 1}
-    items = _items(*(f"{name}::t" for name in sorted(costs)))
-    ordered = file_costs.costliest_first(items, costs, launching={"l1", "l2", "l3"})
-    assert [file_costs.file_of(i.nodeid) for i in ordered] == [
-        "l1", "p1", "l2", "p2", "l3", "p3", "p4"
-    ]  # fmt: skip
-
-
 def test_a_run_records_each_files_setup_call_and_teardown_seconds(tmp_path):
     """... into the record: what it ran replaces its entries, what it did not run stays,
     a file that is gone leaves."""
@@ -54,18 +45,13 @@ def test_workers_collect_in_that_order_and_the_scheduler_keeps_it(request, monke
     under make test), a plain run's is not; make test tells pytest-xdist not to re-sort
     the files by their number of tests."""
     if hasattr(request.config, "workerinput"):
-        collected = request.session.items
-        launching = {
-            file_costs.file_of(item.nodeid)
-            for item in collected
-            if item.get_closest_marker("zero") or item.get_closest_marker("replicas")
-        }  # the order is its own fixed point
-        assert file_costs.costliest_first(collected, file_costs.load(), launching) == collected
+        collected = request.session.items  # the order is its own fixed point
+        assert file_costs.costliest_first(collected, file_costs.load()) == collected
     items = _items("tests/cheap.py::a", "tests/dear.py::a")
     monkeypatch.setattr(file_costs, "load", lambda: {"tests/dear.py": 9.0})
-    file_costs.order_for_worker(SimpleNamespace(), items, set())
+    file_costs.order_for_worker(SimpleNamespace(), items)
     assert [item.nodeid for item in items] == ["tests/cheap.py::a", "tests/dear.py::a"]
-    file_costs.order_for_worker(SimpleNamespace(workerinput={"workerid": "gw0"}), items, set())
+    file_costs.order_for_worker(SimpleNamespace(workerinput={"workerid": "gw0"}), items)
     assert [item.nodeid for item in items] == ["tests/dear.py::a", "tests/cheap.py::a"]
     (recipe,) = [line for line in (REPO / "Makefile").read_text().splitlines() if "pytest" in line]
     assert "--dist loadfile --no-loadscope-reorder" in recipe
