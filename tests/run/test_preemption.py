@@ -1,8 +1,10 @@
 """A 2-rank ZeRO-2 run preempted with SIGTERM at a random step: it stops within two
 optimizer steps with a checkpoint (the background one, flushed before exit), says how
 long the stop took, and resumes to the same weights and optimizer state, bit for bit, as
-a run never interrupted (docs/preemption.md). The preempted run is started by torchrun
-without hydra.run.dir: both ranks write into rank 0's timestamped directory."""
+a run never interrupted (docs/preemption.md). The preempted run starts without
+hydra.run.dir: both ranks write into rank 0's timestamped directory. Its ranks are forked
+(cli_runner.start_ranks) and signalled as Slurm signals them; how torchrun passes a
+SIGTERM on to its workers is tests/scripts/test_launcher_grace.py's subject."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_runner import remove_shm_buffers, run_ranks, start_torchrun, tiny_overrides
-from launched_runs import assert_same_checkpoint_tensors, rank_pids
+from cli_runner import run_ranks, start_ranks, tiny_overrides
+from launched_runs import assert_same_checkpoint_tensors
 
 from collage_train import checkpoint
 
@@ -48,27 +50,24 @@ def test_sigterm_at_a_random_step_stops_within_two_steps_and_resumes_bitwise(
     launched_in = tmp_path / "launch"
     launched_in.mkdir()
     at_step = random.randint(2, 7)  # steps logged before the signal is sent
-    proc, port = start_torchrun(*overrides(None), cwd=launched_in)
+    launch = start_ranks(*overrides(None), cwd=launched_in)
+
+    def logged() -> int:
+        found = list(launched_in.glob("outputs/*/*/metrics.jsonl"))
+        return found[0].read_text().count('"loss"') if found else 0
+
     try:
         deadline = time.time() + 300
-
-        def logged() -> int:
-            found = list(launched_in.glob("outputs/*/*/metrics.jsonl"))
-            return found[0].read_text().count('"loss"') if found else 0
-
         while logged() < at_step:
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            assert not launch.poll() and time.time() < deadline, "the run ended or stalled"
             time.sleep(0.05)
-        ranks = rank_pids(proc.pid)
-        assert len(ranks) == 2
-        for pid in ranks:  # what Slurm's --signal and scripts/slurm_train.sbatch do
+        assert len(launch.pids) == 2
+        for pid in launch.pids:  # what Slurm's --signal and scripts/slurm_train.sbatch do
             os.kill(pid, signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        remove_shm_buffers(port)
-    assert proc.returncode == 0, stderr[-3000:]
+        done = launch.wait(300)  # kills the ranks past it
+    assert done.returncode == 0, done.stderr[-3000:]
+    stdout = done.stdout
     notice = re.search(
         r"SIGTERM received during step (\d+): checkpoint saved at step (\d+), ([\d.]+) s after "
         r"the signal",

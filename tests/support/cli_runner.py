@@ -11,6 +11,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from suite_device import device_overrides, launch_drops, launch_environment, skip_without_gpus
 from tiny_config import tiny_model_and_data
@@ -25,8 +26,9 @@ class Result:
     stderr: str
     # /dev/shm files of DeepSpeed's CPU all-reduce the run left behind (then removed)
     leftover_shm: tuple[str, ...] = ()
-    # the ranks' pids, in rank order (``run_ranks``)
+    # the ranks' pids and exit statuses, in rank order (``run_ranks``, ``start_ranks``)
     rank_pids: tuple[int, ...] = ()
+    rank_exit_codes: tuple[int, ...] = ()
 
     @property
     def error_lines(self) -> list[str]:
@@ -200,16 +202,53 @@ def run_ranks(
     for _ in range(3):
         port = _free_port()
         try:
-            code, stdout, stderr, pids = forked_ranks(
+            code, stdout, stderr, pids, codes = forked_ranks(
                 *args, env=env, ranks=ranks, port=port, threads=rank_threads(ranks),
                 entry=entry, cwd=cwd, timeout=timeout,
             )  # fmt: skip
         finally:
             left = _remove_shm_buffers(port)
-        result = Result(code, stdout, stderr, left, pids)
+        result = Result(code, stdout, stderr, left, pids, codes)
         if "address already in use" not in result.stderr.lower():
             break
     return result
+
+
+class StartedRanks:
+    """Forked ranks running (``start_ranks``): ``pids`` to signal, ``wait`` for the
+    launch's ``Result``."""
+
+    def __init__(self, launch: Any, port: int) -> None:
+        self.launch, self.port = launch, port
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return self.launch.pids
+
+    def poll(self) -> bool:
+        """Whether every rank has ended."""
+        return not any(process.is_alive() for process in self.launch.processes)
+
+    def wait(self, timeout: float = 900) -> Result:
+        try:
+            code, stdout, stderr, pids, codes = self.launch.wait(timeout)
+        finally:
+            left = _remove_shm_buffers(self.port)
+        return Result(code, stdout, stderr, left, pids, codes)
+
+
+def start_ranks(*args: str, ranks: int = 2, cwd: Path = REPO) -> StartedRanks:
+    """``run_ranks`` not waited for: for a test that signals the ranks while they run
+    (a preemption's SIGTERM) rather than its launcher."""
+    from forked_ranks import start_forked_ranks
+
+    skip_without_gpus(ranks)
+    port = _free_port()
+    launch = start_forked_ranks(
+        *args, env=_launch_env(ranks), ranks=ranks, port=port, threads=rank_threads(ranks),
+        cwd=cwd,
+    )  # fmt: skip
+    return StartedRanks(launch, port)
 
 
 def launch_forked(

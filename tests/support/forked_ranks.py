@@ -21,10 +21,12 @@ import atexit
 import multiprocessing
 import os
 import runpy
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 _PRELOAD = ["rank_preload"]  # the trainer, DeepSpeed and what they load at a rank's start
 _CONTEXT = multiprocessing.get_context("forkserver")
@@ -99,7 +101,44 @@ def _rank(
         os._exit(code)
 
 
-def forked_ranks(
+class ForkedLaunch:
+    """Ranks forked and running (``start_forked_ranks``): their pids now, their outcome
+    from ``wait``."""
+
+    def __init__(self, processes: list[Any], scratch: str) -> None:
+        self.processes = processes
+        self.scratch = scratch
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(process.pid for process in self.processes)
+
+    def wait(self, timeout: float) -> tuple[int, str, str, tuple[int, ...], tuple[int, ...]]:
+        """Wait for every rank; return the launch's exit status (the first non-zero
+        rank's, as torchrun reports a failed worker), the ranks' stdout and stderr, rank by
+        rank, their pids and each one's exit status (a killed rank: 128 + signal). Kills
+        them all past ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        codes = []
+        try:
+            for process in self.processes:
+                process.join(max(0.0, deadline - time.monotonic()))
+                if process.is_alive():
+                    for other in self.processes:
+                        other.kill()
+                    raise TimeoutError(f"forked ranks ran past {timeout} s")
+                codes.append(process.exitcode)
+            ranks = range(len(self.processes))
+            stdout = "".join(_read(f"{self.scratch}/{r}.out") for r in ranks)
+            stderr = "".join(_read(f"{self.scratch}/{r}.err") for r in ranks)
+        finally:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+        statuses = tuple(code if code >= 0 else 128 - code for code in codes)
+        failed = [status for status in statuses if status]  # the first, as torchrun reports
+        return (failed[0] if failed else 0), stdout, stderr, self.pids, statuses
+
+
+def start_forked_ranks(
     *args: str,
     env: dict[str, str],
     ranks: int,
@@ -107,49 +146,40 @@ def forked_ranks(
     threads: int,
     entry: str = "-m collage_train",
     cwd: Path,
-    timeout: float,
-) -> tuple[int, str, str, tuple[int, ...]]:
-    """Run ``python ENTRY ARGS`` as ``ranks`` forked ranks on ``port``; return the
-    launch's exit status (the first non-zero rank's, as torchrun reports a failed
-    worker), the ranks' stdout and stderr, rank by rank, and their pids."""
+) -> ForkedLaunch:
+    """Start ``python ENTRY ARGS`` as ``ranks`` forked ranks on ``port``, not waiting."""
     start_forkserver(env)
-    with tempfile.TemporaryDirectory(prefix="forked_ranks_") as scratch:
-        processes = []
-        for rank in range(ranks):
-            rank_env = {
-                **env,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "GROUP_RANK": "0",
-                "WORLD_SIZE": str(ranks),
-                "LOCAL_WORLD_SIZE": str(ranks),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": str(threads),
-            }
-            out, err = f"{scratch}/{rank}.out", f"{scratch}/{rank}.err"
-            process = _CONTEXT.Process(
-                target=_rank,
-                args=(entry, list(args), rank_env, str(cwd), out, err, threads),
-                daemon=False,
-            )
-            process.start()
-            processes.append(process)
-        deadline = time.monotonic() + timeout
-        codes = []
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                for other in processes:
-                    other.kill()
-                raise TimeoutError(f"forked ranks ran past {timeout} s")
-            codes.append(process.exitcode)
-        # the first failure, as torchrun reports it (a killed rank: 128 + signal)
-        failed = [code if code >= 0 else 128 - code for code in codes if code != 0]
-        stdout = "".join(_read(f"{scratch}/{r}.out") for r in range(ranks))
-        stderr = "".join(_read(f"{scratch}/{r}.err") for r in range(ranks))
-    pids = tuple(process.pid for process in processes)
-    return (failed[0] if failed else 0), stdout, stderr, pids
+    scratch = tempfile.mkdtemp(prefix="forked_ranks_")
+    processes = []
+    for rank in range(ranks):
+        rank_env = {
+            **env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "GROUP_RANK": "0",
+            "WORLD_SIZE": str(ranks),
+            "LOCAL_WORLD_SIZE": str(ranks),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": str(threads),
+        }
+        out, err = f"{scratch}/{rank}.out", f"{scratch}/{rank}.err"
+        process = _CONTEXT.Process(
+            target=_rank,
+            args=(entry, list(args), rank_env, str(cwd), out, err, threads),
+            daemon=False,
+        )
+        process.start()
+        processes.append(process)
+    return ForkedLaunch(processes, scratch)
+
+
+def forked_ranks(
+    *args: str, timeout: float, **launch: Any
+) -> tuple[int, str, str, tuple[int, ...]]:
+    """Run ``python ENTRY ARGS`` as forked ranks (``start_forked_ranks``'s arguments) to
+    their end: ``ForkedLaunch.wait``'s result."""
+    return start_forked_ranks(*args, **launch).wait(timeout)
 
 
 def _read(path: str) -> str:

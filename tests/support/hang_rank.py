@@ -1,11 +1,11 @@
 """``python -m collage_train`` with rank 1 asleep inside one optimizer step.
 
-For the hang watchdog's test only (tests/test_watchdog.py): launched with
-``torchrun ... tests/support/hang_rank.py ARGS``, rank 1 sleeps for ten minutes at the start of
-step ``HANG_STEP + 1`` (in ``_sleep_inside_step``, the frame its stack dump must name),
-as a rank stuck on a file system or a device would; rank 0 waits for it in the step's
-collectives. A launch that finds ``hang-rank1-*.txt`` in ``hydra.run.dir`` already (the
-resumed run) does not sleep.
+For the hang watchdog's test only (tests/test_watchdog.py): run as each rank's entry
+(``cli_runner.run_ranks(..., entry="tests/support/hang_rank.py")``), rank 1 sleeps for
+ten minutes at the start of step ``HANG_STEP + 1`` (in ``_sleep_inside_step``, the frame
+its stack dump must name), as a rank stuck on a file system or a device would; rank 0
+waits for it in the step's collectives. A launch that finds ``hang-rank1-*.txt`` in
+``hydra.run.dir`` already (the resumed run) does not sleep.
 """
 
 from __future__ import annotations
