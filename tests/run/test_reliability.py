@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import REPO, run_cli, run_ranks, tiny_overrides
+from cli_runner import REPO, StartedRanks, run_cli, run_ranks, start_ranks, tiny_overrides
 from hydra import compose, initialize_config_dir
 
 from collage_train import checkpoint, cli, export, generate
@@ -258,24 +258,20 @@ def test_malicious_zero_checkpoint_is_refused_by_the_launched_ranks(
 # ------------------------------------------------------------- one writer per run
 
 
-def _start_run(corpus_dir: Path, cache_dir: Path, run_dir: Path) -> subprocess.Popen:
-    """A long real run in the background, once it holds its run directory's lock, then
-    stopped (SIGSTOP: it keeps the lock and leaves the cores to the test)."""
+def _start_run(corpus_dir: Path, cache_dir: Path, run_dir: Path) -> tuple[StartedRanks, int]:
+    """A long real run in the background (one forked process), once it holds its run
+    directory's lock, then stopped (SIGSTOP: it keeps the lock and leaves the cores to the
+    test). Returns the run and its pid."""
     args = [*tiny_overrides(corpus_dir, cache_dir, run_dir), "train.max_steps=100000"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "collage_train", *args],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},  # leave a core to the second launch
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    run = start_ranks(*args, ranks=1)
     record = run_dir / ".hydra" / "config.yaml"  # written once the run is accepted
     deadline = time.monotonic() + 120
-    while not record.is_file() and proc.poll() is None and time.monotonic() < deadline:
+    while not record.is_file() and not run.poll() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert record.is_file(), "the background run did not start"
-    proc.send_signal(signal.SIGSTOP)
-    return proc
+    (pid,) = run.pids
+    os.kill(pid, signal.SIGSTOP)
+    return run, pid
 
 
 def _lock_is_free(run_dir: Path) -> bool:
@@ -291,20 +287,20 @@ def _lock_is_free(run_dir: Path) -> bool:
 
 def test_second_launch_is_refused_and_kill_9_frees_the_lock(corpus_dir, cache_dir, tmp_path):
     run_dir = tmp_path / "run"
-    holder = _start_run(corpus_dir, cache_dir, run_dir)
+    holder, pid = _start_run(corpus_dir, cache_dir, run_dir)
     try:
         record = (run_dir / ".hydra" / "config.yaml").read_bytes()
-        assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == holder.pid
+        assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == pid
         assert not _lock_is_free(run_dir)
 
         second = run_cli(*tiny_overrides(corpus_dir, cache_dir, run_dir), "optim.lr=0.5")
         line = one_error_line(second.stderr)
         assert second.returncode != 0
-        assert f"pid {holder.pid} on host {socket.gethostname()}" in line
+        assert f"pid {pid} on host {socket.gethostname()}" in line
         assert (run_dir / ".hydra" / "config.yaml").read_bytes() == record
     finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait()
+        os.kill(pid, signal.SIGKILL)
+        assert holder.wait().returncode == 128 + signal.SIGKILL
     assert _lock_is_free(run_dir)  # the kernel released it with the process
 
 
