@@ -79,7 +79,7 @@ def test_every_plotted_metric_is_one_a_run_logs(make_cfg, tmp_path, monkeypatch)
 @pytest.mark.slow
 def test_saving_without_a_reachable_server_is_one_error_line(tmp_path):
     env = {**os.environ, "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "x" * 40,
-           "WANDB_HTTP_TIMEOUT": "5", "WANDB_DIR": str(tmp_path)}  # fmt: skip
+           "WANDB_HTTP_TIMEOUT": "1", "WANDB_DIR": str(tmp_path)}  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "collage_train.dashboard", "--entity", "me", "--project", "p"],
         capture_output=True, text=True, timeout=300, env=env,

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from cli_runner import run_cli, tiny_overrides
+from cli_runner import run_ranks, tiny_overrides
 from tiny_config import compose_tiny
 
 from collage_train import evaluate, export
@@ -180,15 +180,17 @@ def test_results_computed_afterwards_join_the_runs_wandb_run(
     corpus_dir, cache_dir, tmp_path, local_task, monkeypatch
 ):
     """A run logged to W&B (offline) and evaluated afterwards: the results go to the same
-    W&B run, appended, at the checkpoint's step and tokens. The real CLI: the evaluation
-    reads the run's settings from the .hydra/config.yaml Hydra's app writes."""
+    W&B run, appended, at the checkpoint's step and tokens. The real CLI (one forked
+    process): the evaluation reads the run's settings from the .hydra/config.yaml Hydra's
+    app writes."""
     monkeypatch.delenv("WANDB_DIR", raising=False)  # the run directory keeps the W&B files
     run_dir = tmp_path / "run"
-    done = run_cli(
+    done = run_ranks(
         *tiny_overrides(corpus_dir, cache_dir, run_dir),
         "train.max_steps=4",
         "train.export_hf=false",
         "logging.wandb.mode=offline",
+        ranks=1,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     run_id = (run_dir / "wandb_run_id").read_text().strip()

@@ -8,7 +8,7 @@ import json
 import math
 
 import pytest
-from cli_runner import run_cli, tiny_overrides
+from cli_runner import run_ranks, tiny_overrides
 from omegaconf import OmegaConf
 
 from collage_train import compare
@@ -18,7 +18,7 @@ from collage_train.sweep import FAILED_FILE, run_sweep_job
 
 @pytest.fixture(scope="module")
 def sweep(corpus_dir, cache_dir, tmp_path_factory):
-    """One four-job sweep that both tests read (one process start): micro-batch 4, then
+    """One four-job sweep that both tests read (one forked CLI process): micro-batch 4, then
     3, which does not divide the global batch of 8, each with precision mixed_fp32 and
     bf16 (jobs 0 and 1 run, 2 and 3 are refused). Returns the sweep directory and
     the CLI's result."""
@@ -27,9 +27,9 @@ def sweep(corpus_dir, cache_dir, tmp_path_factory):
     short = ["train.max_steps=4", "train.eval_every=4", "train.checkpoint_every=4"]
     overrides = [o for o in tiny if not o.startswith("hydra.run.dir=")] + short
     sweep = tmp_path / "sweep"
-    done = run_cli(
+    done = run_ranks(
         "-m", *overrides, "precision=mixed_fp32,bf16", "train.micro_batch_size=4,3",
-        f"hydra.sweep.dir={sweep}",
+        f"hydra.sweep.dir={sweep}", ranks=1,
     )  # fmt: skip
     return sweep, done
 
