@@ -16,13 +16,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
+from typing import TYPE_CHECKING
+
 import file_costs
 import pytest
 import suite_device
-from cli_runner import Result, run_cli, tiny_overrides
-from tiny_config import compose_tiny
 
 from collage_train.config import register_schemas
+
+if TYPE_CHECKING:
+    from cli_runner import Result
+
+# The fixtures import the helpers that import torch and the trainer: pytest-xdist's
+# controller process loads this file too, and the workers start after it.
 
 register_schemas()
 
@@ -151,6 +157,8 @@ def tiny(corpus_dir, cache_dir, tmp_path):
     """Runs the CLI on the tiny setup in ``tmp_path/run``; extra overrides win."""
     run_dir = tmp_path / "run"
 
+    from cli_runner import run_cli, tiny_overrides
+
     def _run(*extra: str, run_dir: Path = run_dir) -> Result:
         return run_cli(*tiny_overrides(corpus_dir, cache_dir, run_dir), *extra)
 
@@ -163,6 +171,7 @@ def in_process(corpus_dir, cache_dir, capsys):
     """The tiny setup run by ``cli.run`` in this process, as ``tiny`` runs it in a
     subprocess (the run directory is a keyword; extra overrides win), without the
     interpreter start and imports of ``python -m collage_train``."""
+    from cli_runner import Result, tiny_overrides
     from hydra import compose, initialize_config_dir
 
     from collage_train import cli
@@ -182,6 +191,7 @@ def in_process(corpus_dir, cache_dir, capsys):
 @pytest.fixture
 def make_cfg(corpus_dir, cache_dir):
     """Composes the real config for a tiny in-process run; extra overrides win."""
+    from tiny_config import compose_tiny
 
     def _make(*overrides):
         run_length = ["train.max_steps=4", "train.eval_every=2", "logging.log_every=1"]

@@ -21,9 +21,15 @@ Lives in its own uniquely named module (not ``conftest``), like ``tiny_config``.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where it is used: pytest's controller process loads this module with
+# conftest and needs no torch (about 1 s before the workers can start)
 
 VARIABLE = "COLLAGE_TEST_DEVICE"
 DEVICES = ("cpu", "cuda")
@@ -32,6 +38,8 @@ DEVICES = ("cpu", "cuda")
 def check_device_option(device: str) -> None:
     """``--device cuda`` where torch sees no GPU is a usage error (pytest: one line, exit
     status 4): nothing would test the GPU."""
+    import torch
+
     if device == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError(
             "--device cuda but torch sees no CUDA device; run on a GPU machine or without --device"
@@ -52,6 +60,8 @@ def on_cuda() -> bool:
 
 def torch_device() -> torch.device:
     """The suite's device as a ``torch.device`` (GPU 0 under cuda)."""
+    import torch
+
     return torch.device("cuda", 0) if on_cuda() else torch.device("cpu")
 
 
@@ -81,6 +91,8 @@ def skip_without_gpus(ranks: int) -> None:
     """Under cuda, skip the calling test unless there is one GPU for each of ``ranks``."""
     if not on_cuda():
         return
+    import torch
+
     count = torch.cuda.device_count()
     if count < ranks:
         pytest.skip(
