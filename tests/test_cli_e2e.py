@@ -3,14 +3,14 @@ about what a run writes, the real ``python -m collage_train`` (and ``collage_tra
 in a subprocess where a fresh interpreter or a signal to the process is the point."""
 
 import json
+import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from cli_runner import REPO, run_cli, tiny_overrides
+from cli_runner import run_cli, start_ranks, tiny_overrides
 from transformers import AutoModelForCausalLM
 
 from collage_train import generate
@@ -180,9 +180,9 @@ def test_stop_and_resume_is_bitwise_identical(
 
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(corpus_dir, cache_dir, tmp_path):
-    """SIGINT to the real CLI. SIGTERM, the same handler (run/stop_signal.py), ends a
-    launched run in tests/run/test_preemption.py; both signals' handling is unit-tested in
-    tests/run/test_stop_signal.py."""
+    """SIGINT to the real CLI (one forked process: cli_runner.start_ranks). SIGTERM, the
+    same handler (run/stop_signal.py), ends a launched run in tests/run/test_preemption.py;
+    both signals' handling is unit-tested in tests/run/test_stop_signal.py."""
     signum = signal.SIGINT
     run_dir = tmp_path / "run"
     args = [
@@ -191,22 +191,19 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(corpus_dir, cache_dir, tmp_
         "train.checkpoint_every=100000",
         "logging.log_every=1",
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "collage_train", *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    run = start_ranks(*args, ranks=1)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 240
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        time.sleep(0.2)
-    proc.send_signal(signum)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stderr
-    assert f"{signal.Signals(signum).name} received during step " in stdout
+    try:
+        deadline = time.time() + 240
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+            assert not run.poll() and time.time() < deadline, "the run ended or stalled"
+            time.sleep(0.2)
+        (pid,) = run.pids
+        os.kill(pid, signum)
+    finally:
+        done = run.wait(120)  # kills it past that
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{signal.Signals(signum).name} received during step " in done.stdout
     saved = sorted((run_dir / "checkpoints").glob("step-*"))
     assert len(saved) == 1 and int(saved[0].name.split("-")[1]) >= 3
 
