@@ -62,9 +62,12 @@ def llama(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def peak_bytes(device: torch.device, run: Callable[[], Any], held: list[torch.Tensor]) -> int:
-    """Peak bytes above ``held`` while ``run`` executes."""
-    gc.collect()
+    """Peak bytes above ``held`` while ``run`` executes. On a GPU the allocator's peak
+    above what is allocated now (collected first: garbage of earlier runs would count);
+    on a CPU the tensors ``run`` creates, tracked, so that nothing earlier counts and no
+    collection is needed (a full one takes a second in a process holding much)."""
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -175,7 +178,8 @@ def measure(args: argparse.Namespace, precision: str, device: torch.device) -> l
         )
         print(measured_table(rows[-1:]).splitlines()[-1], flush=True)
     variants.clear()
-    gc.collect()
+    if device.type == "cuda":
+        gc.collect()  # the models' memory back to the allocator before the next precision
     return rows
 
 
