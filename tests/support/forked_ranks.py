@@ -4,15 +4,16 @@ imported the trainer: torchrun's environment contract without its start-up cost.
 A launched rank spends most of a test's launch importing torch, transformers and
 DeepSpeed (about 4.5 s of a 9 s two-rank ZeRO run on 2 cores, plus 1.8 s for the
 launcher itself). Tests whose subject is what the ranks compute, save and load (ZeRO
-numerics, resume, EDQ, replicas) start their ranks here instead: each rank is forked
+numerics, resume, EDQ, replicas, a preemption's signal, a hung rank) start their ranks
+here instead, as do tests that need one CLI process (``ranks=1``): each rank is forked
 from a multiprocessing *forkserver* that imported the trainer once per test worker (with
 what a rank loads at its start: rank_preload.py), and runs ``python -m collage_train``
 as it would under ``torchrun --nproc_per_node N`` (the same ``RANK``/``LOCAL_RANK``/
 ``WORLD_SIZE``/``LOCAL_WORLD_SIZE``/``MASTER_*`` variables, its own working directory,
 OpenMP threads, exit status and output, atexit handlers run at exit). The forkserver
 itself never computes, so its children inherit no thread pools. Tests whose subject is
-the launcher (restarts, signal forwarding, the ``deepspeed`` command, run directories
-shared by launched ranks) keep the real one (cli_runner.run_torchrun / run_deepspeed).
+the launcher (restarts, signal forwarding, the ``deepspeed`` command) keep the real one
+(cli_runner.run_torchrun / start_torchrun / run_deepspeed).
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def start_forked_ranks(
 
 def forked_ranks(
     *args: str, timeout: float, **launch: Any
-) -> tuple[int, str, str, tuple[int, ...]]:
+) -> tuple[int, str, str, tuple[int, ...], tuple[int, ...]]:
     """Run ``python ENTRY ARGS`` as forked ranks (``start_forked_ranks``'s arguments) to
     their end: ``ForkedLaunch.wait``'s result."""
     return start_forked_ranks(*args, **launch).wait(timeout)
