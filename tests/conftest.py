@@ -56,6 +56,7 @@ def pytest_configure(config: pytest.Config) -> None:
     suite_device.check_device_option(device)
     os.environ[suite_device.VARIABLE] = device
     if config.getoption("--store-file-costs") and not hasattr(config, "workerinput"):
+        file_costs.refuse_part_of_a_file(config.option.markexpr, config.option.keyword, config.args)
         config.pluginmanager.register(file_costs.CostRecorder(), "file_costs")
     config.addinivalue_line(
         "markers",

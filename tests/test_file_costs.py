@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import file_costs
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,3 +63,11 @@ def test_the_record_names_test_files_of_this_checkout():
     assert recorded and all(cost >= 0 for cost in recorded.values())
     missing = [name for name in recorded if not (REPO / name).is_file()]
     assert not missing, f"renamed or removed: {missing}; make test ARGS=--store-file-costs"
+
+
+def test_a_run_of_part_of_a_file_is_not_recorded():
+    file_costs.refuse_part_of_a_file("", "", ["tests/optim", "tests/test_batch.py"])
+    for markexpr, keyword, args in [("not slow", "", []), ("", "zero", []),
+                                    ("", "", ["tests/test_batch.py::test_a"])]:  # fmt: skip
+        with pytest.raises(pytest.UsageError, match="records whole files"):
+            file_costs.refuse_part_of_a_file(markexpr, keyword, args)

@@ -55,6 +55,15 @@ def order_for_worker(config: pytest.Config, items: list[Any]) -> None:
         items[:] = costliest_first(items, load())
 
 
+def refuse_part_of_a_file(markexpr: str, keyword: str, args: list[str]) -> None:
+    """A run that leaves some of a file's tests out would record that file as cheaper
+    than it is: ``--store-file-costs`` takes no ``-m``, ``-k`` or test ids."""
+    if markexpr or keyword or any("::" in arg for arg in args):
+        raise pytest.UsageError(
+            "--store-file-costs records whole files: run it without -m, -k or test ids"
+        )
+
+
 class CostRecorder:
     """Sums each file's setup, call and teardown seconds over a run and writes them into
     ``record`` at its end (one decimal, sorted by file): the files this run ran replace
