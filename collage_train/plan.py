@@ -24,7 +24,7 @@ from collage_train.comm.settings import uses_replicas
 from collage_train.engine.deepspeed_config import GradientDtypes, gradient_dtypes
 from collage_train.errors import CollageError, ConfigError
 from collage_train.fit_check import chosen_stage, zero_overrides
-from collage_train.loss import resolve_chunk_tokens
+from collage_train.loss_settings import resolve_chunk_tokens
 from collage_train.memory_plan import (
     GIB,
     MemoryEstimate,

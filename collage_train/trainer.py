@@ -48,7 +48,8 @@ from collage_train.fit_check import (
 )
 from collage_train.generate import context_length, prompt_ids, sample_after_training
 from collage_train.guard import GuardSettings, StepGuard, Verdict
-from collage_train.loss import install_chunked_loss, resolve_chunk_tokens
+from collage_train.loss import install_chunked_loss
+from collage_train.loss_settings import resolve_chunk_tokens
 from collage_train.memory_plan import GIB, ModelShape, checkpoint_copy_bytes
 from collage_train.metrics import Sink, detect_peak_tflops, peak_memory, reset_peak_memory
 from collage_train.metrics.bits_per_byte import bits_per_byte, target_text_size

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from common import default_device, parser, publish, table
 
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm
-from collage_train.loss import chunked_cross_entropy, install_chunked_loss, resolve_chunk_tokens
+from collage_train.loss import chunked_cross_entropy, install_chunked_loss
+from collage_train.loss_settings import resolve_chunk_tokens
 from collage_train.metrics.live_memory import LiveTensorBytes
 from collage_train.models import build_model
 

@@ -34,7 +34,6 @@ from collage_train.loss import (
     add_low_precision_product,
     chunked_cross_entropy,
     install_chunked_loss,
-    resolve_chunk_tokens,
 )
 from collage_train.models import build_model
 
@@ -279,29 +278,6 @@ def test_install_refuses_a_head_it_cannot_compute():
     model.lm_head = torch.nn.Linear(32, VOCAB, bias=True)
     with pytest.raises(TypeError, match=r"bias-free nn\.Linear"):
         install_chunked_loss(model, CHUNK)
-
-
-def test_auto_sizes_blocks_from_the_vocabulary():
-    assert resolve_chunk_tokens("auto", vocab_size=128256, chunkable=True) == 512
-    assert resolve_chunk_tokens("auto", vocab_size=50257, chunkable=True) == 1280
-    assert resolve_chunk_tokens("auto", vocab_size=8192, chunkable=True) == 8192
-    assert resolve_chunk_tokens("auto", vocab_size=10**9, chunkable=True) == 64
-    assert resolve_chunk_tokens("auto", vocab_size=128256, chunkable=False) is None  # Scalify
-    assert resolve_chunk_tokens("off", vocab_size=128256, chunkable=True) is None
-    assert resolve_chunk_tokens("100", vocab_size=128256, chunkable=True) == 100
-    # on a CPU, blocks of at most 8 MiB of fp32 logits (the caches), at least 64 tokens
-    assert resolve_chunk_tokens("auto", vocab_size=8192, chunkable=True, cpu=True) == 256
-    assert resolve_chunk_tokens("auto", vocab_size=2048, chunkable=True, cpu=True) == 1024
-    assert resolve_chunk_tokens("auto", vocab_size=128256, chunkable=True, cpu=True) == 64
-    assert resolve_chunk_tokens("auto", vocab_size=8192, chunkable=False, cpu=True) is None
-    assert resolve_chunk_tokens("100", vocab_size=8192, chunkable=True, cpu=True) == 100
-
-
-@pytest.mark.parametrize("value", ["0", "-5", "abc", "1.5", "True"])
-def test_a_block_size_that_is_no_count_is_one_config_error(value):
-    with pytest.raises(ConfigError, match="auto, off or a positive number") as err:
-        resolve_chunk_tokens(value, vocab_size=512, chunkable=True)
-    assert "\n" not in str(err.value)
 
 
 @pytest.mark.slow

@@ -31,7 +31,7 @@ from collage_train.comm.settings import check_engine
 from collage_train.config_options import chosen_option, not_a_setting
 from collage_train.determinism import check_cublas_config
 from collage_train.errors import ConfigError
-from collage_train.loss import resolve_chunk_tokens
+from collage_train.loss_settings import resolve_chunk_tokens
 from collage_train.metrics.sinks import wandb_mode
 from collage_train.models import check_model_extra
 from collage_train.precision import get_strategy
