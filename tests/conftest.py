@@ -13,10 +13,9 @@ import os
 import sys
 import sysconfig
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
-
-from typing import TYPE_CHECKING
 
 import file_costs
 import pytest

@@ -195,20 +195,8 @@ def run_ranks(
     ``torchrun --nproc_per_node RANKS`` starts, seconds sooner, for the tests whose
     subject is what the ranks do rather than the launcher. Same environment, threads,
     port retry and /dev/shm check as ``run_torchrun``."""
-    from forked_ranks import forked_ranks
-
-    skip_without_gpus(ranks)
-    env = _launch_env(ranks)
     for _ in range(3):
-        port = _free_port()
-        try:
-            code, stdout, stderr, pids, codes = forked_ranks(
-                *args, env=env, ranks=ranks, port=port, threads=rank_threads(ranks),
-                entry=entry, cwd=cwd, timeout=timeout,
-            )  # fmt: skip
-        finally:
-            left = _remove_shm_buffers(port)
-        result = Result(code, stdout, stderr, left, pids, codes)
+        result = start_ranks(*args, ranks=ranks, entry=entry, cwd=cwd).wait(timeout)
         if "address already in use" not in result.stderr.lower():
             break
     return result
@@ -230,6 +218,8 @@ class StartedRanks:
         return not any(process.is_alive() for process in self.launch.processes)
 
     def wait(self, timeout: float = 900) -> Result:
+        """The launch's result once every rank ended (all killed past ``timeout``), its
+        DeepSpeed /dev/shm files removed and named."""
         try:
             code, stdout, stderr, pids, codes = self.launch.wait(timeout)
         finally:
@@ -237,7 +227,9 @@ class StartedRanks:
         return Result(code, stdout, stderr, left, pids, codes)
 
 
-def start_ranks(*args: str, ranks: int = 2, cwd: Path = REPO) -> StartedRanks:
+def start_ranks(
+    *args: str, ranks: int = 2, entry: str = "-m collage_train", cwd: Path = REPO
+) -> StartedRanks:
     """``run_ranks`` not waited for: for a test that signals the ranks while they run
     (a preemption's SIGTERM) rather than its launcher."""
     from forked_ranks import start_forked_ranks
@@ -246,7 +238,7 @@ def start_ranks(*args: str, ranks: int = 2, cwd: Path = REPO) -> StartedRanks:
     port = _free_port()
     launch = start_forked_ranks(
         *args, env=_launch_env(ranks), ranks=ranks, port=port, threads=rank_threads(ranks),
-        cwd=cwd,
+        entry=entry, cwd=cwd,
     )  # fmt: skip
     return StartedRanks(launch, port)
 

@@ -175,14 +175,6 @@ def start_forked_ranks(
     return ForkedLaunch(processes, scratch)
 
 
-def forked_ranks(
-    *args: str, timeout: float, **launch: Any
-) -> tuple[int, str, str, tuple[int, ...], tuple[int, ...]]:
-    """Run ``python ENTRY ARGS`` as forked ranks (``start_forked_ranks``'s arguments) to
-    their end: ``ForkedLaunch.wait``'s result."""
-    return start_forked_ranks(*args, **launch).wait(timeout)
-
-
 def _read(path: str) -> str:
     """A rank's output (empty if it died before opening it)."""
     try:
