@@ -161,10 +161,13 @@ class AdamW(TrackingOptimizer):
         """The AdamW step of ``_step_group`` one tensor and ``step_chunk_numel`` elements at
         a time, with moments stored in ``moment_dtype`` and computed in the target's dtype.
 
-        Elementwise the same operations in the same order as the ``_foreach`` path, so with
-        moments in the target's own dtype the two give the same bits (tested); the fp32
-        copies of the moments and the update exist for one chunk at a time. A step under a
-        ``step_mask`` runs here too: each chunk's new values are written where it holds.
+        The same ``torch._foreach_*`` kernels in the same order as the whole-list path, on
+        one-chunk lists: fused ops (lerp, addcmul, add with alpha, division by a scalar)
+        round alike only within one kernel family (on CUDA the plain and the foreach kernels
+        differ), so with moments in the target's own dtype the two paths give the same bits
+        on every device (tested). The fp32 copies of the moments and the update exist for
+        one chunk at a time. A step under a ``step_mask`` runs here too: each chunk's new
+        values are written where it holds.
         """
         beta1, beta2 = group["betas"]
         lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
@@ -178,15 +181,21 @@ class AdamW(TrackingOptimizer):
             flat_weight, flat_target = param.detach().view(-1), target.detach().view(-1)
             sums = self._edq_sums(param) if self.track_edq else None
             for start, stop in self._chunks(target.numel()):
-                g = grad[start:stop].to(target.dtype)
-                m = m_low[start:stop].to(target.dtype, copy=True).lerp_(g, 1.0 - beta1)
-                v = v_low[start:stop].to(target.dtype, copy=True).mul_(beta2)
-                v.addcmul_(g, g, value=1.0 - beta2)
-                commit_(m_low[start:stop], m, mask)
-                commit_(v_low[start:stop], v, mask)
-                update = m.div_(v.sqrt_().div_(sqrt_bias2).add_(eps)).mul_(step_size)
+                g = [grad[start:stop].to(target.dtype)]
+                m = [m_low[start:stop].to(target.dtype, copy=True)]
+                v = [v_low[start:stop].to(target.dtype, copy=True)]
+                torch._foreach_lerp_(m, g, 1.0 - beta1)
+                torch._foreach_mul_(v, beta2)
+                torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
+                commit_(m_low[start:stop], m[0], mask)
+                commit_(v_low[start:stop], v[0], mask)
+                denom = torch._foreach_sqrt(v)
+                torch._foreach_div_(denom, [sqrt_bias2])
+                torch._foreach_add_(denom, eps)
+                update = torch._foreach_div(m, denom)
+                torch._foreach_mul_(update, [step_size])
                 if weight_decay != 0.0:
-                    update.add_(flat_target[start:stop], alpha=-lr * weight_decay)
-                self._apply_chunk(flat_weight, flat_target, update, start, sums, mask)
+                    torch._foreach_add_(update, [flat_target[start:stop]], alpha=-lr * weight_decay)
+                self._apply_chunk(flat_weight, flat_target, update[0], start, sums, mask)
             if sums is not None:
                 self.last_edq[param] = sums.rows()
