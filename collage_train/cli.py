@@ -92,6 +92,7 @@ def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> di
     run_dir.mkdir(parents=True, exist_ok=True)
     # Imported here: ``--help``, ``--cfg job`` and a refused setting need no model code
     # (transformers' model stack takes seconds to import).
+    from collage_train.run import finish
     from collage_train.trainer import Trainer
 
     trainer = Trainer(cfg, run_dir)
@@ -120,9 +121,8 @@ def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> di
             ) + list(extra_sinks or [])
         try:
             return trainer.fit(sinks)
-        finally:
-            for sink in reversed(sinks):  # the console last: its sample ends the output
-                sink.close()
+        finally:  # the console last: its sample ends the output
+            finish.close_sinks(sinks, run_dir)
     finally:
         trainer.engine.close()
 

@@ -108,7 +108,8 @@ class ModelConfig:
     dropout: float = 0.0
     """Dropout probability (attention dropout only in Llama)."""
     vocab_size: int | None = None
-    """Embedding rows. null: the tokenizer's vocabulary size; set it to pad the embedding."""
+    """Embedding rows. null: the tokenizer's vocabulary size; set it to pad the embedding
+    (at least the tokenizer's size; padded ids are never generated)."""
     attn_implementation: Attention = Attention.sdpa
     """transformers' attention: sdpa (PyTorch scaled_dot_product_attention, flash on GPU),
     eager or flash_attention_2."""

@@ -6,7 +6,10 @@ training's tokenizer), so the numbers are the harness's by construction. Tasks c
 the harness's registry (the network or its cache) or from local task definitions in
 ``include_path`` (a YAML file per task, its data in local files: no network). Results
 are flattened to ``{"<task>/<metric>": value}`` (the harness's ``acc,none`` becomes
-``acc``; standard errors are left out).
+``acc``; standard errors are left out). A model whose embedding is padded past its
+tokenizer (``model.vocab_size``) scores loglikelihoods over all its rows, as training's
+loss does, and generates (``generate_until`` tasks) only ids the tokenizer can decode
+(``collage_train.decodable``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from collage_train.data.hf_files import save_tokenizer
 from collage_train.data.tokenizer import Tokenizer
+from collage_train.decodable import decodable_only
 from collage_train.errors import ConfigError
 
 
@@ -90,15 +94,12 @@ def evaluate_model(
     """Run ``tasks`` on ``model`` (on its own device, in eval mode, left as it was)."""
     manager = task_manager(tasks, include_path)  # first: one error line without the harness
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
 
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
-        lm = HFLM(
-            pretrained=model, tokenizer=hf_tokenizer, batch_size=batch_size, device=str(device)
-        )
+        lm = harness_model(model, hf_tokenizer, batch_size=batch_size, device=str(device))
         results = simple_evaluate(
             model=lm,
             tasks=list(tasks),
@@ -111,6 +112,25 @@ def evaluate_model(
     finally:
         model.train(was_training)
     return Downstream(flatten(results["results"]), results.get("samples", {}))
+
+
+def harness_model(
+    model: torch.nn.Module, hf_tokenizer: Any, *, batch_size: int, device: str
+) -> Any:
+    """The harness's ``HFLM`` over ``model``, whose generations never draw an id past
+    ``hf_tokenizer`` (the transformers tokenizer would drop such an id without a word)."""
+    from lm_eval.models.huggingface import HFLM
+
+    decodable = decodable_only(max(hf_tokenizer.get_vocab().values()) + 1)
+
+    class DecodableHFLM(HFLM):
+        def _model_generate(self, *args: Any, **generation_kwargs: Any) -> torch.Tensor:
+            generation_kwargs.setdefault("logits_processor", decodable)
+            return super()._model_generate(*args, **generation_kwargs)
+
+    return DecodableHFLM(
+        pretrained=model, tokenizer=hf_tokenizer, batch_size=batch_size, device=device
+    )
 
 
 _NOT_METRICS = ("alias", "sample_len", "sample_count")  # the harness's bookkeeping

@@ -39,11 +39,14 @@ if TYPE_CHECKING:
 
 def export_from_engine(engine: Engine, tokenizer: Any, target: Path) -> None:
     """Export a training run's model from its engine: under ZeRO-3 every rank takes part in
-    gathering the weights (``engine.full_weights``); rank 0 writes."""
-    with engine.full_weights() as model:
-        if engine.is_main:
-            export_model(model, tokenizer, target)
-    engine.barrier()
+    gathering the weights (``engine.full_weights``); rank 0 writes. Every rank meets the
+    others at the closing barrier, also when rank 0's writing fails (then raises there)."""
+    try:
+        with engine.full_weights() as model:
+            if engine.is_main:
+                export_model(model, tokenizer, target)
+    finally:
+        engine.barrier()
 
 
 def export_model(model: torch.nn.Module, tokenizer: Any, target: Path) -> None:

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm
 from collage_train.data import Tokenizer
+from collage_train.decodable import decodable_only
 from collage_train.errors import (
     BAD_INPUT,
     WEIGHT_LOAD_ERRORS,
@@ -67,6 +68,8 @@ def generate(
 ) -> str:
     """Continue ``prompt`` by up to ``max_new_tokens`` (fewer where the model's context
     ends; a prompt that fills it is a ``ConfigError``); temperature 0 decodes greedily.
+    Only ids the tokenizer can decode are drawn (``decodable``: a padded vocabulary's
+    extra rows never are).
 
     A bf16 model on a CPU whose bf16 GEMM is slow computes its products as fp32 GEMMs
     (``collage_train.cpu_bf16``, chosen as ``train.cpu_bf16_gemm=auto`` would).
@@ -94,6 +97,7 @@ def generate(
             pad_token_id=tokenizer.eot_id,
             eos_token_id=tokenizer.eot_id,
             synced_gpus=every_rank,
+            logits_processor=decodable_only(tokenizer.vocab_size),
             **(sampling if temperature > 0 else {"do_sample": False}),
         )
     return prompt + tokenizer.decode(output[0, len(ids) :].tolist())

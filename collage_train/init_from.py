@@ -110,6 +110,12 @@ def pretrained_config(cfg: Any, *, vocab_size: int, seq_len: int) -> PretrainedC
     return config
 
 
+def embedding_rows(init_from: str) -> int:
+    """The token embedding's rows of the model in ``init_from`` (its config's vocab_size)."""
+    path, _ = _directory(init_from)
+    return int(AutoConfig.from_pretrained(path, local_files_only=True).vocab_size)
+
+
 def _from_pretrained(path: str, **kwargs: Any) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` of a local directory, fp32, quietly (no
     progress bar, no load report: what matters is checked and refused in one line)."""

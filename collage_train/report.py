@@ -294,10 +294,13 @@ def run_summary(
     }
 
 
-def write_summary(run_dir: Path, summary: dict[str, Any], *, plots: bool) -> None:
-    """``summary.json``, atomically, and ``plots/`` from ``metrics.jsonl`` when asked."""
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """``summary.json``, atomically."""
     write_json_atomic(run_dir / "summary.json", summary)
-    if plots and (run_dir / "metrics.jsonl").is_file():
-        from collage_train.metrics.plots import load_run, write_report  # imports matplotlib
 
-        write_report([load_run(run_dir)], run_dir / "plots")
+
+def write_plots(run_dir: Path) -> None:
+    """``plots/`` (the run's own plots and ``summary.md``) from ``metrics.jsonl``."""
+    from collage_train.metrics.plots import load_run, write_report  # imports matplotlib
+
+    write_report([load_run(run_dir)], run_dir / "plots")

@@ -46,7 +46,7 @@ from collage_train.fit_check import (
     planned_setting,
     smallest_free_memory,
 )
-from collage_train.generate import context_length, prompt_ids, sample_after_training
+from collage_train.generate import context_length, prompt_ids
 from collage_train.guard import GuardSettings, StepGuard, Verdict
 from collage_train.loss import install_chunked_loss
 from collage_train.loss_settings import resolve_chunk_tokens
@@ -67,10 +67,9 @@ from collage_train.models import (
 from collage_train.optim import decay_param_groups, warmup_cosine_lr
 from collage_train.optim.collage.kernels import choose_kernel
 from collage_train.precision import strategy_for
-from collage_train.run import checkpointing, resume
+from collage_train.run import checkpointing, finish, resume
 from collage_train.run.checkpointing import CheckpointSaver
 from collage_train.run.stop_signal import StopAgreement, StopRequest, stop_group
-from collage_train.scalify.params import has_scaled_parameters
 
 
 class Trainer:
@@ -759,7 +758,9 @@ class Trainer:
                 "continue with train.resume=true"
             )
             return None
-        sample = self._export_and_sample()
+        # from here on nothing fails the finished run: a warning line instead (run.finish)
+        model, tokenizer = self.model, self.data.tokenizer
+        sample = finish.export_and_sample(self.engine, model, tokenizer, self.cfg, self.run_dir)
         steady = history[1:] or history  # the first step pays for warm-up
         wall_time = time.perf_counter() - wall_start
         summary = report.run_summary(
@@ -767,11 +768,8 @@ class Trainer:
         )
         if sample is not None:
             summary["sample"] = sample
-        if self.engine.is_main:
-            report.write_summary(self.run_dir, summary, plots=self.cfg.logging.plots)
-        for sink in sinks:
-            sink.summary(summary)
-        return summary
+        plots, main = self.cfg.logging.plots, self.engine.is_main
+        return finish.record_summary(summary, self.run_dir, sinks, plots=plots, main=main)
 
     # ------------------------------------------------------------- the guard
 
@@ -886,29 +884,3 @@ class Trainer:
                 f"{context - 1} after the document start (data.seq_len): shorten it, or set "
                 "logging.sample_tokens=0"
             )
-
-    def _export_and_sample(self) -> str | None:
-        """At the end of the run: export the model to ``hf/`` (``train.export_hf``), then
-        write the end-of-run sample (``logging.sample_tokens``) and return it on rank 0.
-        Rank 0 samples alone, or every rank the same tokens where each forward needs them
-        all (ZeRO-3). A Scalify model (scaled fp16 parameters, whose forward needs the
-        training step's scales) is sampled from its export: ``python -m
-        collage_train.generate RUN``."""
-        if self.cfg.train.export_hf:
-            self.export_hf(self.run_dir / "hf")
-        tokens = self.cfg.logging.sample_tokens
-        if not tokens or has_scaled_parameters(self.model):
-            return None
-        if not (self.engine.is_main or self.engine.forward_on_every_rank):
-            self.engine.barrier()
-            return None
-        sample = sample_after_training(
-            self.model,
-            self.data.tokenizer,
-            self.cfg.logging.sample_prompt,
-            max_new_tokens=tokens,
-            seed=self.cfg.train.seed,
-            every_rank=self.engine.forward_on_every_rank,
-        )
-        self.engine.barrier()
-        return sample if self.engine.is_main else None

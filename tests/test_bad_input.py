@@ -90,10 +90,12 @@ def test_empty_data_file(launch, tmp_path):
     assert_clean_error(launch(f"data.paths=[{empty}]"), "no text")
 
 
-def test_vocab_larger_than_model(launch):
-    assert_clean_error(
-        launch("model.vocab_size=100"), "tokenizer has 512 tokens", "model.vocab_size=100"
-    )
+def test_vocab_larger_than_model(launch, tmp_path):
+    """Refused at start-up: no tokenizer trained, no data prepared, no run directory."""
+    cache = tmp_path / "fresh-cache"
+    result = launch("model.vocab_size=100", f"data.cache_dir={cache}")
+    assert not cache.exists() and not launch.run_dir.exists()
+    assert_clean_error(result, "model.vocab_size=100", "the tokenizer's 512 ids")
 
 
 def test_global_batch_not_divisible(launch):

@@ -11,10 +11,11 @@ import time
 
 import pytest
 from cli_runner import run_ranks, tiny_overrides
-from tiny_config import compose_tiny
+from tiny_config import compose_tiny, favouring_padded_rows, train_tokenizer
 
 from collage_train import evaluate, export
 from collage_train.cli import train
+from collage_train.downstream import harness_model, transformers_tokenizer
 from collage_train.metrics.plots import load_run, summary_table
 
 # One worker of ``pytest -n`` (``--dist loadfile``) runs the module: the 4-step run and
@@ -208,3 +209,23 @@ def test_results_computed_afterwards_join_the_runs_wandb_run(
         time.sleep(0.1)
     assert b"downstream/tiny_code_mc/acc" in logged
     assert b"train/tokens" in logged and b"1024" in logged  # step 4 x 8 sequences x 32
+
+
+def test_a_padded_vocabulary_scores_and_generates_only_decodable_ids(corpus_dir, tmp_path):
+    """A model whose padded rows (model.vocab_size past the tokenizer) would win every draw:
+    the harness's loglikelihoods cover all rows, as training's loss does (finite), and its
+    generations (generate_until tasks) draw only ids the tokenizer has."""
+    import torch
+    from lm_eval.api.instance import Instance
+
+    tokenizer = train_tokenizer(corpus_dir, tmp_path / "tokenizer.model")
+    model = favouring_padded_rows("gpt", tokenizer, rows=tokenizer.vocab_size + 64)
+    lm = harness_model(model, transformers_tokenizer(tokenizer), batch_size=1, device="cpu")
+    request = Instance("loglikelihood", doc={}, arguments=("def f(x):", " return x"), idx=0)
+    [(loglikelihood, _)] = lm.loglikelihood([request])
+    assert torch.isfinite(torch.tensor(loglikelihood)) and loglikelihood < 0
+    context = torch.tensor([[tokenizer.eot_id, *tokenizer.encode("def f(x):")]])
+    for sampling in ({"do_sample": False}, {"do_sample": True, "temperature": 0.8}):
+        out = lm._model_generate(context, context.shape[1] + 8, ["\n\n"], **sampling)
+        drawn = out[0, context.shape[1] :]
+        assert len(drawn) > 0 and int(drawn.max()) < tokenizer.vocab_size, drawn

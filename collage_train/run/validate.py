@@ -9,7 +9,8 @@ engine or with comm settings out of range, values of the right type that cannot 
 size that is neither ``auto``, ``off`` nor a count, or a count for Scalify, a
 non-deterministic CUBLAS_WORKSPACE_CONFIG under ``train.deterministic``), ``model.extra``
 keys that the transformers config does not know or that the model builder already sets,
-and W&B ``online`` without credentials (which would otherwise hang in ``wandb.init``).
+an embedding with fewer rows than the tokenizer has ids (``run.vocabulary``), and W&B
+``online`` without credentials (which would otherwise hang in ``wandb.init``).
 ``validate`` runs once per launch, in the Hydra callback that also locks the run
 directory (``collage_train/run/directory.py``), so a refused run has prepared no data and
 touched no run directory.
@@ -35,6 +36,7 @@ from collage_train.loss_settings import resolve_chunk_tokens
 from collage_train.metrics.sinks import wandb_mode
 from collage_train.models import check_model_extra
 from collage_train.precision import get_strategy
+from collage_train.run.vocabulary import check_vocabulary
 
 
 def validate(cfg: DictConfig) -> None:
@@ -51,6 +53,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.metrics.edq_every is not None and cfg.metrics.edq_every < 0:
         raise ConfigError(f"metrics.edq_every must be 0 (off) or more, got {cfg.metrics.edq_every}")
     check_model_extra(cfg.model)
+    check_vocabulary(cfg)
     check_zero_stage(cfg)
     check_engine(cfg.comm, str(cfg.distributed.name))  # and again where the engine is built
     check_wandb(cfg.logging.wandb)

@@ -16,6 +16,8 @@ from omegaconf import DictConfig
 from suite_device import device_overrides
 
 from collage_train.cli import config_dir
+from collage_train.data import Tokenizer
+from collage_train.data.tokenizer import TokenizerSettings, train_model, training_sentences
 from collage_train.models import build_model
 
 
@@ -98,3 +100,28 @@ def compose_cfg(*overrides: str) -> DictConfig:
     """The default configuration with ``overrides``, composed in-process."""
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
+
+
+def train_tokenizer(corpus: Path, target: Path, vocab_size: int = 512) -> Tokenizer:
+    """A SentencePiece tokenizer of ``vocab_size`` pieces trained on the first 100000
+    characters of ``corpus`` (a fraction of a second), written to ``target``."""
+    documents = (path.read_text() for path in sorted(corpus.glob("*.txt")))
+    settings = TokenizerSettings(vocab_size, 100_000)
+    target.write_bytes(train_model(training_sentences(documents, 100_000), settings))
+    return Tokenizer.load(target)
+
+
+def favouring_padded_rows(family: str, tokenizer: Tokenizer, rows: int) -> torch.nn.Module:
+    """A 2-layer ``family`` model of ``rows`` embedding rows whose padded rows (ids from
+    the tokenizer's size on) score 30 above any other id: every draw picks one unless
+    they are masked."""
+    cfg = SimpleNamespace(
+        family=family, name="t", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+        ffn_hidden_size=None, init_std=0.02, dropout=0.0, vocab_size=rows,
+        attn_implementation="eager", extra={},
+    )  # fmt: skip
+    model = build_model(cfg, vocab_size=tokenizer.vocab_size, seq_len=32, eot_id=2, seed=0)
+    favour = torch.zeros(rows)
+    favour[tokenizer.vocab_size :] = 30.0
+    model.get_output_embeddings().register_forward_hook(lambda _m, _i, out: out + favour)
+    return model.eval()
