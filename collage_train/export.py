@@ -30,6 +30,7 @@ from collage_train.checkpoint.full_state import layout_of
 from collage_train.data import Tokenizer
 from collage_train.data.hf_files import save_tokenizer
 from collage_train.errors import BAD_INPUT, WEIGHT_LOAD_ERRORS, CollageError, first_line
+from collage_train.model_cast import cast_model
 from collage_train.precision import get_strategy
 from collage_train.scalify.params import has_scaled_parameters, unscale_weights
 
@@ -102,7 +103,7 @@ def load_checkpoint_model(path: Path) -> tuple[PreTrainedModel, Tokenizer]:
     fields = json.loads((path / "model_config.json").read_text())
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     weights = checkpoint_weights(path)
-    model = AutoModelForCausalLM.from_config(config).to(next(iter(weights.values())).dtype)
+    model = cast_model(AutoModelForCausalLM.from_config(config), next(iter(weights.values())).dtype)
     model.load_state_dict(weights)
     return model, Tokenizer.load(path / "tokenizer.model")
 

@@ -34,6 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
 from collage_train.errors import WEIGHT_LOAD_ERRORS, ConfigError, first_line
+from collage_train.model_cast import cast_model
 
 # transformers' model_type -> our family
 SUPPORTED = {"gpt2": "gpt", "opt": "opt", "llama": "llama"}
@@ -159,7 +160,7 @@ def load_pretrained(cfg: Any, *, vocab_size: int, seq_len: int) -> torch.nn.Modu
             "config.json"
         )
     model.config.use_cache = False
-    return model.float()
+    return cast_model(model, torch.float32)
 
 
 def data_config(data_cfg: DictConfig, init_from: str | None) -> DictConfig:

@@ -3,7 +3,9 @@
 A model is built on the meta device (no memory) and materialised in units: each
 transformer block (an element of a ``ModuleList``) with everything in it, and each other
 module's own parameters and buffers (embeddings, final norm, output layer, rotary
-tables). A unit is drawn in fp32 on the host, cast to the storage dtype, moved to the
+tables). A unit is drawn in fp32 on the host, cast to the storage dtype (but for the
+tables the model class computes, its non-persistent buffers such as Llama's rotary
+frequencies, which stay in fp32 as transformers keeps them: ``model_cast``), moved to the
 run's device and handed to ``place`` (``Engine.place_parameters``: DeepSpeed ZeRO-3
 keeps only this rank's partition of it) before the next unit is drawn. So at no moment
 does a process hold the model in fp32, or, under ZeRO-3, the whole model at all: the
@@ -33,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import initialization as hf_init
+
+from collage_train.model_cast import is_computed
 
 # Set on a parameter or buffer once it holds its final value (also transformers' own flag:
 # its init functions leave such tensors alone, so a later unit cannot redraw a tied weight).
@@ -117,9 +121,10 @@ def _materialise_own_tensors(module: torch.nn.Module) -> None:
 def _finish(
     module: torch.nn.Module, dtype: torch.dtype, device: torch.device
 ) -> list[torch.nn.Parameter]:
-    """Cast ``module``'s own floating tensors to ``dtype`` on ``device`` (as ``Module.to``
-    does) and mark them final; returns the parameters finished here (not those finished
-    by an earlier unit that shares them)."""
+    """Cast ``module``'s own floating parameters and persistent buffers to ``dtype`` on
+    ``device`` (non-persistent buffers keep their dtype: ``model_cast.cast_model``'s rule)
+    and mark them final; returns the parameters finished here (not those finished by an
+    earlier unit that shares them)."""
     finished = []
     for param in module.parameters(recurse=False):
         if not getattr(param, _DONE, False):
@@ -129,7 +134,8 @@ def _finish(
             finished.append(param)
     for key, buffer in module._buffers.items():
         if buffer is not None and not getattr(buffer, _DONE, False):
-            target = dtype if buffer.is_floating_point() else buffer.dtype
+            cast = buffer.is_floating_point() and not is_computed(module, key)
+            target = dtype if cast else buffer.dtype
             module._buffers[key] = buffer.to(device=device, dtype=target)
             setattr(module._buffers[key], _DONE, True)
     return finished

@@ -56,6 +56,7 @@ from collage_train.metrics.bits_per_byte import bits_per_byte, target_text_size
 from collage_train.metrics.edq import FIELDS as EDQ_FIELDS
 from collage_train.metrics.edq import layer_groups
 from collage_train.metrics.step_window import settle
+from collage_train.model_cast import cast_model
 from collage_train.model_init import largest_unit_numel, materialise
 from collage_train.models import (
     build_meta_model,
@@ -279,7 +280,7 @@ class Trainer:
             )
         if cfg.model.init_from:
             model = build_model(cfg.model, **shape, seed=cfg.train.seed)
-            model = model.to(device=device, dtype=self.strategy.param_dtype)
+            model = cast_model(model, self.strategy.param_dtype, device)
         else:
             model = materialise(
                 meta,

@@ -43,6 +43,7 @@ def build(
     """``model_name`` with ``precision`` under ZeRO stage ``stage`` on this rank."""
     from collage_train.compose import compose_job
     from collage_train.engine import build_engine
+    from collage_train.model_cast import cast_model
     from collage_train.models import build_model, count_parameters
     from collage_train.optim import decay_param_groups
     from collage_train.precision import get_strategy
@@ -54,7 +55,7 @@ def build(
     strategy = get_strategy(precision)
     engine = build_engine(cfg.distributed, device=device)
     model = build_model(cfg.model, vocab_size=vocab, seq_len=seq_len, eot_id=2, seed=0)
-    model = model.to(device=engine.device, dtype=strategy.param_dtype)
+    model = cast_model(model, strategy.param_dtype, engine.device)
     model = strategy.prepare_model(model)  # e.g. Scalify's module swap
     optimizer = strategy.build_optimizer(decay_param_groups(model, 0.1), cfg.optim)
     forward = engine.prepare(

@@ -116,6 +116,34 @@ def test_every_strategy_starts_from_the_exported_weights(exported, make_cfg_modu
                 assert state["dtheta"].abs().max() < 1e-2  # one step's worth, not the low bits
 
 
+def test_the_run_starts_from_the_model_transformers_loads(exported, make_cfg_module, tmp_path):
+    """Started from a Llama directory in bf16, the run's model is the one
+    ``from_pretrained(dir, dtype=bf16)`` gives: the same buffers (the rotary frequencies in
+    fp32, as transformers computes them, not rounded to bf16) and the same logits, bit for
+    bit."""
+    directory, _ = exported
+    cfg = make_cfg_module(*ONE_BATCH, "precision=collage_plus", f"model.init_from={directory}")
+    model = Trainer(cfg, tmp_path / "run").model
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+    ours, theirs = dict(model.named_buffers()), dict(reference.named_buffers())
+    assert (
+        sorted(ours)
+        == sorted(theirs)
+        == [
+            "model.rotary_emb.inv_freq",
+            "model.rotary_emb.original_inv_freq",
+        ]
+    )
+    for name, expected in theirs.items():
+        assert ours[name].dtype == expected.dtype == torch.float32, name
+        assert torch.equal(ours[name].cpu(), expected), name
+    ids = torch.arange(32).reshape(1, 32) % 512
+    with torch.no_grad():
+        expected_logits = reference(input_ids=ids).logits
+        got = model(input_ids=ids.to(next(model.parameters()).device)).logits.cpu()
+    assert torch.equal(got, expected_logits)
+
+
 @pytest.mark.slow
 def test_a_local_gpt2_directory_needs_a_tokenizer(exported, make_cfg_module, tmp_path, capsys):
     """save_pretrained of a random GPT-2 (no tokenizer): refused without data.tokenizer,

@@ -17,6 +17,16 @@ from collage_train.trainer import Trainer
 FAMILIES = [("gpt", {}), ("opt", {}), ("llama", {}), ("llama", {"tie_embeddings": True})]
 
 
+def assert_same_buffers(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """Every buffer, persistent or not (Llama's rotary frequencies are neither in a state
+    dict nor stored): the same names, dtypes and values."""
+    ours, theirs = dict(model.named_buffers()), dict(reference.named_buffers())
+    assert list(ours) == list(theirs)
+    for name, expected in theirs.items():
+        assert ours[name].dtype == expected.dtype, (name, ours[name].dtype, expected.dtype)
+        assert torch.equal(ours[name].cpu(), expected.cpu()), name
+
+
 def model_cfg(family: str, **extra: object) -> SimpleNamespace:
     fields = dict(
         family=family, name="t", hidden_size=64, num_layers=3, num_heads=4,
@@ -56,8 +66,9 @@ def test_weights_follow_the_model_classs_own_init_rules(family, extra):
             assert got.std() / expected.std() == pytest.approx(1.0, abs=tolerance), name
             assert got.mean().abs() < 3 * expected.std() / expected.numel() ** 0.5 + 1e-4, name
             scaled += bool(expected.std() < 0.015)
-        else:  # constants (norms, biases) and rotary tables: exactly
+        else:  # constants (norms, biases): exactly
             assert torch.equal(got, expected), name
+    assert_same_buffers(model, reference)  # the rotary tables (in no state dict): exactly
     if family == "gpt":
         assert scaled == 2 * 3  # attn.c_proj and mlp.c_proj in each of the 3 blocks
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
@@ -70,7 +81,9 @@ def test_weights_follow_the_model_classs_own_init_rules(family, extra):
 def test_a_unit_at_a_time_in_the_storage_dtype(family, extra, device):
     """Each unit reaches ``place`` already in the storage dtype while every later unit is
     still on the meta device, so no fp32 copy of the model ever exists; the values are
-    the fp32 draw rounded once, and every parameter is placed exactly once."""
+    the fp32 draw rounded once, and every parameter is placed exactly once. The tables the
+    model class computes (Llama's rotary frequencies) stay the fp32 ones, as transformers
+    keeps them in a model it loads in bf16."""
     reference = materialise(meta_model(family, **extra), seed=7, dtype=torch.float32, device=device)
     model = meta_model(family, **extra)
     planned = units(model)
@@ -88,6 +101,7 @@ def test_a_unit_at_a_time_in_the_storage_dtype(family, extra, device):
     expected = reference.state_dict()
     for name, value in model.state_dict().items():
         assert torch.equal(value, expected[name].to(torch.bfloat16)), name
+    assert_same_buffers(model, reference)
     assert largest_unit_numel(meta_model(family, **extra)) == max(
         sum(p.numel() for p in unit.parameters()) for unit in planned
     )

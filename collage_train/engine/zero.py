@@ -47,6 +47,7 @@ from collage_train.engine.zero_memory import ZeroStateBytes, zero_state_bytes
 from collage_train.errors import CheckpointError, ConfigError
 from collage_train.metrics.edq import layer_group_of
 from collage_train.metrics.memory import storage_bytes
+from collage_train.model_cast import keep_computed_buffers
 from collage_train.optim.base import FlatPieces, PieceTotals
 from collage_train.precision.base import PrecisionStrategy
 
@@ -288,9 +289,10 @@ class ZeroEngine:
         )
         self.deepspeed_config = config
         self.gradient_dtypes = gradient_dtypes(self.dist_cfg, strategy, self.stage)
-        self.ds, _, _, _ = self.deepspeed.initialize(
-            model=model, optimizer=optimizer, config=config, dist_init_required=False
-        )
+        with keep_computed_buffers(model):  # before DeepSpeed#8066 it rounds every buffer
+            self.ds, _, _, _ = self.deepspeed.initialize(
+                model=model, optimizer=optimizer, config=config, dist_init_required=False
+            )
         if compile_backend is not None:
             # DeepSpeed's route: compile the module it wraps once its hooks are in place
             # (ZeRO-3 gathers and releases parameters in them), in place like model.compile;
