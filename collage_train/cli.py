@@ -55,7 +55,7 @@ def build_sinks(
     # run never checkpointed must not append to that run's records.
     sinks.append(JsonlSink(run_dir / "metrics.jsonl", resume_step=start_step))
     if wandb_mode(cfg.wandb) != "disabled":
-        sinks.append(WandbSink(cfg.wandb, run_dir, config, resume=resume, start_step=start_step))
+        sinks.append(WandbSink(cfg.wandb, run_dir, config, resume=resume))
     return sinks
 
 

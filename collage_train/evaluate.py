@@ -66,7 +66,7 @@ def log_to_wandb(run_dir: Path, entry: dict[str, Any]) -> str | None:
         if wandb_mode(cfg.logging.wandb) == "disabled":
             return None
         config = OmegaConf.to_container(cfg, resolve=True)
-        sink = WandbSink(cfg.logging.wandb, run_dir, config, resume=False, append=True)
+        sink = WandbSink(cfg.logging.wandb, run_dir, config, resume=True)
     except ConfigError as err:
         return first_line(err)
     tokens = entry["step"] * cfg.train.global_batch_size * cfg.data.seq_len

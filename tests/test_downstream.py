@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
 
 import pytest
+import wandb_file
 from cli_runner import run_ranks, tiny_overrides
 from tiny_config import compose_tiny, favouring_padded_rows, train_tokenizer
 
@@ -181,9 +181,9 @@ def test_results_computed_afterwards_join_the_runs_wandb_run(
     corpus_dir, cache_dir, tmp_path, local_task, monkeypatch
 ):
     """A run logged to W&B (offline) and evaluated afterwards: the results go to the same
-    W&B run, appended, at the checkpoint's step and tokens. The real CLI (one forked
-    process): the evaluation reads the run's settings from the .hydra/config.yaml Hydra's
-    app writes."""
+    W&B run, appended, at the checkpoint's step and tokens, above its last W&B step. The
+    real CLI (one forked process): the evaluation reads the run's settings from the
+    .hydra/config.yaml Hydra's app writes."""
     monkeypatch.delenv("WANDB_DIR", raising=False)  # the run directory keeps the W&B files
     run_dir = tmp_path / "run"
     done = run_ranks(
@@ -199,16 +199,13 @@ def test_results_computed_afterwards_join_the_runs_wandb_run(
         [str(run_dir), "--tasks", "tiny_code_mc", "--include-path", str(local_task)]
     )
     assert status == 0
-    runs = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
-    assert len(runs) == 2  # the training run, and the evaluation appended to it
-    logged = b""
-    for _ in range(50):  # wandb-core may still be flushing the run file after finish()
-        logged = b"".join(file.read_bytes() for file in runs[1].glob("*.wandb"))
-        if b"downstream/tiny_code_mc/acc" in logged:
-            break
-        time.sleep(0.1)
-    assert b"downstream/tiny_code_mc/acc" in logged
-    assert b"train/tokens" in logged and b"1024" in logged  # step 4 x 8 sequences x 32
+    trained, appended = wandb_file.run_files(run_dir / "wandb", run_id)  # the same W&B run
+    (row,) = wandb_file.history(appended)
+    assert row["step"] == 4 and row["train/tokens"] == 1024  # step 4 x 8 sequences x 32
+    assert "downstream/tiny_code_mc/acc" in row
+    # on W&B's next step: offline, W&B would start the second process at step 0, below the
+    # run's rows, where a synced history would not keep it
+    assert row["_step"] == 1 + max(r["_step"] for r in wandb_file.history(trained))
 
 
 def test_a_padded_vocabulary_scores_and_generates_only_decodable_ids(corpus_dir, tmp_path):

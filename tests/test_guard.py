@@ -13,15 +13,17 @@ import statistics
 
 import pytest
 import torch
+import wandb_file
 from cli_runner import REPO, run_ranks, tiny_overrides
 from fault_batch import inject
 from launched_runs import assert_same_checkpoint_tensors
+from omegaconf import OmegaConf
 from zero_rank import one_zero_rank
 
 from collage_train import checkpoint
 from collage_train.errors import ConfigError, TrainingDiverged
 from collage_train.guard import REASONS, GuardSettings, StepGuard, describe_skip
-from collage_train.metrics import RecordingSink
+from collage_train.metrics import RecordingSink, WandbSink
 from collage_train.run.validate import validate
 from collage_train.trainer import Trainer
 
@@ -259,6 +261,45 @@ def test_steps_skipped_in_a_row_roll_back_and_the_run_continues_past_them(
 
 
 @pytest.mark.slow
+def test_held_skipped_and_rolled_back_steps_all_reach_wandb(
+    make_cfg, tmp_path, patched_trainer, monkeypatch
+):
+    """Verdicts on the device (logging every 2 steps): step 5's NaN holds step 6 back,
+    taken again; steps 10 and 11 are refused in a row, and the run rolls back to its
+    checkpoint of step 8 and trains 9-11 again on later batches. Every record the run
+    gives its sinks reaches its W&B run (offline, read back from the run file) at its
+    training step, those below an earlier one (the rollback's, step 10 again) included."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    faulty = patched_trainer()
+    inject(faulty, "nan", "5,10,11")
+    cfg = make_cfg(
+        *GUARDED,
+        "train.max_steps=14",
+        "precision=collage_plus",
+        "train.eval_every=14",
+        "logging.log_every=2",
+        "train.checkpoint_every=4",
+        "train.guard.max_consecutive_skips=2",
+        "logging.wandb.mode=offline",
+    )
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    recorded = RecordingSink()
+    streamed = WandbSink(cfg.logging.wandb, run_dir, OmegaConf.to_container(cfg), resume=False)
+    guarded = faulty(cfg, run_dir)
+    try:
+        summary = guarded.fit([recorded, streamed])
+    finally:
+        streamed.close()
+    assert guarded.verdicts_on_device
+    assert summary["rollbacks"] == [{"from_step": 11, "to_step": 8, "skipped": [10, 11]}]
+    assert [r["step"] for r in recorded.records if "skip_reason" in r] == [5, 10, 11]
+    assert [r["step"] for r in recorded.records if "loss" in r] == [2, 4, 6, 8, 10, 10, 12, 14]
+    (run_file,) = wandb_file.run_files(run_dir / "wandb", streamed.run.id)
+    wandb_file.assert_holds(wandb_file.history(run_file), recorded.records)
+
+
+@pytest.mark.slow
 def test_a_persistent_fault_rolls_back_then_stops_with_one_error_line(
     in_process, tmp_path, patched_trainer, monkeypatch
 ):
@@ -385,7 +426,10 @@ def test_a_replica_skips_its_own_bad_steps_and_both_roll_back_together(
     """DiLoCo replicas judge their steps alone: replica 1's NaNs at steps 3 and 4 are
     skipped there only; at the logged step 4 both replicas agree to roll back to the
     checkpoint of step 2 (two skips in a row on one of them), take every outer step
-    together, and end finite; rank 0's records count replica 1's skips."""
+    together, and end finite; rank 0's records count replica 1's skips, and reach its W&B
+    run (offline) whole, the rollback's included."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_DIR", raising=False)  # the run directory keeps the W&B files
     monkeypatch.setenv("FAULT_KIND", "nan")
     monkeypatch.setenv("FAULT_STEPS", "3,4")
     monkeypatch.setenv("FAULT_RANK", "1")
@@ -401,6 +445,8 @@ def test_a_replica_skips_its_own_bad_steps_and_both_roll_back_together(
         "train.keep_checkpoints=5",
         "train.guard.min_history=2",
         "train.guard.max_consecutive_skips=2",
+        "logging.wandb.mode=offline",
+        "logging.log_every=1",
         entry=f"{REPO}/tests/support/fault_batch.py",
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -410,11 +456,15 @@ def test_a_replica_skips_its_own_bad_steps_and_both_roll_back_together(
     assert "skipped steps of another replica in a row" in done.stdout
     assert math.isfinite(summary["final_val_loss"])
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    # logged steps 2, then (the window of steps 3-4 rolled back, not logged) 4 and 6
+    # logged steps 1-3, then (step 4 found replica 1's second skip in a row) the rollback
+    # to step 2 and steps 3-6 again: W&B must keep the records below step 3
     assert [(r["step"], r["skipped_steps"]) for r in records if "loss" in r] == [
-        (2, 0), (4, 2), (6, 2)
+        (1, 0), (2, 0), (3, 1), (3, 2), (4, 2), (5, 2), (6, 2)
     ]  # fmt: skip
     assert [r["step"] for r in records if "rollback_from_step" in r] == [2]
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    (run_file,) = wandb_file.run_files(run_dir / "wandb", run_id)
+    wandb_file.assert_holds(wandb_file.history(run_file), records)
 
 
 @pytest.mark.parametrize(

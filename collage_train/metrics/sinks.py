@@ -24,6 +24,7 @@ from rich.progress import (
 from rich.table import Table
 
 from collage_train.errors import ConfigError, first_line
+from collage_train.metrics.wandb_steps import WandbSteps
 
 
 class Sink(Protocol):
@@ -255,25 +256,15 @@ class WandbSink:
     """Streams records to Weights & Biases (online, or offline for a later ``wandb sync``).
 
     Only the fields the config sets are passed to ``wandb.init``, so the environment
-    (WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY, WANDB_DIR) applies to the others. Records
-    are logged at W&B step = training step. The W&B run id is kept in the run directory;
-    a resumed run continues that W&B run rewound to the step it resumes from
-    (``resume_from``), so that no step appears twice, as in metrics.jsonl. ``append``
-    continues it where it ended instead, for results computed afterwards (``python -m
-    collage_train.evaluate``): records then carry their training step as the ``step``
-    every metric is plotted against, while W&B's own step counts on.
+    (WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY, WANDB_DIR) applies to the others. Every
+    record carries its training step as ``step``, the x-axis of every metric; W&B's own
+    step follows it but never goes back (``WandbSteps``), so that a rollback's record and
+    the steps trained again after it are kept. The W&B run id is kept in the run
+    directory: with ``resume`` the run's W&B run continues (a resumed training, or results
+    computed afterwards by ``python -m collage_train.evaluate``).
     """
 
-    def __init__(
-        self,
-        cfg: Any,
-        run_dir: Path,
-        config: dict[str, Any],
-        resume: bool,
-        start_step: int = 0,
-        *,
-        append: bool = False,
-    ) -> None:
+    def __init__(self, cfg: Any, run_dir: Path, config: dict[str, Any], resume: bool) -> None:
         mode = wandb_mode(cfg)
         try:
             import wandb
@@ -289,8 +280,7 @@ class WandbSink:
             # process exits; offline process-wide settings keep it off the network.
             wandb.setup(settings=wandb.Settings(mode="offline"))
         id_file = run_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if (resume or append) and id_file.exists() else None
-        self.append = append
+        run_id = id_file.read_text().strip() if resume and id_file.exists() else None
         # Runs group by model and strategy by default: the runs of one strategy (seeds,
         # resumes) form one group and the strategies overlay as separate lines.
         precision = config.get("precision", {}).get("name", "run")
@@ -303,10 +293,8 @@ class WandbSink:
         # Passed explicitly rather than left to W&B: its process-wide settings read the
         # environment once, at the first wandb.setup(), and miss a later WANDB_DIR.
         chosen["dir"] = os.environ.get("WANDB_DIR") or str(run_dir)
-        if run_id and append:
+        if run_id:  # not W&B's rewind (resume_from): docs/wandb.md says why
             chosen["id"], chosen["resume"] = run_id, "allow"
-        elif run_id:
-            chosen["resume_from"] = f"{run_id}?_step={start_step}"
         try:
             self.run = wandb.init(
                 mode=mode,
@@ -324,6 +312,7 @@ class WandbSink:
             ) from None
         if self.run.id:
             id_file.write_text(self.run.id)
+        self.steps = WandbSteps(run_dir, continued=bool(run_id), first=self.run.starting_step)
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         self.run.define_metric("val/val_loss", step_metric="step", summary="min")
@@ -337,10 +326,7 @@ class WandbSink:
             if key != "step" and value is not None
         }
         grouped["step"] = record["step"]
-        if self.append:  # after the run: W&B's step is past it; "step" places the point
-            self.run.log(grouped)
-        else:
-            self.run.log(grouped, step=record["step"])
+        self.run.log(grouped, step=self.steps.place(record["step"]))
 
     def summary(self, summary: dict[str, Any]) -> None:
         self.run.summary.update(summary)
