@@ -13,6 +13,11 @@ trial; the other jobs run. A job that finishes returns its final validation loss
 sweepers' objective. When the sweep ends, ``SweepVerdict`` (an end-of-sweep Hydra
 callback, registered in ``configs/config.yaml``) names the failed jobs in one error line
 and exits non-zero. ``python -m collage_train.compare SWEEP_DIR`` compares the jobs.
+
+A stop signal (SIGTERM, SIGINT) ends the sweep after the current job's checkpoint
+(``collage_train.sweep_stop``); the same command with ``train.resume=true`` continues it:
+a job whose ``summary.json`` says it trained to ``train.max_steps`` is skipped, the others
+resume from their newest checkpoint or start.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from collage_train.engine.launch import launched_world_size
 from collage_train.errors import BAD_INPUT, CollageError, ConfigError
 
 FAILED_FILE = "failed.json"
+SUMMARY_FILE = "summary.json"  # written by a run that trained to its end (report.py)
 
 
 def run_sweep_job(
@@ -42,6 +48,12 @@ def run_sweep_job(
     from collage_train.run.directory import lock_run_dir
     from collage_train.run.validate import validate
 
+    if cfg.train.resume:
+        done = finished_summary(run_dir, cfg.train.max_steps)
+        if done is not None:
+            where = run_dir / SUMMARY_FILE
+            print(f"job {run_dir.name} finished already ({where}): skipped", flush=True)
+            return _final_loss(done)
     if cfg.logging.wandb.group is None:  # the jobs of one sweep: one W&B group
         with open_dict(cfg):
             cfg.logging.wandb.group = f"sweep-{run_dir.parent.name}"
@@ -67,8 +79,23 @@ def run_sweep_job(
         failed.write_text(json.dumps(record, indent=2) + "\n")
         return math.nan
     failed.unlink(missing_ok=True)  # a job run again in the same directory, now finished
+    return _final_loss(summary)
+
+
+def _final_loss(summary: dict[str, Any] | None) -> float:
     loss = (summary or {}).get("final_val_loss")
     return math.nan if loss is None else float(loss)
+
+
+def finished_summary(run_dir: Path, max_steps: int) -> dict[str, Any] | None:
+    """The summary of a job that trained to ``max_steps`` in ``run_dir`` (its
+    ``summary.json``, which a run writes only at its end), else None."""
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    steps = summary.get("steps") if isinstance(summary, dict) else None
+    return summary if isinstance(steps, int) and steps >= max_steps else None
 
 
 def failed_jobs(sweep_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
@@ -94,23 +121,30 @@ def _job_order(path: Path) -> tuple[int, str]:
     return (int(number), path.name) if number.isdigit() else (sys.maxsize, path.name)
 
 
+def report_failures(sweep_dir: Path) -> int:
+    """One error line naming the sweep's failed jobs; returns the exit status they call
+    for (0, and nothing printed, when none failed)."""
+    failed = failed_jobs(sweep_dir) if sweep_dir.is_dir() else []
+    if not failed:
+        return 0
+    total = len(job_dirs(sweep_dir))
+    named = "; ".join(
+        f"job {path.name} ({' '.join(record.get('overrides', [])) or 'no overrides'}): "
+        f"{record.get('error')}"
+        for path, record in failed
+    )
+    print(
+        f"error: {len(failed)} of {total} sweep jobs failed in {sweep_dir}: {named}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return max(record.get("exit_status", BAD_INPUT) for _, record in failed)
+
+
 class SweepVerdict(Callback):
     """At the end of a sweep: one error line naming the failed jobs, and a non-zero exit."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(str(config.hydra.sweep.dir))
-        failed = failed_jobs(sweep_dir) if sweep_dir.is_dir() else []
-        if not failed:
-            return
-        total = len(job_dirs(sweep_dir))
-        named = "; ".join(
-            f"job {path.name} ({' '.join(record.get('overrides', [])) or 'no overrides'}): "
-            f"{record.get('error')}"
-            for path, record in failed
-        )
-        print(
-            f"error: {len(failed)} of {total} sweep jobs failed in {sweep_dir}: {named}",
-            file=sys.stderr,
-            flush=True,
-        )
-        sys.exit(max(record.get("exit_status", BAD_INPUT) for _, record in failed))
+        status = report_failures(Path(str(config.hydra.sweep.dir)))
+        if status:
+            sys.exit(status)

@@ -87,3 +87,25 @@ def test_a_job_returns_its_final_validation_loss_for_optimising_sweepers(
     assert failed.is_file() == bool(outcome.exit_status)
     if outcome.exit_status:
         assert json.loads(failed.read_text())["error"] == outcome.error
+
+
+def test_a_resumed_sweep_skips_a_job_that_trained_to_its_end(make_cfg, tmp_path, capsys):
+    """A finished job is one whose summary.json says it trained to train.max_steps."""
+    run_dir = tmp_path / "sweep" / "0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_text(json.dumps({"steps": 4, "final_val_loss": 2.5}))
+    ran = []
+
+    def run_job(cfg, path):
+        ran.append(cfg.train.max_steps)
+        return Outcome(0, summary={"steps": cfg.train.max_steps, "final_val_loss": 2.0})
+
+    resume = "train.resume=true"
+    assert run_sweep_job(make_cfg(resume, "train.max_steps=4"), run_dir, run_job) == 2.5
+    skipped = f"job 0 finished already ({run_dir / 'summary.json'}): skipped"
+    assert skipped in capsys.readouterr().out
+    assert ran == []
+    # without train.resume, or with more steps to train, the job runs
+    assert run_sweep_job(make_cfg("train.max_steps=4"), run_dir, run_job) == 2.0
+    assert run_sweep_job(make_cfg(resume, "train.max_steps=8"), run_dir, run_job) == 2.0
+    assert ran == [4, 8]

@@ -42,15 +42,31 @@ class StopRequest:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
-        """Handle SIGTERM and SIGINT inside the context; restore the previous handlers."""
+        """Handle SIGTERM and SIGINT inside the context; restore the previous handlers.
+
+        Nested inside another request's context (a sweep's, ``collage_train.sweep_stop``),
+        it starts with the signal that one holds already and hands it the signal it
+        received: a signal lands in whichever request is installed, and both learn of it."""
         previous = {
             sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)
         }
+        outer = getattr(previous[signal.SIGTERM], "__self__", None)
+        outer = outer if isinstance(outer, StopRequest) else None
+        if outer is not None:
+            self._adopt(outer)
         try:
             yield self
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            if outer is not None:
+                outer._adopt(self)
+
+    def _adopt(self, other: StopRequest) -> None:
+        """Take ``other``'s signal if this request has none yet."""
+        if self.signal_name is None and other.signal_name is not None:
+            self.signal_name = other.signal_name
+            self.received_at, self.received_wall = other.received_at, other.received_wall
 
 
 def stop_group() -> dist.ProcessGroup | None:

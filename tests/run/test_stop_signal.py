@@ -238,3 +238,24 @@ def test_several_ranks_need_a_group_and_a_world_size():
     with pytest.raises(ValueError, match="at least 1"):
         StopAgreement(request, world_size=0)
     assert stop_group() is None  # no process group in this process
+
+
+def test_a_nested_request_and_its_enclosing_one_share_their_signal():
+    """A sweep's request (outer) and a job's trainer's (inner): the signal lands in the
+    one installed, and the other learns of it."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    with StopRequest().installed() as outer:
+        with StopRequest().installed() as inner:
+            os.kill(os.getpid(), signal.SIGTERM)  # during training: the inner one's
+            time.sleep(0.01)
+            assert outer.signal_name is None
+        assert outer.signal_name == "SIGTERM" and outer.received_at == inner.received_at
+    with StopRequest().installed() as outer:
+        os.kill(os.getpid(), signal.SIGINT)  # while a job sets up: the outer one's
+        time.sleep(0.01)
+        with StopRequest().installed() as inner:
+            assert inner.signal_name == "SIGINT" and inner.received_at == outer.received_at
+    with StopRequest().installed() as outer, StopRequest().installed() as inner:
+        assert inner.signal_name is None  # no signal: nothing to share
+    assert outer.signal_name is None
+    assert {sig: signal.getsignal(sig) for sig in before} == before
