@@ -512,7 +512,7 @@ class Trainer:
         Every step from the first refused one on changed nothing (the refused one by its
         verdict, the later ones held back by the guard: ``StepGuard.admit``). The trainer
         goes back to just after the refused step as if it had been refused at once: the
-        counters and RNG it started from, the optimizer's step counts taken back, the
+        counters and RNG it started from, the engine's step counts taken back, the
         batches of the held steps queued to be taken again. Returns how many steps of
         ``window`` stand (the refused one last), or None when none was refused.
         """
@@ -532,7 +532,7 @@ class Trainer:
         self.step = window[refused]["step"]
         self.applied_steps = redo["applied_steps"]
         self.skipped_steps = redo["skipped_steps"] + 1
-        self.optimizer.rewind_steps(sum(masked[refused:]))
+        self.engine.rewind_steps(sum(masked[refused:]))
         again = [batch for later in redos[refused + 1 :] for batch in later["batches"]]
         self.held_batches.extendleft(reversed(again))
         torch.set_rng_state(redo["rng"]["torch"])

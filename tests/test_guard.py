@@ -14,6 +14,7 @@ import statistics
 import pytest
 import torch
 import wandb_file
+from checkpoint_checks import deepspeed_counters
 from cli_runner import REPO, run_ranks, tiny_overrides
 from fault_batch import inject
 from launched_runs import assert_same_checkpoint_tensors
@@ -21,9 +22,11 @@ from omegaconf import OmegaConf
 from zero_rank import one_zero_rank
 
 from collage_train import checkpoint
+from collage_train.checkpoint.__main__ import main as convert_main
 from collage_train.errors import ConfigError, TrainingDiverged
 from collage_train.guard import REASONS, GuardSettings, StepGuard, describe_skip
 from collage_train.metrics import RecordingSink, WandbSink
+from collage_train.optim.collage.adamw import CollageAdamW
 from collage_train.run.validate import validate
 from collage_train.trainer import Trainer
 
@@ -372,6 +375,9 @@ def test_two_zero2_ranks_skip_the_same_steps_and_end_as_without_the_batches(
     assert_same_checkpoint_tensors(
         guarded_dir / "checkpoints/step-9", reference_dir / "checkpoints/step-7"
     )
+    assert deepspeed_counters(guarded_dir / "checkpoints/step-9") == deepspeed_counters(
+        reference_dir / "checkpoints/step-7"
+    )
 
 
 def _zero_state(trainer: Trainer) -> list[torch.Tensor]:
@@ -382,23 +388,29 @@ def _zero_state(trainer: Trainer) -> list[torch.Tensor]:
     return state
 
 
-@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+@pytest.mark.parametrize(("stage", "masked"), [("zero1", True), ("zero3", True), ("zero2", False)])
 @pytest.mark.slow
 def test_one_zero_rank_skips_a_spike_as_if_its_batch_were_never_there(
-    make_cfg, tmp_path, patched_trainer, monkeypatch, stage
+    make_cfg, tmp_path, patched_trainer, monkeypatch, stage, masked
 ):
-    """The gate inside DeepSpeed's step (ZeRO-1's bf16 optimizer, ZeRO-3's partitioned
-    one): the spike of step 6 is refused there and the run ends as without its batch."""
+    """The gate inside DeepSpeed's step (ZeRO-1's bf16 optimizer, ZeRO-2's and ZeRO-3's
+    partitioned ones): the spike of step 6 is refused there and the run ends as without
+    its batch, DeepSpeed's own step counters in its checkpoint included. Masked: the
+    verdict stays on the device; else (an optimizer that cannot mask its step) the engine
+    reads it before the optimizer step."""
     faulty, clean = patched_trainer(), patched_trainer()
     inject(faulty, "spike", "6")
     inject(clean, "drop", "6")
-    # logged every 4 steps: the spike's verdict is read at step 8, steps 7 and 8 are held
-    # back behind it and taken again
+    if not masked:
+        monkeypatch.setattr(CollageAdamW, "masks_on_device", False)
+    # logged and validated every 4 and 8 steps: the spike's verdict is read at step 8, and
+    # if masked, steps 7 and 8 are held back behind it and taken again
     run = (
         f"distributed={stage}",
         "precision=collage_plus",
         "train.max_steps=8",
         "logging.log_every=4",
+        "train.eval_every=8",
     )
     states = []
     for trainer_class, extra, name in ((faulty, (), "a"), (clean, ("train.stop_at_step=7",), "b")):
@@ -411,11 +423,22 @@ def test_one_zero_rank_skips_a_spike_as_if_its_batch_were_never_there(
         finally:
             trainer.engine.close()
         if name == "a":
+            assert trainer.verdicts_on_device == masked
             assert [(s["step"], s["reason"]) for s in summary["skips"]] == [(6, "loss spike")]
     guarded, reference = states
     assert len(guarded) == len(reference) > 0
     for mine, theirs in zip(guarded, reference, strict=True):
         assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+    counters = deepspeed_counters(tmp_path / "b/checkpoints/step-7")
+    batch = trainer.cfg.train.global_batch_size
+    assert set(counters.values()) == {(7, 7 * batch, 0)}  # global_steps, _samples, skipped_
+    assert deepspeed_counters(tmp_path / "a/checkpoints/step-8") == counters
+    # and the converter writes them so: to the universal layout and back
+    universal, back = tmp_path / "universal", tmp_path / "back"
+    assert convert_main(["convert", str(tmp_path / "a/checkpoints/step-8"), str(universal)]) == 0
+    to_stage = ["--to", stage, "--world-size", "1"]
+    assert convert_main(["convert", str(universal), str(back), *to_stage]) == 0
+    assert deepspeed_counters(back) == counters
 
 
 @pytest.mark.slow

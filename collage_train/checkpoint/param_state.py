@@ -33,6 +33,13 @@ INDEX_COMPONENTS = ("remainder_ties",)  # positions, not one value per element
 Reader = Callable[[str, int, int], dict[str, torch.Tensor]]
 
 
+def applied_steps(trainer: dict[str, Any]) -> int:
+    """The optimizer steps a run applied, from its client state ``trainer``: its steps less
+    those the step guard refused (all of them in checkpoints older than that count).
+    What DeepSpeed's ``global_steps`` count under ZeRO (``engine.zero``)."""
+    return int(trainer.get("applied_steps", trainer["step"]))
+
+
 @dataclass
 class FullState:
     """Per-parameter state of one checkpoint, whatever layout wrote it."""

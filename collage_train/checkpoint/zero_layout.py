@@ -17,7 +17,8 @@ What DeepSpeed 0.19's ``save_checkpoint`` writes (``engine._save_checkpoint``,
   module's state dict (the weights; tied names too), ``buffer_names``, ``param_shapes``
   (per group, in flat order), ``frozen_param_*`` (empty from stage 2 on, None at 1),
   ``shared_params`` (tied name -> the parameter's name), DeepSpeed's counters
-  (``global_steps``, ``global_samples``, ``skipped_steps``), ``dp_world_size``, the
+  (``global_steps``, ``global_samples``, ``skipped_steps``: applied steps only, as the
+  engine keeps them, ``engine.zero``), ``dp_world_size``, the
   parallel dimensions, ``ds_config``, ``ds_version``, and the client state
   (``trainer``);
 - stage 3, per rank R: the optimizer file with ``zero_stage``, ``loss_scaler``,
@@ -54,7 +55,7 @@ import torch
 
 from collage_train import checkpoint
 from collage_train.checkpoint.native_spec import ModelLayout, Target
-from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState
+from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState, applied_steps
 from collage_train.checkpoint.pieces import (
     Piece,
     zero3_rank_pieces,
@@ -226,7 +227,7 @@ class _ZeroWriter:
         param_shapes: list[OrderedDict[str, torch.Size]],
         shared: dict[str, str],
     ) -> None:
-        step = int(self.trainer["step"])
+        step = applied_steps(self.trainer)  # a step the guard refused is not counted
         total = int(self.config["train"]["global_batch_size"])
         frozen = OrderedDict() if self.target.stage >= 2 else None  # saved from stage 2 on
         saved = {
@@ -242,7 +243,7 @@ class _ZeroWriter:
             "lr_scheduler": None,
             "data_sampler": None,
             "random_ltd": None,
-            "skipped_steps": 0,  # bf16 and fp32 runs never skip a step
+            "skipped_steps": 0,  # DeepSpeed's overflow skips: bf16 and fp32 runs have none
             "global_steps": step,
             "global_samples": step * total,
             "dp_world_size": self.target.world_size,

@@ -121,6 +121,11 @@ class Engine(Protocol):
         refuses the step, clear the gradients; with ``track_edq`` measure the step's
         descent quality."""
 
+    def rewind_steps(self, count: int) -> None:
+        """Take back the last ``count`` steps, which ran masked (``StepGate.on_device``) and
+        changed nothing: the optimizer's step counts and the engine's own counters
+        (DeepSpeed's), which then count applied steps only."""
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over all ranks, in place; returns it."""
 

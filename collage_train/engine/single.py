@@ -134,6 +134,9 @@ class SingleProcessEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, applied
 
+    def rewind_steps(self, count: int) -> None:
+        self.optimizer.rewind_steps(count)  # no counters of its own
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState
+from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState, applied_steps
 from collage_train.checkpoint.pieces import Piece
 from collage_train.engine.base import (
     CompileBackend,
@@ -341,10 +341,30 @@ class ZeroEngine:
         grad_norm = self.ds.get_global_grad_norm()  # a device tensor: left to the trainer
         grad_norm = grad_norm if grad_norm is not None else float("nan")
         if not self.ds.was_step_applied():  # DeepSpeed's overflow check: the gate unasked
+            self.ds.skipped_steps -= 1  # a skip as the guard's: not counted at all
+            self._uncount_steps(1)
             return grad_norm, False
         if once is not None and torch.is_tensor(once.decision):  # masked on the device
             return grad_norm, once.decision
-        return grad_norm, not (once is not None and once.decision is False)
+        if once is not None and once.decision is False:  # refused: DeepSpeed counted it
+            self._uncount_steps(1)
+            return grad_norm, False
+        return grad_norm, True
+
+    def rewind_steps(self, count: int) -> None:
+        self.optimizer.rewind_steps(count)
+        self._uncount_steps(count)
+
+    def _uncount_steps(self, count: int) -> None:
+        """Take back ``count`` whole steps from DeepSpeed's own counters, which its ``step``
+        advances whether or not anything changed: ``global_steps`` and ``global_samples``
+        (saved in every checkpoint) and ``micro_steps`` (by whole accumulation cycles, so
+        its boundary test is unchanged). A skipped step, refused by the guard or by
+        DeepSpeed's overflow check, then leaves them as a run whose data lacked its batch:
+        they count applied steps only (``skipped_steps`` stays 0; the trainer counts skips)."""
+        self.ds.global_steps -= count
+        self.ds.global_samples -= count * self.ds.train_batch_size()
+        self.ds.micro_steps -= count * self.ds.gradient_accumulation_steps()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor)
@@ -542,8 +562,8 @@ class ZeroEngine:
     def load_full(self, state: FullState) -> dict[str, Any]:
         """Elastic resume: fill this rank's master partitions and optimizer state with its
         slices of the rank-independent ``state``, then let DeepSpeed set the weights from
-        the masters as after a step (all ranks call this together). Returns the client
-        state."""
+        the masters as after a step (all ranks call this together); DeepSpeed's step
+        counters from the applied steps. Returns the client state."""
         zero = self._zero_optimizer()
         if self.stage == 3:
             zero.checkpoint_event_prologue()  # every parameter partitioned
@@ -562,6 +582,9 @@ class ZeroEngine:
                 for param, view in zip(params, zero.unflatten(flat, params), strict=True):
                     param.data = view.data
             zero.checkpoint_event_epilogue()  # parameters kept whole are gathered again
+        # DeepSpeed's own counters, as its loader restores them from its own files
+        applied = applied_steps(state.trainer)
+        self.ds.global_steps, self.ds.global_samples = applied, applied * self.ds.train_batch_size()
         return state.trainer
 
     def _fill_partition(self, state: FullState, pieces: list[Piece], flat: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ import pytest
 from checkpoint_checks import (
     assert_bitwise,
     assert_zero_state_matches,
+    deepspeed_counters,
     plant_ties,
     state_of,
 )
@@ -119,6 +120,10 @@ def test_one_process_checkpoint_resumes_under_zero_element_for_element(
             assert sum(zero.optimizer.state[f]["remainder_ties"].numel() for f in flats) >= 2
         # the same weights and data: the next step's loss (before its update) agrees
         assert zero.train_step()["loss"] == pytest.approx(single.train_step()["loss"], rel=1e-6)
+        # DeepSpeed's own step counters go on from the source's steps, not from 0
+        batch = cfg.train.global_batch_size
+        counters = deepspeed_counters(zero.save_checkpoint())
+        assert set(counters.values()) == {(3, 3 * batch, 0)}
     finally:
         zero.engine.close()
     assert checkpoint.read_meta(path)["world_size"] == 1  # the source is left as it was

@@ -1,6 +1,6 @@
 """Checks the checkpoint tests share: one trainer's state, bit-for-bit comparison of states
-and of DeepSpeed's files, ZeRO partitions against a one-process state, planted remainder
-ties (tests/checkpoint/, tests/engine/test_zero.py)."""
+and of DeepSpeed's files and step counters, ZeRO partitions against a one-process state,
+planted remainder ties (tests/checkpoint/, tests/engine/test_zero.py)."""
 
 from __future__ import annotations
 
@@ -108,3 +108,16 @@ def assert_same_deepspeed_files(mine: Path, theirs: Path) -> None:
         ours = checkpoint.open_restricted(mine / name)
         assert isinstance(ours["ds_config"], dict)  # DeepSpeed's universal converter needs one
         assert_same_tree(ours, checkpoint.open_restricted(theirs / name), name)
+
+
+def deepspeed_counters(directory: Path) -> dict[str, tuple[int, int, int]]:
+    """DeepSpeed's own step counters (``global_steps``, ``global_samples``,
+    ``skipped_steps``) in each model-states file of checkpoint ``directory``."""
+    counters = {}
+    for file in sorted(directory.glob("*model_states.pt")):
+        saved = checkpoint.open_restricted(file)
+        if "global_steps" in saved:
+            keys = ("global_steps", "global_samples", "skipped_steps")
+            counters[file.name] = tuple(int(saved[key]) for key in keys)
+    assert counters, f"no DeepSpeed model-states file in {directory}"
+    return counters
