@@ -6,35 +6,79 @@ training's tokenizer), so the numbers are the harness's by construction. Tasks c
 the harness's registry (the network or its cache) or from local task definitions in
 ``include_path`` (a YAML file per task, its data in local files: no network). Results
 are flattened to ``{"<task>/<metric>": value}`` (the harness's ``acc,none`` becomes
-``acc``; standard errors are left out). A model whose embedding is padded past its
-tokenizer (``model.vocab_size``) scores loglikelihoods over all its rows, as training's
-loss does, and generates (``generate_until`` tasks) only ids the tokenizer can decode
-(``collage_train.decodable``).
+``acc``; standard errors are left out).
+
+Each task runs in a call of its own, seeded as the harness seeds a run of it alone (its
+default seeds, few-shot examples included), inside ``generators.preserved()``: an
+evaluation in the training loop leaves every global generator as it found it. A task the
+harness fails on (a task file it refuses, a continuation that tokenizes to nothing, ...)
+is named with what the harness said, in one line (``TaskRejected``).
+A model whose embedding is padded past its tokenizer (``model.vocab_size``) scores
+loglikelihoods over all its rows, as training's loss does, and generates
+(``generate_until`` tasks) only ids the tokenizer can decode (``collage_train.decodable``).
 """
 
 from __future__ import annotations
 
 import functools
 import tempfile
+import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from collage_train import generators
 from collage_train.data.hf_files import save_tokenizer
 from collage_train.data.tokenizer import Tokenizer
 from collage_train.decodable import decodable_only
-from collage_train.errors import ConfigError
+from collage_train.errors import CollageError, ConfigError, first_line
 
 
 @dataclass(frozen=True)
 class Downstream:
-    """One evaluation's results: flattened metrics and, per task, each sample's record."""
+    """One evaluation's results: flattened metrics, per task each sample's record, and
+    the tasks left out (``keep_going``) with what the harness said."""
 
     metrics: dict[str, float]
     samples: dict[str, list[dict[str, Any]]]
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+class TaskRejected(CollageError):
+    """lm-evaluation-harness failed on a task (its message says which, and why)."""
+
+    def __init__(self, task: str, said: str) -> None:
+        super().__init__(f"lm-eval failed on task {task}: {said}")
+        self.task, self.said = task, said
+
+
+# A hint for what the harness says without words (a bare assert), keyed by the assertion.
+_HINTS = {
+    "len(continuation_enc) > 0": (
+        "a choice adds no token to its context, being empty or merged by the tokenizer "
+        'into the context\'s last token: give the task a target_delimiter such as " " '
+        "or choices that start a new token"
+    ),
+}
+
+
+def harness_said(err: BaseException) -> str:
+    """One line for an exception raised inside the harness: its type and message, or for
+    a bare ``assert`` the failing line and where (with a hint for the known ones)."""
+    message = first_line(err) if str(err).strip() else ""
+    if message:
+        return f"{type(err).__name__}: {message}"
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return type(err).__name__
+    last = frames[-1]
+    where = last.filename.split("site-packages/")[-1]
+    said = f"{type(err).__name__} at {where}:{last.lineno}: {(last.line or '').strip()}"
+    hint = next((text for key, text in _HINTS.items() if key in said), None)
+    return f"{said} ({hint})" if hint else said
 
 
 def transformers_tokenizer(tokenizer: Tokenizer) -> Any:
@@ -75,6 +119,21 @@ def task_manager(tasks: Sequence[str], include_path: Path | str | None) -> Any:
     return manager
 
 
+def check_tasks_load(tasks: Sequence[str], include_path: Path | str | None) -> None:
+    """ConfigError (one line) unless the harness knows and can load every task in
+    ``tasks`` (its file parsed, its data read, its templates applied to a document): the
+    start-up check of ``eval.tasks``, before any training."""
+    manager = task_manager(tasks, include_path)
+    from lm_eval.utils import setup_logging
+
+    setup_logging("ERROR")  # as simple_evaluate(verbosity="ERROR") does
+    for task in tasks:
+        try:
+            manager.load([task])
+        except Exception as err:  # whatever the harness raises: its message, one line
+            raise ConfigError(f"lm-eval cannot load task {task}: {harness_said(err)}") from None
+
+
 @functools.lru_cache(maxsize=8)
 def _manager(include_path: str | None, *, with_registry: bool) -> Any:
     from lm_eval.tasks import TaskManager
@@ -90,28 +149,55 @@ def evaluate_model(
     include_path: Path | None = None,
     limit: int | None = None,
     batch_size: int = 8,
+    keep_going: bool = False,
 ) -> Downstream:
-    """Run ``tasks`` on ``model`` (on its own device, in eval mode, left as it was)."""
+    """Run ``tasks`` on ``model`` (on its own device, in eval mode, left as it was; the
+    global generators left as they were). A task the harness fails on raises
+    TaskRejected, or with ``keep_going`` is left out and named in ``failed``."""
     manager = task_manager(tasks, include_path)  # first: one error line without the harness
     from lm_eval import simple_evaluate
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
 
     device = next(model.parameters()).device
     was_training = model.training
+    metrics: dict[str, float] = {}
+    samples: dict[str, list[dict[str, Any]]] = {}
+    failed: dict[str, str] = {}
     model.eval()
     try:
-        lm = harness_model(model, hf_tokenizer, batch_size=batch_size, device=str(device))
-        results = simple_evaluate(
-            model=lm,
-            tasks=list(tasks),
-            task_manager=manager,
-            limit=limit,
-            log_samples=True,
-            bootstrap_iters=0,
-            verbosity="ERROR",
-        )
+        with generators.preserved():
+            lm = harness_model(model, hf_tokenizer, batch_size=batch_size, device=str(device))
+            for task in tasks:
+                # the harness's own seeds, set here for each task: told None, it seeds nothing
+                generators.seed(DEFAULT_RANDOM_SEED, DEFAULT_OTHER_SEED, DEFAULT_OTHER_SEED)
+                try:
+                    results = simple_evaluate(
+                        model=lm,
+                        tasks=[task],
+                        task_manager=manager,
+                        limit=limit,
+                        log_samples=True,
+                        bootstrap_iters=0,
+                        verbosity="ERROR",
+                        random_seed=None,
+                        numpy_random_seed=None,
+                        torch_random_seed=None,
+                        fewshot_random_seed=DEFAULT_OTHER_SEED,
+                    )
+                except Exception as err:  # whatever the harness raises: its message, one line
+                    said = harness_said(err)
+                    # free what the failed call holds (its tensors; its progress bar, which
+                    # closes its line now, not after the error line is printed)
+                    traceback.clear_frames(err.__traceback__)
+                    if not keep_going:
+                        raise TaskRejected(task, said) from None
+                    failed[task] = said
+                    continue
+                metrics.update(flatten(results["results"]))
+                samples.update(results.get("samples", {}))
     finally:
         model.train(was_training)
-    return Downstream(flatten(results["results"]), results.get("samples", {}))
+    return Downstream(metrics, samples, failed)
 
 
 def harness_model(
@@ -147,3 +233,39 @@ def flatten(results: dict[str, dict[str, Any]]) -> dict[str, float]:
             suffix = "" if filter_name in ("", "none") else f"[{filter_name}]"
             flat[f"{task}/{name}{suffix}"] = float(value)
     return flat
+
+
+class InRunTasks:
+    """``eval.tasks`` during training, on rank 0. The transformers tokenizer is built at
+    the first evaluation; a task the harness fails on is left out of the rest of the run
+    with one warning line and training goes on (docs/wandb.md says why)."""
+
+    def __init__(self, ev: Any, tokenizer: Tokenizer) -> None:
+        self.tasks = list(ev.tasks)
+        self.include_path, self.limit, self.batch_size = ev.include_path, ev.limit, ev.batch_size
+        self.tokenizer = tokenizer
+        self.hf_tokenizer: Any = None
+
+    def evaluate(self, model: torch.nn.Module, step: int) -> tuple[dict[str, float], list[str]]:
+        """The metrics of the tasks still in the run, and a warning line per task that
+        failed now."""
+        if not self.tasks:
+            return {}, []
+        if self.hf_tokenizer is None:
+            self.hf_tokenizer = transformers_tokenizer(self.tokenizer)
+        found = evaluate_model(
+            model,
+            self.hf_tokenizer,
+            self.tasks,
+            include_path=self.include_path,
+            limit=self.limit,
+            batch_size=self.batch_size,
+            keep_going=True,
+        )
+        self.tasks = [task for task in self.tasks if task not in found.failed]
+        lines = [
+            f"warning: downstream task {task} failed at step {step} and is left out of the "
+            f"rest of this run (training goes on): lm-eval said {said}"
+            for task, said in found.failed.items()
+        ]
+        return found.metrics, lines

@@ -34,7 +34,7 @@ from collage_train.cpu_bf16 import choose_cpu_bf16_gemm, probe_gflops
 from collage_train.data import build_data
 from collage_train.data.progress import write_json_atomic
 from collage_train.data.transfer import to_device
-from collage_train.downstream import evaluate_model, transformers_tokenizer
+from collage_train.downstream import InRunTasks
 from collage_train.engine import build_engine
 from collage_train.engine.base import StepGate
 from collage_train.engine.launch import launched_rank
@@ -170,7 +170,7 @@ class Trainer:
         self.held_batches: collections.deque[torch.Tensor] = collections.deque()
         self.skips: list[dict[str, Any]] = []  # settled skips: step, reason, z-scores
         self.rollbacks: list[dict[str, Any]] = []  # {"from_step", "to_step", "skipped"}
-        self.hf_tokenizer: Any = None  # for downstream tasks, built at their first evaluation
+        self.downstream = InRunTasks(cfg.eval, self.data.tokenizer)  # eval.tasks, on rank 0
         self.last_downstream: dict[str, Any] | None = None  # {"step": N, "task/metric": v}
         self.downstream_seconds = 0.0  # wall time in evaluate_downstream, barrier included
         self.saver = CheckpointSaver(self.engine, run_dir, background=train.async_checkpoint)
@@ -622,22 +622,15 @@ class Trainer:
         """The ``eval.tasks`` of lm-evaluation-harness on rank 0's model in memory
         (``collage_train.downstream``), keyed ``downstream/<task>/<metric>``; the other
         ranks wait at a barrier (empty results there)."""
-        ev = self.cfg.eval
         results: dict[str, float] = {}
         start = time.perf_counter()
         if self.engine.is_main:
-            if self.hf_tokenizer is None:
-                self.hf_tokenizer = transformers_tokenizer(self.data.tokenizer)
-            found = evaluate_model(
-                self.model,
-                self.hf_tokenizer,
-                list(ev.tasks),
-                include_path=ev.include_path,
-                limit=ev.limit,
-                batch_size=ev.batch_size,
-            )
-            results = {f"downstream/{key}": value for key, value in found.metrics.items()}
-            self.last_downstream = {"step": self.step, **found.metrics}
+            metrics, warnings = self.downstream.evaluate(self.model, self.step)
+            for line in warnings:
+                self._notice(line)
+            results = {f"downstream/{key}": value for key, value in metrics.items()}
+            if metrics:
+                self.last_downstream = {"step": self.step, **metrics}
         self.engine.barrier()
         self.downstream_seconds += time.perf_counter() - start
         return results

@@ -136,8 +136,9 @@ def check_optim(optim: DictConfig) -> None:
 
 
 def check_eval(cfg: DictConfig) -> None:
-    """Downstream tasks (``eval``): a whole model on rank 0, a cadence, known task names
-    (looked up in lm-evaluation-harness before any training)."""
+    """Downstream tasks (``eval``): a whole model on rank 0, a cadence, tasks that
+    lm-evaluation-harness knows and can load, checked before any training (on rank 0,
+    whose verdict every rank of a launch follows: the others download nothing)."""
     ev = cfg.eval
     if ev.every < 0:
         raise ConfigError(f"eval.every must be 0 (at the end only) or more, got {ev.every}")
@@ -149,9 +150,11 @@ def check_eval(cfg: DictConfig) -> None:
             "eval.tasks needs the whole model on rank 0, which distributed=zero3 partitions; "
             "evaluate its checkpoints with python -m collage_train.evaluate instead"
         )
-    from collage_train.downstream import task_manager
+    from collage_train.downstream import check_tasks_load
+    from collage_train.engine.launch import launched_rank
 
-    task_manager(list(ev.tasks), ev.include_path)
+    if launched_rank() == 0:
+        check_tasks_load(list(ev.tasks), ev.include_path)
 
 
 def check_train(train: DictConfig) -> None:
