@@ -6,7 +6,8 @@
 - ``resume``: the identity of a run and the checks before a checkpoint is resumed;
 - ``checkpointing``: saving a checkpoint (in the background) and restoring one across
   ranks and layouts;
-- ``stop_signal``: a stop signal acted on at the same step on every rank.
+- ``stop_signal``: a stop signal acted on at the same step on every rank;
+- ``agreement``: a check that refuses on one rank refuses on every rank, in one line.
 
 docs/runs.md describes what a run directory holds and how a run resumes.
 """
