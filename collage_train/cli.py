@@ -34,6 +34,7 @@ from collage_train.errors import (
 )
 from collage_train.metrics import ConsoleSink, JsonlSink, Sink, WandbSink
 from collage_train.metrics.sinks import wandb_mode
+from collage_train.run.agreement import agreement, gathered, the_same
 from collage_train.run.directory import write_hydra_record
 from collage_train.run.resume import check_resume, choose_checkpoint, record_changes
 
@@ -68,7 +69,8 @@ def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None)
         return _train(cfg, run_dir, extra_sinks)
 
 
-def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> dict | None:
+def _existing_checkpoint(cfg: DictConfig, run_dir: Path) -> Path | None:
+    """The newest checkpoint in ``run_dir`` (None: none), refused unless resuming."""
     wandb_mode(cfg.logging.wandb)  # a bad mode (setting or WANDB_MODE): one line, now
     existing = checkpoint.latest_checkpoint(run_dir)
     if existing is not None and not cfg.train.resume:
@@ -76,6 +78,17 @@ def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> di
             f"{run_dir} already holds checkpoints; continue it with train.resume=true "
             "or start a new run in another hydra.run.dir"
         )
+    return existing
+
+
+def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> dict | None:
+    # Every check that reads this rank's own state is agreed by every rank before any
+    # refuses (collage_train.run.agreement): none stops alone while the others wait.
+    existing = the_same(
+        gathered(lambda: _existing_checkpoint(cfg, run_dir)),
+        f"the newest checkpoint in {run_dir}",
+        "hydra.run.dir must be a directory every rank shares",
+    )
     if cfg.train.resume and existing is None:
         print(f"no checkpoint in {run_dir} yet: starting from step 0", flush=True)
     if existing is not None:  # before data preparation, and before DeepSpeed opens them
@@ -87,8 +100,9 @@ def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> di
             gather=gather_objects,
             announce=lambda line: print(line, flush=True) if rank == 0 else None,
         )
-        checkpoint.verify_checkpoint_files(existing)
-        changes = check_resume(existing, cfg, launched_world_size())
+        with agreement():
+            checkpoint.verify_checkpoint_files(existing)
+            changes = check_resume(existing, cfg, launched_world_size())
     run_dir.mkdir(parents=True, exist_ok=True)
     # Imported here: ``--help``, ``--cfg job`` and a refused setting need no model code
     # (transformers' model stack takes seconds to import).
@@ -171,10 +185,12 @@ def run_reporting(cfg: DictConfig, run_dir: Path) -> Outcome:
     rank = launched_rank()
     try:
         return Outcome(0, summary=train(cfg, run_dir))
-    except OutOfMemory as err:  # may strike one rank only: every rank reports its own
-        return _report(err.exit_status, f"{_rank_prefix(rank)}{err}", rank, every_rank=True)
-    except CollageError as err:  # the same on every rank: rank 0 reports it
-        return _report(err.exit_status, str(err), rank)
+    except CollageError as err:
+        if err.quiet:  # another rank failed and reports why
+            return Outcome(err.exit_status, str(err))
+        if isinstance(err, OutOfMemory) and not err.agreed:  # this rank alone: it reports
+            return _report(err.exit_status, f"{_rank_prefix(rank)}{err}", rank, every_rank=True)
+        return _report(err.exit_status, str(err), rank)  # the same on every rank: rank 0
     except (OSError, RuntimeError, MemoryError) as err:
         if is_disk_full(err):
             message = f"{_rank_prefix(rank)}{_disk_full_message(err, run_dir)}"

@@ -563,7 +563,8 @@ class EvalConfig:
     """Downstream tasks through lm-evaluation-harness during training (docs/wandb.md).
 
     Rank 0 evaluates the model in memory (the whole model: not under ZeRO-3) while the
-    other ranks wait at a barrier, within distributed.timeout_minutes.
+    other ranks wait for it, within distributed.timeout_minutes (and stop with it, in the
+    same one line, if it fails).
     """
 
     tasks: list[str] = field(default_factory=list)

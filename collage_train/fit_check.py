@@ -1,21 +1,26 @@
 """Start-up memory checks: refuse a run that cannot fit before anything is allocated.
 
-Two checks run before the model's weights are drawn (``collage_train.model_init``):
+Two checks run before the model's weights are drawn or read (``collage_train.model_init``),
+both in ``check_run_fits``:
 
 - ``check_state_fits``: the model state (weights, gradients, optimizer state; this
   rank's share under ZeRO) must fit the device, and the start-up's host transient (one
-  unit of the model in fp32 beside its cast copy, or the whole fp32 model for
-  ``model.init_from``) must fit the host, once for every rank on this node. Raises
-  ``OutOfMemory`` (exit 1): no micro-batch can fix it.
+  unit of the model in fp32 beside its cast copy, ``host_transient_bytes``, for a random
+  initialisation and for ``model.init_from`` alike) must fit the host, once for every rank
+  on this node. Raises ``OutOfMemory`` (exit 1): no micro-batch can fix it. Each rank
+  checks its own device and host, and the ranks agree before any refuses
+  (``collage_train.run.agreement``): a rank short of memory stops every rank at once, with
+  the same line naming it.
 - ``check_step_fits`` (CUDA runs): the memory planner's peak of a whole training step
   (state, activations, logits and loss, optimizer temporaries, DeepSpeed buffers; see
   ``collage_train.memory_plan``) at the chosen micro-batch, checkpointing and engine must
   fit the free device memory, less ``plan.reserve_gb``. If not, one line says what does
   fit: the largest micro-batch, activation checkpointing, a ZeRO stage, or how many GPUs
   ZeRO-3 needs. Raises ``StepWillNotFit`` (exit 2: a setting to change). The ranks decide
-  together on the smallest free memory among them, so that no rank is left waiting in a
-  collective for one that stopped. The plan counts the chunked loss where the run uses
-  it (``collage_train.loss``) and the DeepSpeed buckets the engine will set.
+  together on the smallest free memory among them (gathered with the first check's
+  verdicts), so that no rank is left waiting in a collective for one that stopped. The
+  plan counts the chunked loss where the run uses it (``collage_train.loss``) and the
+  DeepSpeed buckets the engine will set.
 """
 
 from __future__ import annotations
@@ -34,11 +39,15 @@ from collage_train.memory_plan import (
     GIB,
     ModelShape,
     Setting,
+    checkpoint_copy_bytes,
     estimate_at,
     largest_micro_batch,
 )
 from collage_train.metrics.memory import available_memory
+from collage_train.model_init import largest_unit_numel
+from collage_train.models import count_parameters
 from collage_train.precision.base import PrecisionStrategy
+from collage_train.run.agreement import agreement, gathered
 
 ZERO_GPU_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256, 512)  # what "how many GPUs" tries
 
@@ -47,6 +56,71 @@ class StepWillNotFit(OutOfMemory):
     """The planned step peak exceeds the device's free memory: a setting must change."""
 
     exit_status = BAD_INPUT
+
+
+def host_transient_bytes(meta: torch.nn.Module, strategy: PrecisionStrategy) -> float:
+    """What building ``meta``'s weights holds on the host at once (``model_init``): its
+    largest unit in fp32 beside the unit's copy in the storage dtype; the same where
+    ``model.init_from`` reads them (the files are mapped, not copied)."""
+    return largest_unit_numel(meta) * (4 + strategy.param_dtype.itemsize)
+
+
+def device_free_memory(device: torch.device) -> float | None:
+    """This rank's free device memory for the step check (None on a CPU run: the host is
+    checked by ``check_state_fits``)."""
+    if device.type != "cuda":
+        return None
+    return float(available_memory(device) or 0)
+
+
+def check_run_fits(
+    meta: torch.nn.Module,
+    cfg: Any,
+    strategy: PrecisionStrategy,
+    engine: Any,
+    device: torch.device,
+    *,
+    optimizer_kernel: str,
+    loss_chunk_tokens: int | None,
+) -> None:
+    """Both checks for the model ``meta`` (on the meta device) and the run ``cfg``, every
+    rank together: each rank's state check and free device memory are gathered (one
+    collective), any rank's refusal raised on every rank, then the step is checked against
+    the smallest free memory, alike on every rank. ``loss_chunk_tokens``: the chunked
+    loss's block (None: the full-logits loss)."""
+    num_params = count_parameters(meta)
+    shape = ModelShape.from_model(meta, seq_len=cfg.data.seq_len)
+    setting = planned_setting(cfg, strategy, engine.world_size, optimizer_kernel)
+    copy = checkpoint_copy_bytes(shape, setting) if cfg.train.async_checkpoint else 0.0
+
+    def here() -> float | None:
+        check_state_fits(
+            num_params,
+            strategy,
+            engine,
+            device,
+            host_transient_bytes=host_transient_bytes(meta, strategy),
+            model_name=cfg.model.name,
+            distributed=engine.name,
+            checkpoint_copy_bytes=copy,
+        )
+        return device_free_memory(device)
+
+    free = gathered(here)
+    if any(value is None for value in free):
+        return
+    with agreement():  # decided from the same numbers on every rank
+        check_step_fits(
+            shape,
+            setting,
+            free_bytes=min(free),
+            reserve_bytes=cfg.plan.reserve_gb * GIB,
+            micro_batch=cfg.train.micro_batch_size,
+            global_batch=cfg.train.global_batch_size,
+            checkpointing=cfg.train.activation_checkpointing,
+            loss_chunk_tokens=loss_chunk_tokens,
+            model_name=cfg.model.name,
+        )
 
 
 def check_state_fits(
@@ -139,16 +213,6 @@ def zero_overrides(dist_cfg: Any) -> dict[str, Any]:
     if not isinstance(extra, dict):
         extra = OmegaConf.to_container(extra, resolve=True)
     return dict(extra.get("zero_optimization") or {})
-
-
-def smallest_free_memory(device: torch.device, engine: Any) -> float | None:
-    """The least free memory of any rank's device (None on a CPU run: the host is checked
-    by ``check_state_fits``). Every rank calls it together."""
-    if device.type != "cuda":
-        return None
-    free = torch.zeros(engine.world_size, dtype=torch.float64, device=device)
-    free[engine.rank] = float(available_memory(device) or 0)
-    return float(engine.all_reduce_sum(free).min())
 
 
 def check_step_fits(

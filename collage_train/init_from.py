@@ -7,19 +7,26 @@ read local files only.
 
 - The architecture is the directory's ``config.json``; the ``model.*`` shape fields are
   not used. ``model.dropout`` and ``model.attn_implementation`` still apply.
-- The weights are loaded in fp32 (``load_pretrained``); the precision strategy casts
-  them as it casts a fresh model. Strategies that keep a higher-precision master
-  (mixed_fp32's fp32 master, split_fp32's remainder) take it from the fp32 weights:
-  ``seed_masters`` on the single engine (replicas included, before their outer state is
-  taken), ``seed_zero_masters`` under ZeRO 1-3 (each rank's slices of DeepSpeed's flat
-  master partitions, after DeepSpeed built them from the cast weights). AdamW's moments,
-  Collage's dtheta and dv start from zero, as in any new run: only the weights carry over.
+- The weights are read unit by unit into the model built on the meta device, as a random
+  initialisation draws them (``PretrainedWeights``, given to ``model_init.materialise``):
+  each value read in fp32 and cast once to the storage dtype, each unit handed to the
+  engine's placement (ZeRO-3 keeps only this rank's partition) before the next is read, so
+  no rank holds the whole model, in fp32 or at all (``collage_train.hf_weights`` maps the
+  files and copies nothing). The values are those of ``load_pretrained`` (transformers'
+  ``from_pretrained`` in fp32) cast to the storage dtype, bit for bit. Strategies that keep
+  a higher-precision master (mixed_fp32's fp32 master, split_fp32's remainder) take it
+  from the fp32 values, a tensor at a time: ``seed_masters`` on the single engine
+  (replicas included, before their outer state is taken), ``seed_zero_masters`` under ZeRO
+  1-3 (each rank's slices of DeepSpeed's flat master partitions, after DeepSpeed built
+  them from the cast weights). AdamW's moments, Collage's dtheta and dv start from zero,
+  as in any new run: only the weights carry over.
 - The tokenizer is the directory's unless ``data.tokenizer`` names another
   (``data_config``); its vocabulary must fit the model's embedding.
 
 Bad input (no such directory, no weights, an architecture other than these, a tokenizer
-larger than the embedding, a sequence longer than learned positions) raises ConfigError:
-one ``error:`` line and a non-zero exit.
+larger than the embedding, a sequence longer than learned positions, weights that do not
+load, lack a tensor the model needs or have another shape) raises ConfigError: one
+``error:`` line and a non-zero exit, before any weight is read.
 """
 
 from __future__ import annotations
@@ -34,16 +41,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
 from collage_train.errors import WEIGHT_LOAD_ERRORS, ConfigError, first_line
+from collage_train.hf_weights import WEIGHT_FILES, WeightFiles
 from collage_train.model_cast import cast_model
+from collage_train.model_init import Load
 
 # transformers' model_type -> our family
 SUPPORTED = {"gpt2": "gpt", "opt": "opt", "llama": "llama"}
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 TOKENIZER_FILES = ("hf_tokenizer.json", "tokenizer.json", "tokenizer.model")
 # Dropout fields per model type, set from model.dropout.
 DROPOUT_FIELDS = {
@@ -193,9 +196,90 @@ def _keeps_master(strategy: Any) -> bool:
     )
 
 
-def _fp32_weights(init_from: str) -> dict[str, torch.Tensor]:
-    """The directory's fp32 weights by parameter name."""
-    return {name: p.detach() for name, p in _from_pretrained(init_from).named_parameters()}
+class PretrainedWeights:
+    """The values ``cfg.init_from`` holds for ``model``'s parameters and persistent buffers,
+    by the model's names, read a tensor at a time.
+
+    A name is found as it is in the files or without transformers' base-model prefix (a
+    directory saved from the base model, as ``from_pretrained`` accepts). Raises
+    ConfigError, before anything is read, when the files do not load, lack a tensor the
+    model needs or hold one of another shape.
+    """
+
+    def __init__(self, init_from: str, model: torch.nn.Module, *, buffers: bool = True) -> None:
+        self.init_from = init_from
+        prefix = f"{getattr(model, 'base_model_prefix', '')}."
+        try:
+            self.files = WeightFiles(Path(init_from).expanduser())
+            stored = set(self.files.keys())
+            self.key_of: dict[str, str] = {}
+            missing, wrong = [], []
+            for name, shape in needed_tensors(model, buffers=buffers).items():
+                key = name if name in stored else name.removeprefix(prefix)
+                if key not in stored:
+                    missing.append(name)
+                elif tuple(self.files.shape(key)) != tuple(shape):
+                    wrong.append(f"{key} is {list(self.files.shape(key))}, not {list(shape)}")
+                self.key_of[name] = key
+        except WEIGHT_LOAD_ERRORS as err:
+            raise self._unloadable(err) from None
+        if missing:
+            raise ConfigError(
+                f"model.init_from={init_from}: its weights lack {len(missing)} tensor(s) the "
+                f"{model.config.model_type} model needs (e.g. {missing[0]}); the files do not "
+                "match config.json"
+            )
+        if wrong:
+            raise ConfigError(
+                f"model.init_from={init_from}: cannot load its weights ({wrong[0]}, as "
+                "config.json makes it); the files do not match config.json"
+            )
+
+    def _unloadable(self, err: BaseException) -> ConfigError:
+        return ConfigError(
+            f"model.init_from={self.init_from}: cannot load its weights ({first_line(err)})"
+        )
+
+    def stored(self, name: str) -> torch.Tensor:
+        """The tensor named ``name`` in the model, in its stored dtype (a view of the file)."""
+        try:
+            return self.files.tensor(self.key_of[name])
+        except WEIGHT_LOAD_ERRORS as err:
+            raise self._unloadable(err) from None
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """Fill ``tensor`` (``model_init.materialise``'s fp32 host tensor of ``name``)."""
+        tensor.copy_(self.stored(name))
+
+    def fp32(self, name: str) -> torch.Tensor:
+        """The fp32 value of ``name`` (as ``from_pretrained`` in fp32 gives it), a copy."""
+        return self.stored(name).to(torch.float32, copy=True)
+
+
+def weights_loader(init_from: str | None, model: torch.nn.Module) -> Load | None:
+    """``model_init.materialise``'s ``load`` for ``model.init_from`` (checked against the
+    meta model ``model``: ConfigError), None without one."""
+    return PretrainedWeights(init_from, model).load if init_from else None
+
+
+def needed_tensors(model: torch.nn.Module, *, buffers: bool = True) -> dict[str, torch.Size]:
+    """The shapes of what ``from_pretrained`` reads into ``model``: every parameter (a
+    shared one by its first name) and, with ``buffers``, every persistent buffer (the
+    state dict's tensors); non-persistent buffers (rotary tables) are computed, not read.
+    (The seeding of masters, after the strategy's ``prepare_model``, reads parameters only:
+    Scalify adds buffers of its own.)"""
+    found: dict[str, torch.Size] = {}
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for key, param in module.named_parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                found[dot + key] = getattr(param, "ds_shape", param.shape)  # ZeRO-3: whole
+        for key, buffer in module.named_buffers(recurse=False) if buffers else ():
+            if key not in module._non_persistent_buffers_set:
+                found[dot + key] = buffer.shape
+    return found
 
 
 def seed_masters(
@@ -209,10 +293,10 @@ def seed_masters(
     """
     if not _keeps_master(strategy) or not hasattr(optimizer, "load_full_precision_weights"):
         return False
-    weights = _fp32_weights(init_from)
+    weights = PretrainedWeights(init_from, model, buffers=False)
     name_of = {id(p): name for name, p in model.named_parameters()}
     optimizer.load_full_precision_weights(
-        [weights[name_of[id(p)]] for p in optimizer.ordered_params()]
+        [weights.fp32(name_of[id(p)]) for p in optimizer.ordered_params()]
     )
     return True
 
@@ -220,16 +304,17 @@ def seed_masters(
 def seed_zero_masters(engine: Any, optimizer: Any, strategy: Any, init_from: str) -> bool:
     """``seed_masters`` under ZeRO, after ``engine.prepare``: DeepSpeed's flat master
     partitions (what the client optimizer updates) get this rank's slices of the fp32
-    weights (mixed_fp32: the fp32 partition; split_fp32: the bf16 partition's remainder).
-    The bf16 weights are the rounding of the same values already; padding is left as it is.
+    weights (mixed_fp32: the fp32 partition; split_fp32: the bf16 partition's remainder),
+    read a tensor at a time. The bf16 weights are the rounding of the same values already;
+    padding is left as it is.
     """
     if not _keeps_master(strategy):
         return False
-    weights = _fp32_weights(init_from)
+    weights = PretrainedWeights(init_from, engine.model, buffers=False)
     for pieces, flat in zip(engine.partition_pieces(), engine.master_partitions(), strict=True):
         value = flat.detach().to(torch.float32, copy=True)
         for piece in pieces:
-            source = weights[piece.name].reshape(-1)
+            source = weights.stored(piece.name).reshape(-1)
             value[piece.flat_start : piece.flat_start + piece.numel] = source[
                 piece.param_start : piece.param_start + piece.numel
             ]

@@ -25,6 +25,11 @@ state is left as it was.
 A parameter shared by two modules (a tied input and output embedding) is materialised
 once, by the first unit that holds it; ``torch.utils.swap_tensors`` keeps its identity, so
 the tie survives.
+
+Given ``load`` (``model.init_from``: ``init_from.PretrainedWeights.load``), a unit's
+parameters and persistent buffers take the stored values instead of a draw, read into the
+same fp32 host tensors and cast and placed the same way; what the files do not hold
+(non-persistent buffers: the rotary tables) is still computed by the model class's rules.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 from transformers import initialization as hf_init
@@ -41,6 +47,9 @@ from collage_train.model_cast import is_computed
 # Set on a parameter or buffer once it holds its final value (also transformers' own flag:
 # its init functions leave such tensors alone, so a later unit cannot redraw a tied weight).
 _DONE = "_is_hf_initialized"
+
+# Fills the fp32 host tensor of a parameter or persistent buffer, given its qualified name.
+Load: TypeAlias = Callable[[str, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,25 @@ def _materialise_own_tensors(module: torch.nn.Module) -> None:
             module._buffers[key] = torch.empty(buffer.shape, dtype=dtype, device="cpu")
 
 
+def _load_own_tensors(name: str, module: torch.nn.Module, load: Load) -> list[torch.Tensor]:
+    """Fill ``module``'s parameters and persistent buffers not finished by an earlier unit
+    with ``load`` and flag them, so that the model's own init leaves them as they are;
+    returns them (their flags are cleared before they are cast)."""
+    dot = f"{name}." if name else ""
+    own = [*module.named_parameters(recurse=False)] + [
+        (key, buffer)
+        for key, buffer in module._buffers.items()
+        if buffer is not None and key not in module._non_persistent_buffers_set
+    ]
+    filled = []
+    for key, tensor in own:
+        if not getattr(tensor, _DONE, False):
+            load(dot + key, tensor)
+            setattr(tensor, _DONE, True)
+            filled.append(tensor)
+    return filled
+
+
 def _finish(
     module: torch.nn.Module, dtype: torch.dtype, device: torch.device
 ) -> list[torch.nn.Parameter]:
@@ -148,9 +176,11 @@ def materialise(
     dtype: torch.dtype,
     device: torch.device,
     place: Callable[[list[torch.nn.Parameter]], None] | None = None,
+    load: Load | None = None,
 ) -> torch.nn.Module:
-    """Draw ``model``'s weights (built on the meta device) unit by unit, store them in
-    ``dtype`` on ``device`` and pass each unit's parameters to ``place``; returns ``model``.
+    """Draw ``model``'s weights (built on the meta device) unit by unit, or ``load`` them
+    (module docstring), store them in ``dtype`` on ``device`` and pass each unit's
+    parameters to ``place``; returns ``model``.
 
     Raises RuntimeError if a tensor is left on the meta device (a module the model class
     does not initialise).
@@ -166,10 +196,15 @@ def materialise(
     generator = torch.random.default_generator
     with torch.random.fork_rng(devices=[]), torch.no_grad(), hf_init.guard_torch_init_functions():
         for unit in units(model):
+            loaded: list[torch.Tensor] = []
             for name, module in unit.modules:
                 _materialise_own_tensors(module)
+                if load is not None:
+                    loaded += _load_own_tensors(name, module, load)
                 generator.manual_seed(module_seed(seed, name))
                 init_module(module)
+            for tensor in loaded:
+                delattr(tensor, _DONE)
             finished = [p for _, module in unit.modules for p in _finish(module, dtype, device)]
             if place is not None and finished:
                 place(finished)

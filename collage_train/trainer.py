@@ -40,27 +40,19 @@ from collage_train.engine.base import StepGate
 from collage_train.engine.launch import launched_rank
 from collage_train.errors import ConfigError, TrainingDiverged
 from collage_train.export import export_from_engine
-from collage_train.fit_check import (
-    check_state_fits,
-    check_step_fits,
-    planned_setting,
-    smallest_free_memory,
-)
+from collage_train.fit_check import check_run_fits
 from collage_train.generate import context_length, prompt_ids
 from collage_train.guard import GuardSettings, StepGuard, Verdict
 from collage_train.loss import install_chunked_loss
 from collage_train.loss_settings import resolve_chunk_tokens
-from collage_train.memory_plan import GIB, ModelShape, checkpoint_copy_bytes
 from collage_train.metrics import Sink, detect_peak_tflops, peak_memory, reset_peak_memory
 from collage_train.metrics.bits_per_byte import bits_per_byte, target_text_size
 from collage_train.metrics.edq import FIELDS as EDQ_FIELDS
 from collage_train.metrics.edq import layer_groups
 from collage_train.metrics.step_window import settle
-from collage_train.model_cast import cast_model
-from collage_train.model_init import largest_unit_numel, materialise
+from collage_train.model_init import materialise
 from collage_train.models import (
     build_meta_model,
-    build_model,
     count_parameters,
     enable_activation_checkpointing,
     flops_per_token,
@@ -69,6 +61,7 @@ from collage_train.optim import decay_param_groups, warmup_cosine_lr
 from collage_train.optim.collage.kernels import choose_kernel
 from collage_train.precision import strategy_for
 from collage_train.run import checkpointing, finish, resume
+from collage_train.run.agreement import agreement
 from collage_train.run.checkpointing import CheckpointSaver
 from collage_train.run.stop_signal import StopAgreement, StopRequest, stop_group
 
@@ -101,22 +94,27 @@ class Trainer:
 
         # Each node's first rank prepares a missing corpus; the others wait for its manifest
         # on the file system (collage_train.data.bundle), not in a collective with a timeout.
-        self.data = build_data(
-            init_from.data_config(cfg.data, cfg.model.init_from),  # its tokenizer by default
-            seq_len=cfg.data.seq_len,
-            micro_batch_size=train.micro_batch_size,
-            seed=train.seed,
-            rank=self.engine.rank,
-            world_size=self.engine.world_size,
-        )
-        # The held-out windows every validation evaluates, the same at any world size; one
-        # line says how the pass fits the split and the ranks (collage_train.data.validation).
-        self.validation_plan = self.data.validation_plan(train.micro_batch_size, train.eval_batches)
+        # What this rank's files refuse stops every rank alike (collage_train.run.agreement).
+        with agreement():
+            self.data = build_data(
+                init_from.data_config(cfg.data, cfg.model.init_from),  # its tokenizer by default
+                seq_len=cfg.data.seq_len,
+                micro_batch_size=train.micro_batch_size,
+                seed=train.seed,
+                rank=self.engine.rank,
+                world_size=self.engine.world_size,
+            )
+            # The held-out windows every validation evaluates, the same at any world size; one
+            # line says how the pass fits the split and the ranks (data.validation).
+            self.validation_plan = self.data.validation_plan(
+                train.micro_batch_size, train.eval_batches
+            )
         self.validation_text_size: tuple[int, int] | None = None  # tokens, bytes: first eval
         if self.engine.is_main and (note := self.validation_plan.note()) is not None:
             print(note, flush=True)
         self.model = self._build_model()
-        self._check_sample_prompt()
+        with agreement():
+            self._check_sample_prompt()
         self.loss_chunk_tokens = self._install_loss()
         self.num_params = count_parameters(self.model)
         self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
@@ -235,60 +233,37 @@ class Trainer:
         rank's partitions), once its state and its step are known to fit
         (``collage_train.fit_check``), with the train options applied.
 
-        A random initialisation is drawn unit by unit (``model_init.materialise``): no
-        fp32 copy of the model exists, and the weights are the same whatever the engine
-        or the number of ranks. ``model.init_from`` loads the directory's fp32 weights.
+        The weights are drawn unit by unit (``model_init.materialise``), or read so from
+        ``model.init_from``'s files (``init_from.PretrainedWeights``): no fp32 copy of the
+        model exists, and the weights are the same whatever the engine or the number of
+        ranks. Every check that can refuse is agreed by every rank before any refuses.
         """
         cfg, tokenizer, device = self.cfg, self.data.tokenizer, self.device
         shape = {"vocab_size": tokenizer.vocab_size, "seq_len": cfg.data.seq_len}
         shape["eot_id"] = tokenizer.eot_id
-        meta = build_meta_model(cfg.model, **shape)  # no memory: sizes and names only
-        num_params = count_parameters(meta)
-        self.optimizer_kernel = choose_kernel(
-            cfg.optim.kernel, device, num_params, self.strategy.optimizer.fused_mode
-        )
-        param_bytes = self.strategy.param_dtype.itemsize
-        transient = (num_params if cfg.model.init_from else largest_unit_numel(meta)) * (
-            4 + param_bytes
-        )  # fp32 values beside their cast copy, on the host
-        model_shape = ModelShape.from_model(meta, seq_len=cfg.data.seq_len)
-        setting = planned_setting(cfg, self.strategy, self.engine.world_size, self.optimizer_kernel)
-        check_state_fits(
-            num_params,
+        with agreement():  # this rank's files and compilers (collage_train.run.agreement)
+            meta = build_meta_model(cfg.model, **shape)  # no memory: sizes and names only
+            self.optimizer_kernel = choose_kernel(
+                cfg.optim.kernel, device, count_parameters(meta), self.strategy.optimizer.fused_mode
+            )
+            load = init_from.weights_loader(cfg.model.init_from, meta)  # None: random init
+        check_run_fits(
+            meta,
+            cfg,
             self.strategy,
             self.engine,
             device,
-            host_transient_bytes=transient,
-            model_name=cfg.model.name,
-            distributed=self.engine.name,
-            checkpoint_copy_bytes=(
-                checkpoint_copy_bytes(model_shape, setting) if cfg.train.async_checkpoint else 0.0
-            ),
+            optimizer_kernel=self.optimizer_kernel,
+            loss_chunk_tokens=self._loss_block(meta.config.vocab_size),
         )
-        free = smallest_free_memory(device, self.engine)
-        if free is not None:
-            check_step_fits(
-                model_shape,
-                setting,
-                free_bytes=free,
-                reserve_bytes=cfg.plan.reserve_gb * GIB,
-                micro_batch=cfg.train.micro_batch_size,
-                global_batch=cfg.train.global_batch_size,
-                checkpointing=cfg.train.activation_checkpointing,
-                loss_chunk_tokens=self._loss_block(meta.config.vocab_size),
-                model_name=cfg.model.name,
-            )
-        if cfg.model.init_from:
-            model = build_model(cfg.model, **shape, seed=cfg.train.seed)
-            model = cast_model(model, self.strategy.param_dtype, device)
-        else:
-            model = materialise(
-                meta,
-                seed=cfg.train.seed,
-                dtype=self.strategy.param_dtype,
-                device=device,
-                place=self.engine.place_parameters,
-            )
+        model = materialise(
+            meta,
+            seed=cfg.train.seed,
+            dtype=self.strategy.param_dtype,
+            device=device,
+            place=self.engine.place_parameters,
+            load=load,
+        )
         torch.manual_seed(cfg.train.seed)  # the random state training starts from
         model = self.strategy.prepare_model(model)  # e.g. Scalify's module swap
         self.cpu_bf16_gemm = choose_cpu_bf16_gemm(
@@ -621,17 +596,18 @@ class Trainer:
     def evaluate_downstream(self) -> dict[str, float]:
         """The ``eval.tasks`` of lm-evaluation-harness on rank 0's model in memory
         (``collage_train.downstream``), keyed ``downstream/<task>/<metric>``; the other
-        ranks wait at a barrier (empty results there)."""
+        ranks wait for it (empty results there), and stop with it if it fails
+        (``run.agreement``)."""
         results: dict[str, float] = {}
         start = time.perf_counter()
-        if self.engine.is_main:
-            metrics, warnings = self.downstream.evaluate(self.model, self.step)
-            for line in warnings:
-                self._notice(line)
-            results = {f"downstream/{key}": value for key, value in metrics.items()}
-            if metrics:
-                self.last_downstream = {"step": self.step, **metrics}
-        self.engine.barrier()
+        with agreement():
+            if self.engine.is_main:
+                metrics, warnings = self.downstream.evaluate(self.model, self.step)
+                for line in warnings:
+                    self._notice(line)
+                results = {f"downstream/{key}": value for key, value in metrics.items()}
+                if metrics:
+                    self.last_downstream = {"step": self.step, **metrics}
         self.downstream_seconds += time.perf_counter() - start
         return results
 

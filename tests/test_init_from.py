@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import json
+import re
+import shutil
+from types import SimpleNamespace
+
 import pytest
+import suite_device
 import torch
+from cli_runner import REPO, run_ranks
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
@@ -14,7 +22,13 @@ from transformers import (
 from zero_rank import one_zero_rank
 
 from collage_train.cli import run
-from collage_train.precision import available, get_strategy
+from collage_train.errors import ConfigError
+from collage_train.fit_check import host_transient_bytes, planned_setting
+from collage_train.init_from import load_pretrained, weights_loader
+from collage_train.memory_plan import ModelShape, model_state
+from collage_train.model_init import largest_unit_numel, materialise
+from collage_train.models import build_meta_model
+from collage_train.precision import available, get_strategy, strategy_for
 from collage_train.scalify.params import is_scaled
 from collage_train.scalify.scale import store_scaled
 from collage_train.trainer import Trainer
@@ -363,7 +377,7 @@ def test_the_engine_not_the_config_decides_its_own_steps(
         return trainer.state_dict()
 
     monkeypatch.setattr(trainer_module, "build_engine", build)
-    monkeypatch.setattr(trainer_module, "check_state_fits", check_state_fits)
+    monkeypatch.setattr("collage_train.fit_check.check_state_fits", check_state_fits)
     monkeypatch.setattr(init_from, "seed_masters", seeds("client masters seeded"))
     monkeypatch.setattr(init_from, "seed_zero_masters", seeds("engine's masters seeded"))
     monkeypatch.setattr(checkpointing, "restore", restore)
@@ -379,3 +393,173 @@ def test_the_engine_not_the_config_decides_its_own_steps(
     assert trainer.facts.distributed == "stub" and "| distributed=stub |" in trainer.describe()
     trainer.resume_from(tmp_path / "any-checkpoint")
     assert events[-1] == "restore: distributed=stub"
+
+
+# ------------------------------------------------ read unit by unit, as drawn (issue 48)
+
+FOUR_LAYERS = {"gpt": ["model.num_layers=4"], "llama": [*LLAMA, "model.num_layers=4"]}
+
+
+@pytest.fixture(scope="module")
+def tiny_exports(make_cfg_module, tmp_path_factory):
+    """4-layer gpt and llama tiny as our hf/ export writes them (fp32), by family."""
+    found = {}
+    for family, overrides in FOUR_LAYERS.items():
+        cfg = make_cfg_module(*overrides, *ONE_BATCH, "precision=fp32")
+        trainer = Trainer(cfg, tmp_path_factory.mktemp(f"{family}-source"))
+        found[family] = tmp_path_factory.mktemp(family) / "hf"
+        trainer.export_hf(found[family])
+    return found
+
+
+def init_from_cfg(directory) -> SimpleNamespace:
+    return SimpleNamespace(init_from=str(directory), dropout=0.0, attn_implementation="sdpa")
+
+
+def stored_as(layout: str, directory, target):
+    """``directory``'s model written in another layout of save_pretrained's."""
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    if layout == "safetensors":
+        return directory
+    if layout == "sharded":
+        model.save_pretrained(target, max_shard_size="20KB")
+    elif layout == "bf16":
+        model.to(torch.bfloat16).save_pretrained(target)
+    elif layout == "base model":  # no "transformer." prefix, no output layer (tied)
+        model.base_model.save_pretrained(target)
+        config = json.loads((directory / "config.json").read_text())
+        (target / "config.json").write_text(json.dumps(config))
+    elif layout == "pickled":
+        target.mkdir()
+        (target / "config.json").write_text((directory / "config.json").read_text())
+        torch.save(model.state_dict(), target / "pytorch_model.bin")
+    return target
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.detach().cpu().contiguous().view(torch.uint8),
+            b.detach().cpu().contiguous().view(torch.uint8),
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    [
+        ("gpt", "safetensors"),
+        ("llama", "safetensors"),
+        ("gpt", "sharded"),
+        ("llama", "bf16"),
+        ("llama", "pickled"),
+        ("gpt", "base model"),
+    ],
+)
+def test_read_unit_by_unit_is_from_pretrained_cast_once(
+    tiny_exports, tmp_path, device, family, layout
+):
+    """What ``model.init_from`` reads into the meta model unit by unit is, bit for bit and
+    in every storage dtype, what the trainer built before: ``from_pretrained`` in fp32 cast
+    to that dtype (parameters and persistent buffers); the rotary tables are
+    transformers' own values."""
+    directory = stored_as(layout, tiny_exports[family], tmp_path / "model")
+    cfg = init_from_cfg(directory)
+    fp32 = load_pretrained(cfg, vocab_size=512, seq_len=32)
+    for dtype in (torch.bfloat16, torch.float32):
+        meta = build_meta_model(cfg, vocab_size=512, seq_len=32, eot_id=0)
+        ours = materialise(
+            meta, seed=0, dtype=dtype, device=device, load=weights_loader(str(directory), meta)
+        )
+        before = copy.deepcopy(fp32).to(device=device, dtype=dtype).state_dict()
+        assert list(ours.state_dict()) == list(before)
+        for name, value in ours.state_dict().items():
+            assert same_bits(value, before[name]), (name, dtype)
+        assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight or (
+            family == "llama"
+        )
+        computed = dict(fp32.named_buffers())
+        for name, buffer in ours.named_buffers():  # rotary tables: transformers' values
+            assert torch.equal(buffer.cpu(), computed[name].to(buffer.dtype)), name
+
+
+@pytest.mark.parametrize("case", ["truncated", "wrong shape"])
+def test_files_that_do_not_match_are_refused_before_a_weight_is_read(tiny_exports, tmp_path, case):
+    directory = tmp_path / "model"
+    shutil.copytree(tiny_exports["gpt"], directory)
+    weights = directory / "model.safetensors"
+    if case == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-100])
+        expected = "cannot load its weights (model.safetensors: tensor"
+    else:
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, "n_inner": 64}))
+        expected = "cannot load its weights (transformer.h.0.mlp.c_fc.weight is [32, 128], not"
+    cfg = init_from_cfg(directory)
+    meta = build_meta_model(cfg, vocab_size=512, seq_len=32, eot_id=0)
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        weights_loader(str(directory), meta)
+
+
+@pytest.mark.slow
+@pytest.mark.zero
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_zero3_ranks_read_their_partitions_only(
+    tiny_exports, corpus_dir, cache_dir, tmp_path, family
+):
+    """Two ZeRO-3 ranks started from a directory: the weights they hold together are the
+    unsharded model's bit for bit, and building them allocated, on each rank, no more
+    than the start-up check counts: this rank's share of the weights (the planner's) and
+    the host transient of one unit (``fit_check.host_transient_bytes``), not the whole
+    model in fp32 and in bf16."""
+    directory = tiny_exports[family]
+    result = run_ranks(
+        str(corpus_dir),
+        str(cache_dir),
+        str(tmp_path),
+        str(directory),
+        *FOUR_LAYERS[family],
+        entry=str(REPO / "tests/support/init_from_zero3_rank.py"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    gathered = torch.load(tmp_path / "weights.pt", weights_only=True)
+    cfg = init_from_cfg(directory)
+    expected = load_pretrained(cfg, vocab_size=512, seq_len=32).to(torch.bfloat16).state_dict()
+    assert list(gathered) == list(expected)
+    for name, value in expected.items():
+        assert same_bits(gathered[name], value), name
+
+    run_cfg = make_cfg_for_zero3(corpus_dir, cache_dir, directory, family)
+    strategy = strategy_for(run_cfg.precision)
+    meta = build_meta_model(cfg, vocab_size=512, seq_len=32, eot_id=0)
+    shape = ModelShape.from_model(meta, seq_len=32)
+    share = model_state(shape, planned_setting(run_cfg, strategy, 2, "eager")).weights
+    transient = host_transient_bytes(meta, strategy)  # one unit in fp32 and bf16
+    unit = largest_unit_numel(meta) * 2  # one unit cast, on the device before placing
+    # DeepSpeed's broadcast of a unit's tensor may still hold it briefly after partitioning
+    # it (measured: at most one whole tensor); the generator state materialise forks, 5 KB
+    late, slack = 2 * shape.largest_tensor * 2, 8192
+    whole = shape.num_params * (4 + 2)  # what each rank allocated before: fp32 and bf16
+    assert share + transient + late + slack < 0.6 * whole
+    for rank in range(2):
+        peaks = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        if device_is_host():  # a CPU run: the device is the host
+            assert peaks["host"] <= share + transient + late + slack, (rank, peaks)
+        else:
+            assert peaks["host"] <= transient + slack, (rank, peaks)
+            assert peaks["device"] <= share + unit + late + slack, (rank, peaks)
+
+
+def make_cfg_for_zero3(corpus_dir, cache_dir, directory, family):
+    from init_from_zero3_rank import OVERRIDES
+    from tiny_config import compose_tiny
+
+    return compose_tiny(
+        corpus_dir, cache_dir, *OVERRIDES, f"model.init_from={directory}", *FOUR_LAYERS[family]
+    )
+
+
+def device_is_host() -> bool:
+    return suite_device.torch_device().type == "cpu"

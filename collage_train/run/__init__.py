@@ -10,6 +10,7 @@
 - ``stop_signal``: a stop signal acted on at the same step on every rank;
 - ``finish``: what a finished run writes after its last step (export, sample, summary),
   each failure a warning, never the run's.
+- ``agreement``: a check that refuses on one rank refuses on every rank, in one line.
 
 docs/runs.md describes what a run directory holds and how a run resumes.
 """
