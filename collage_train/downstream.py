@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import functools
 import tempfile
+import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from collage_train.data.hf_files import save_tokenizer
 from collage_train.data.tokenizer import Tokenizer
 from collage_train.decodable import decodable_only
 from collage_train.errors import CollageError, ConfigError, first_line
+from collage_train.run.agreement import agreement
 
 
 @dataclass(frozen=True)
@@ -236,15 +238,43 @@ def flatten(results: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 
 class InRunTasks:
-    """``eval.tasks`` during training, on rank 0. The transformers tokenizer is built at
-    the first evaluation; a task the harness fails on is left out of the rest of the run
-    with one warning line and training goes on (docs/wandb.md says why)."""
+    """``eval.tasks`` during training, on rank 0 while the other ranks wait, each failure
+    agreed by every rank (``run.agreement``). The transformers tokenizer is built at the
+    first evaluation; a task the harness fails on is left out of the rest of the run with
+    one warning line and training goes on (docs/wandb.md says why)."""
 
-    def __init__(self, ev: Any, tokenizer: Tokenizer) -> None:
+    def __init__(self, ev: Any, tokenizer: Tokenizer, *, is_main: bool, max_steps: int) -> None:
         self.tasks = list(ev.tasks)
         self.include_path, self.limit, self.batch_size = ev.include_path, ev.limit, ev.batch_size
+        self.every = ev.every
         self.tokenizer = tokenizer
         self.hf_tokenizer: Any = None
+        self._is_main = is_main
+        self._max_steps = max_steps
+        self.last: dict[str, Any] | None = None  # {"step": N, "task/metric": v}
+        self.seconds = 0.0  # wall time in evaluations, the other ranks' wait included
+
+    def due(self, step: int) -> bool:
+        every = self.every > 0 and step % self.every == 0
+        return bool(self.tasks) and (every or step == self._max_steps)
+
+    def run(
+        self, model: torch.nn.Module, step: int, notice: Callable[[str], None]
+    ) -> dict[str, float]:
+        """The tasks on rank 0's ``model`` in memory, keyed ``downstream/<task>/<metric>``
+        (empty on the other ranks); ``notice`` prints each failed task's warning line."""
+        results: dict[str, float] = {}
+        start = time.perf_counter()
+        with agreement():
+            if self._is_main:
+                metrics, warnings = self.evaluate(model, step)
+                for line in warnings:
+                    notice(line)
+                results = {f"downstream/{key}": value for key, value in metrics.items()}
+                if metrics:
+                    self.last = {"step": step, **metrics}
+        self.seconds += time.perf_counter() - start
+        return results
 
     def evaluate(self, model: torch.nn.Module, step: int) -> tuple[dict[str, float], list[str]]:
         """The metrics of the tasks still in the run, and a warning line per task that

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -25,6 +26,7 @@ from collage_train import determinism
 from collage_train.data.progress import write_json_atomic
 from collage_train.guard import describe_skip
 from collage_train.metrics import model_flops_utilisation
+from collage_train.metrics.step_window import StepRecord
 
 # The GPU-tested stack (docker/gpu_stack.txt) names torch, transformers, deepspeed and
 # triton: a GPU run's summary records each, and the CUDA version torch was built with.
@@ -149,26 +151,26 @@ def _describe_comm(facts: RunFacts) -> str:
 
 
 def train_record(
-    facts: RunFacts, progress: RunProgress, window: list[dict[str, Any]]
+    facts: RunFacts, progress: RunProgress, window: Sequence[StepRecord]
 ) -> dict[str, Any]:
     """The logged record of ``window`` (the settled steps since the last record): losses,
     throughput, memory, the last EDQ measured in it, communication and scale counters."""
-    elapsed = sum(w["time"] for w in window)
+    elapsed = sum(w.time for w in window)
     tokens_per_s = facts.tokens_per_step * len(window) / elapsed
-    edq = next((w["edq"] for w in reversed(window) if w["edq"]), {})
+    edq = next((w.edq for w in reversed(window) if w.edq), {})
     return {
         "step": progress.step,
         "tokens": progress.step * facts.tokens_per_step,
         "epoch": progress.epoch,
         **progress.data,  # data.mixture: tokens per source
         "loss": _mean_applied_loss(window),
-        "lr": window[-1]["lr"],
-        "grad_norm": window[-1]["grad_norm"],
+        "lr": window[-1].lr,
+        "grad_norm": window[-1].grad_norm,
         "skipped_steps": progress.skipped_steps,  # replicas: summed over them
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": tokens_per_s / facts.world_size,
         "step_time_s": elapsed / len(window),
-        "data_time_frac": sum(w["data_time"] for w in window) / elapsed,
+        "data_time_frac": sum(w.data_time for w in window) / elapsed,
         "mfu": _mfu(facts, tokens_per_s),
         **progress.memory,
         **edq,
@@ -183,47 +185,47 @@ def _mfu(facts: RunFacts, tokens_per_s: float) -> float | None:
     )
 
 
-def _mean_applied_loss(window: list[dict[str, Any]]) -> float:
+def _mean_applied_loss(window: Sequence[StepRecord]) -> float:
     """The mean loss of the window's applied steps (a skipped step's loss may be NaN or a
     spike, and is logged in its own record); NaN when every step was skipped."""
-    losses = [w["loss"] for w in window if w.get("applied", True)]
+    losses = [w.loss for w in window if w.applied]
     return sum(losses) / len(losses) if losses else float("nan")
 
 
 SKIPS_KEPT = 100  # skips listed in summary.json (skipped_steps counts them all)
 
 
-def skips_in(window: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def skips_in(window: Sequence[StepRecord]) -> list[dict[str, Any]]:
     """The skipped steps of the settled ``window`` as the summary lists them: step, reason
     and z-scores (the trainer keeps the first ``SKIPS_KEPT``)."""
-    return [{"step": s["step"], **s["skip"]} for s in window if s.get("skip") is not None]
+    return [{"step": s.step, **s.skip} for s in window if s.skip is not None]
 
 
 def skip_records(
-    facts: RunFacts, window: list[dict[str, Any]], skipped_steps: int
+    facts: RunFacts, window: Sequence[StepRecord], skipped_steps: int
 ) -> list[dict[str, Any]]:
     """One record per skipped step of the settled ``window`` (reason and z-scores, for
     metrics.jsonl and W&B), each with the console ``line`` naming it; ``skipped_steps``
     is this rank's count so far."""
     records = []
     for stats in window:
-        skip = stats.get("skip")
+        skip = stats.skip
         if skip is None:
             continue
         record = {
-            "step": stats["step"],
-            "tokens": stats["step"] * facts.tokens_per_step,
+            "step": stats.step,
+            "tokens": stats.step * facts.tokens_per_step,
             "skip_reason": skip["reason"],
-            "skipped_loss": stats["loss"],
-            "skipped_grad_norm": stats["grad_norm"],
+            "skipped_loss": stats.loss,
+            "skipped_grad_norm": stats.grad_norm,
             "skipped_steps": skipped_steps,
         }
         if "loss_z" in skip:
             record["loss_z"], record["grad_norm_z"] = skip["loss_z"], skip["grad_norm_z"]
         line = describe_skip(
-            stats["step"], skip["reason"], skip.get("loss_z"), skip.get("grad_norm_z")
+            stats.step, skip["reason"], skip.get("loss_z"), skip.get("grad_norm_z")
         )
-        record["line"] = f"{line}: loss {stats['loss']:.4g}, grad norm {stats['grad_norm']:.4g}"
+        record["line"] = f"{line}: loss {stats.loss:.4g}, grad norm {stats.grad_norm:.4g}"
         records.append(record)
     return records
 
@@ -233,13 +235,13 @@ def run_summary(
     progress: RunProgress,
     last: dict[str, Any] | None,
     val: dict[str, float] | None,
-    timed: list[dict[str, float]],
+    timed: Sequence[StepRecord],
     wall_time: float,
     start_step: int,
 ) -> dict[str, Any]:
     """The run's summary: sizes, final losses, throughput over the ``timed`` steps, memory,
     state bytes, the settings that shaped the numbers, and the package versions."""
-    elapsed = sum(w["time"] for w in timed)
+    elapsed = sum(w.time for w in timed)
     tokens_per_s = facts.tokens_per_step * len(timed) / elapsed if elapsed else None
     downstream = progress.downstream
     return {

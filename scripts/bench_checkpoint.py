@@ -54,8 +54,9 @@ def worker(out: Path, overrides: list[str], saves: int) -> None:
     cfg = compose_job(overrides)
     trainer = Trainer(cfg, out.parent / "run")
     trainer.train_step()  # warm-up: allocations, the optimizer state
-    trainer.saver.prepare(trainer.state_dict())  # as Trainer.fit does after its first step
-    trainer.saver.wait()  # the host buffers are allocated before the timed saves
+    # as Trainer.fit does after its first step
+    trainer.checkpointer.saver.prepare(trainer.state_dict())
+    trainer.checkpointer.saver.wait()  # the host buffers are allocated before the timed saves
     sync_s, blocked_s, written_s, steps_during = [], [], [], []
     for _ in range(saves):
         trainer.train_step()
@@ -68,12 +69,12 @@ def worker(out: Path, overrides: list[str], saves: int) -> None:
         trainer.save_checkpoint(background=True)
         blocked_s.append(time.perf_counter() - start)
         overlapped = 0
-        while trainer.saver.in_flight:
+        while trainer.checkpointer.saver.in_flight:
             trainer.train_step()
             overlapped += 1
-        trainer.saver.wait()
-        trainer.saver.raise_failure()
-        written_s.append(trainer.saver.times.written[-1])
+        trainer.checkpointer.saver.wait()
+        trainer.checkpointer.saver.raise_failure()
+        written_s.append(trainer.checkpointer.saver.times.written[-1])
         steps_during.append(overlapped)
     rank = trainer.engine.rank
     newest = checkpoint.latest_checkpoint(trainer.run_dir)
@@ -85,7 +86,7 @@ def worker(out: Path, overrides: list[str], saves: int) -> None:
         "checkpoint_bytes": directory_bytes(
             newest, rank if trainer.engine.world_size > 1 else None
         ),
-        "host_staging_bytes": trainer.saver.host_staging_bytes,
+        "host_staging_bytes": trainer.checkpointer.saver.host_staging_bytes,
         "sync_s": sync_s,
         "async_blocked_s": blocked_s,
         "async_written_s": written_s,

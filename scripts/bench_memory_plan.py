@@ -83,7 +83,7 @@ def bench_row(args: argparse.Namespace, precision: str, checkpointing: bool) -> 
             get_strategy(precision),
             0,
             fused_optimizer=trainer.optimizer_kernel != "eager",
-            masked_step=trainer.verdicts_on_device,
+            masked_step=trainer.window.verdicts_on_device,
         )
         train = cfg.train
         planned = estimate(

@@ -4,8 +4,9 @@ Each rank (one process, or the ranks of a ``torchrun`` launch) composes the real
 configuration and builds the real ``Trainer``: data, the model in its storage dtype,
 the optimizer and the engine (DeepSpeed's ``initialize`` under ZeRO), everything that
 happens before the first step. It reports the seconds since its process started and its
-peak resident set size (``VmHWM``) twice: once the model is built (``Trainer._build_model``
-returned) and before the first step; then it exits without training. On a CPU the
+peak resident set size (``VmHWM``) twice: once the model is built
+(``run.model_setup.build_run_model`` returned) and before the first step; then it
+exits without training. On a CPU the
 device is the host, so the second also holds what the engine allocates for training
 (DeepSpeed ZeRO-3's flat weight and gradient partitions).
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from common import REPO, parser, publish, table
 from runs import launch_ranks, rank_output
@@ -52,19 +54,27 @@ def worker(out: Path, overrides: list[str]) -> None:
     """Inside each rank: build the trainer, report, exit."""
     import torch
 
+    from collage_train import trainer as trainer_module
     from collage_train.compose import compose_job
     from collage_train.trainer import Trainer
 
     cfg = compose_job(overrides)
     built: dict[str, float] = {}
-    build = Trainer._build_model
+    # the model alone, before the engine wraps it (a checkout from before the trainer's
+    # components, --repo, builds it in Trainer._build_model)
+    owner, name = (
+        (Trainer, "_build_model")
+        if hasattr(Trainer, "_build_model")
+        else (trainer_module, "build_run_model")
+    )
+    build = getattr(owner, name)
 
-    def timed_build(self: Trainer) -> torch.nn.Module:
-        model = build(self)
+    def timed_build(*args: Any) -> Any:
+        model = build(*args)
         built.update(model_s=process_age_s(), model_peak_rss_bytes=peak_rss_bytes())
         return model
 
-    Trainer._build_model = timed_build  # the model alone, before the engine wraps it
+    setattr(owner, name, timed_build)
     trainer = Trainer(cfg, out.parent / "run")
     row = {
         **built,

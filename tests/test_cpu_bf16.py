@@ -279,15 +279,11 @@ def test_compiled_model_gets_the_emulation_from_inductor(make_cfg, tmp_path, mon
               "model.num_layers=1")  # fmt: skip
     eager = Trainer(make_cfg(*common), tmp_path / "e")
     assert eager.loss_chunk_tokens == 48
-    eager_stats = [
-        x for s in (eager.train_step() for _ in range(3)) for x in (s["loss"], s["grad_norm"])
-    ]
+    eager_stats = [x for s in (eager.train_step() for _ in range(3)) for x in (s.loss, s.grad_norm)]
     seen = _count_emulated(monkeypatch)
     counters = fresh_dynamo()
     compiled = Trainer(make_cfg(*common, "train.compile=true"), tmp_path / "c")
-    stats = [
-        x for s in (compiled.train_step() for _ in range(3)) for x in (s["loss"], s["grad_norm"])
-    ]
+    stats = [x for s in (compiled.train_step() for _ in range(3)) for x in (s.loss, s.grad_norm)]
     assert counters["stats"]["unique_graphs"] >= 1  # Dynamo compiled the model
     assert not counters["graph_break"], list(counters["graph_break"])  # in one piece
     assert "mm.default" in seen  # the decompositions ran while Inductor traced
@@ -317,20 +313,19 @@ def test_ranks_choose_alike_from_the_probe_averaged_over_ranks(monkeypatch):
     numbers could pick differently, so the trainer averages them over ranks first."""
     from types import SimpleNamespace
 
-    from collage_train import trainer as trainer_module
+    from collage_train.run import model_setup
 
-    monkeypatch.setattr(trainer_module, "probe_gflops", lambda: (30.0, 10.0))  # this rank
+    monkeypatch.setattr(model_setup, "probe_gflops", lambda: (30.0, 10.0))  # this rank
     reduced = []
 
     def all_reduce_sum(tensor):
         reduced.append(tensor.clone())
         return tensor + torch.tensor([0.0, 90.0])  # the other rank saw (0, 90)
 
-    fake = SimpleNamespace(
-        engine=SimpleNamespace(world_size=2, all_reduce_sum=all_reduce_sum),
-        device=torch.device("cpu"),
+    engine = SimpleNamespace(
+        world_size=2, all_reduce_sum=all_reduce_sum, device=torch.device("cpu")
     )
-    assert Trainer._probe_gemms_on_every_rank(fake) == (15.0, 50.0)
+    assert model_setup._probe_gemms_on_every_rank(engine) == (15.0, 50.0)
     assert reduced[0].tolist() == [30.0, 10.0]
-    fake.engine.world_size = 1
-    assert Trainer._probe_gemms_on_every_rank(fake) == (30.0, 10.0)
+    engine.world_size = 1
+    assert model_setup._probe_gemms_on_every_rank(engine) == (30.0, 10.0)

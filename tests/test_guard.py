@@ -161,7 +161,7 @@ def test_a_nan_and_a_spike_are_skipped_as_if_their_batches_were_never_there(
     run = ("train.max_steps=10", f"precision={precision}", "train.eval_every=10")
     guarded, summary = _run(make_cfg, tmp_path / "a", faulty, *run, sink=sink)
     reference, _ = _run(make_cfg, tmp_path / "b", clean, *run, "train.stop_at_step=8")
-    assert guarded.applied_steps == reference.applied_steps == 8
+    assert guarded.window.applied_steps == reference.window.applied_steps == 8
     _assert_same_state(guarded, reference)
     assert summary["skipped_steps"] == 2
     assert [(s["step"], s["reason"]) for s in summary["skips"]] == [
@@ -191,9 +191,9 @@ def test_steps_held_back_behind_a_refused_one_are_taken_again(
     inject(faulty, "nan", "5")
     inject(faulty, "spike", "7")
     inject(clean, "drop", "5,7")
-    taken = []  # the step each call of _step takes
-    step = faulty._step
-    faulty._step = lambda self: taken.append(self.step + 1) or step(self)
+    taken = []  # the step each call of _take_step takes
+    step = faulty._take_step
+    faulty._take_step = lambda self: taken.append(self.step + 1) or step(self)
     run = (
         "train.max_steps=12",
         f"precision={precision}",
@@ -203,16 +203,16 @@ def test_steps_held_back_behind_a_refused_one_are_taken_again(
     sink = RecordingSink()
     guarded, summary = _run(make_cfg, tmp_path / "a", faulty, *run, sink=sink)
     reference, _ = _run(make_cfg, tmp_path / "b", clean, *run, "train.stop_at_step=10")
-    assert guarded.verdicts_on_device
+    assert guarded.window.verdicts_on_device
     # 6-8 again after step 5's refusal is read at 8; 8 again after step 7's
     assert taken == [*range(1, 9), 6, 7, 8, *range(8, 13)]
-    assert guarded.applied_steps == reference.applied_steps == 10
+    assert guarded.window.applied_steps == reference.window.applied_steps == 10
     _assert_same_state(guarded, reference)
     assert [(s["step"], s["reason"]) for s in summary["skips"]] == [
         (5, "non-finite loss"),
         (7, "loss spike"),
     ]
-    assert summary["skipped_steps"] == 2 and not guarded.held_batches
+    assert summary["skipped_steps"] == 2 and not guarded.window.holding
     skipped = [r["step"] for r in sink.records if "skip_reason" in r]
     train = [r for r in sink.records if "loss" in r]
     assert skipped == [5, 7] and [r["step"] for r in train] == [4, 8, 12]
@@ -227,7 +227,8 @@ def test_the_guard_off_trains_bit_for_bit_as_the_guard_on_without_a_fault(
     run = ("train.max_steps=6", "precision=bf16")
     on, _ = _run(make_cfg, tmp_path / "on", Trainer, *run)
     off, summary = _run(make_cfg, tmp_path / "off", Trainer, *run, "train.guard.enabled=false")
-    assert on.skipped_steps == 0 and summary["skipped_steps"] == 0 and off.guard is None
+    assert on.window.skipped_steps == 0 and summary["skipped_steps"] == 0
+    assert off.window.guard is None
     _assert_same_state(on, off)
     # and without the guard a NaN step is applied, as before: the run stops at the settle
     faulty = patched_trainer()
@@ -294,7 +295,7 @@ def test_held_skipped_and_rolled_back_steps_all_reach_wandb(
         summary = guarded.fit([recorded, streamed])
     finally:
         streamed.close()
-    assert guarded.verdicts_on_device
+    assert guarded.window.verdicts_on_device
     assert summary["rollbacks"] == [{"from_step": 11, "to_step": 8, "skipped": [10, 11]}]
     assert [r["step"] for r in recorded.records if "skip_reason" in r] == [5, 10, 11]
     assert [r["step"] for r in recorded.records if "loss" in r] == [2, 4, 6, 8, 10, 10, 12, 14]
@@ -423,7 +424,7 @@ def test_one_zero_rank_skips_a_spike_as_if_its_batch_were_never_there(
         finally:
             trainer.engine.close()
         if name == "a":
-            assert trainer.verdicts_on_device == masked
+            assert trainer.window.verdicts_on_device == masked
             assert [(s["step"], s["reason"]) for s in summary["skips"]] == [(6, "loss spike")]
     guarded, reference = states
     assert len(guarded) == len(reference) > 0

@@ -6,7 +6,7 @@ drained its queue, and a collective stalls every rank. On CPU nothing stalls, bu
 calls are the same, so they are counted here with a ``TorchFunctionMode`` (every host
 read of a tensor, whoever makes it), a patched ``torch.cuda.synchronize`` and the
 engine's collectives, each attributed to the phase of the loop that made it: a step
-(``Trainer._step``) or a settle (``Trainer._settle``, at logged, validated and
+(``Trainer._take_step``) or a settle (``GuardedWindow.settle``, at logged, validated and
 checkpointed steps). Under ZeRO only reads made by this project's code count: what
 DeepSpeed's own step needs is DeepSpeed's.
 
@@ -103,7 +103,7 @@ class SyncCounter(TorchFunctionMode):
 def counting(trainer: Trainer, *, only_ours: bool = False):
     """Attribute every host read, synchronize and engine collective of ``trainer.fit``."""
     counter = SyncCounter(only_ours)
-    step, settle = trainer._step, trainer._settle
+    step, settle = trainer._take_step, trainer.window.settle
     all_reduce, barrier = trainer.engine.all_reduce_sum, trainer.engine.barrier
 
     def in_phase(phase, func):
@@ -123,7 +123,8 @@ def counting(trainer: Trainer, *, only_ours: bool = False):
 
         return wrapped
 
-    trainer._step, trainer._settle = in_phase("step", step), in_phase("settle", settle)
+    trainer._take_step = in_phase("step", step)
+    trainer.window.settle = in_phase("settle", settle)
     trainer.engine.all_reduce_sum = counted("collective", all_reduce)
     trainer.engine.barrier = counted("collective", barrier)
     synchronize = torch.cuda.synchronize
@@ -133,7 +134,7 @@ def counting(trainer: Trainer, *, only_ours: bool = False):
             yield counter
     finally:
         torch.cuda.synchronize = synchronize
-        del trainer._step, trainer._settle
+        del trainer._take_step, trainer.window.settle
         del trainer.engine.all_reduce_sum, trainer.engine.barrier
 
 
@@ -181,7 +182,7 @@ def test_single_process_steps_never_wait_for_the_device(
     cfg = make_cfg(f"precision={precision}", f"train.guard.enabled={guard}", *RUN)
     sink = RecordingSink()
     trainer = Trainer(cfg, tmp_path / "run")
-    assert trainer.verdicts_on_device == (guard == "true" and guard_reads == 0)
+    assert trainer.window.verdicts_on_device == (guard == "true" and guard_reads == 0)
     with counting(trainer, only_ours=True) as counter:
         summary = trainer.fit([sink])
     assert summary["steps"] == 12 and summary["skipped_steps"] == 0
@@ -236,13 +237,13 @@ def test_a_nan_between_logged_steps_is_caught_before_the_next_checkpoint(
         "train.guard.enabled=false",
     )
     trainer = Trainer(cfg, tmp_path / "run")
-    loss = trainer._loss
+    loss = trainer.stepper.loss
 
     def poisoned(batch):
         value = loss(batch)
         return value * float("nan") if trainer.step == 4 else value  # the 5th step's loss
 
-    trainer._loss = poisoned
+    trainer.stepper.loss = poisoned
     with pytest.raises(TrainingDiverged, match="at step 5;"):
         trainer.fit()
     saved = sorted(path.name for path in (tmp_path / "run" / "checkpoints").iterdir())

@@ -79,7 +79,7 @@ def first_batch_and_loss(trainer: Trainer) -> tuple[torch.Tensor, float]:
     state = trainer.data.train_loader.state_dict()
     batch = trainer.data.train_loader.next_batch()
     trainer.data.train_loader.load_state_dict(state)
-    return batch, trainer.train_step()["loss"]
+    return batch, trainer.train_step().loss
 
 
 def reference_loss(directory, batch: torch.Tensor) -> float:

@@ -31,7 +31,7 @@ def test_every_precision_strategy_trains_llama(make_cfg, tmp_path):
     for name in available():
         trainer = Trainer(make_cfg(*LLAMA, *FAST, f"precision={name}"), tmp_path / name)
         assert type(trainer.model).__name__ == "LlamaForCausalLM"
-        losses = [trainer.train_step()["loss"] for _ in range(4)]
+        losses = [trainer.train_step().loss for _ in range(4)]
         assert all(torch.isfinite(torch.tensor(losses))), (name, losses)
         assert losses[-1] < losses[0] - 0.05, (name, losses)
         assert trainer.layer_groups == ["block_0", "block_1", "embeddings", "head"]
@@ -48,7 +48,7 @@ def test_llama_checkpointing_and_export(make_cfg, tmp_path):
         cfg = make_cfg(*LLAMA, *FAST, "precision=fp32", *extra)
         trainer = Trainer(cfg, tmp_path / str(len(extra)))
         stats = [trainer.train_step() for _ in range(3)]
-        return trainer, [x for s in stats for x in (s["loss"], s["grad_norm"])]
+        return trainer, [x for s in stats for x in (s.loss, s.grad_norm)]
 
     plain, plain_stats = three_steps()
     ckpt, ckpt_stats = three_steps("train.activation_checkpointing=true")
@@ -80,7 +80,7 @@ def test_llama_under_zero_in_process(make_cfg, tmp_path, monkeypatch, stage):
     trainer = Trainer(cfg, tmp_path)
     try:
         assert trainer.engine.deepspeed_config["zero_optimization"]["stage"] == stage
-        losses = [trainer.train_step()["loss"] for _ in range(3)]
+        losses = [trainer.train_step().loss for _ in range(3)]
         trainer.export_hf(tmp_path / "hf")
     finally:
         trainer.engine.close()
@@ -102,7 +102,7 @@ def test_llama_one_diloco_replica_trains_like_the_plain_optimizer(make_cfg, tmp_
     try:
         assert type(replica.engine).__name__ == "ReplicaEngine"
         for _ in range(3):
-            assert replica.train_step()["loss"] == plain.train_step()["loss"]
+            assert replica.train_step().loss == plain.train_step().loss
         assert replica.engine.counters["outer_steps"] == 3
         mine, theirs = replica.model.state_dict(), plain.model.state_dict()
         assert all(torch.equal(mine[name], theirs[name]) for name in theirs)

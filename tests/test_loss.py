@@ -392,7 +392,7 @@ def test_the_compiled_model_trains_alike_with_the_chunked_loss(make_cfg, tmp_pat
         trainer = Trainer(cfg, tmp_path / str(compiled))
         assert trainer.loss_chunk_tokens == 48
         steps = [trainer.train_step() for _ in range(3)]
-        stats[compiled] = [x for s in steps for x in (s["loss"], s["grad_norm"])]
+        stats[compiled] = [x for s in steps for x in (s.loss, s.grad_norm)]
     assert counters["stats"]["unique_graphs"] >= 1  # Dynamo compiled the model
     assert trainer.model._compiled_call_impl is not None
     assert stats[True] == pytest.approx(stats[False], rel=1e-4)

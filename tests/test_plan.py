@@ -48,7 +48,7 @@ def planned_step_peak(trainer: Trainer, cfg) -> float:
             get_strategy(cfg.precision.name),
             stage=0,
             fused_optimizer=False,
-            masked_step=trainer.verdicts_on_device,
+            masked_step=trainer.window.verdicts_on_device,
         ),
         micro_batch=train.micro_batch_size,
         accum_steps=accumulation_steps(train.global_batch_size, train.micro_batch_size, 1),

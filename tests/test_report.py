@@ -12,6 +12,7 @@ import pytest
 
 from collage_train import report
 from collage_train.guard import describe_skip
+from collage_train.metrics.step_window import StepRecord
 
 FACTS = report.RunFacts(
     model="gpt_tiny",
@@ -62,9 +63,17 @@ PROGRESS = report.RunProgress(
 )
 
 
-def _step(step: int, *, time: float, loss: float, applied: bool = True, **extra) -> dict:
-    stats = {"step": step, "time": time, "loss": loss, "lr": 1e-3 * step, "grad_norm": 0.5}
-    return {**stats, "data_time": time / 4, "edq": None, "applied": applied, **extra}
+def _step(step: int, *, time: float, loss: float, applied: bool = True, **extra) -> StepRecord:
+    return StepRecord(
+        step=step,
+        loss=loss,
+        lr=1e-3 * step,
+        grad_norm=0.5,
+        data_time=time / 4,
+        applied=applied,
+        time=time,
+        **extra,
+    )
 
 
 def test_the_start_up_line_states_model_strategy_batch_engine_and_steps():
@@ -136,7 +145,7 @@ def test_each_skipped_step_gets_a_record_and_a_line_naming_it():
 def test_the_summary_reports_the_records_and_the_window_it_timed():
     timed = [_step(11, time=1.0, loss=3.0), _step(12, time=3.0, loss=2.5)]
     val = {"val_loss": 2.75, "val_ppl": math.exp(2.75), "val_bpb": 1.1}
-    summary = report.run_summary(FACTS, PROGRESS, timed[-1], val, timed, 9.5, start_step=4)
+    summary = report.run_summary(FACTS, PROGRESS, {"loss": 2.5}, val, timed, 9.5, start_step=4)
     json.dumps(summary)  # summary.json holds it
     tokens_per_s = 512 * 2 / 4.0
     expected = {

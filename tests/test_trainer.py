@@ -30,7 +30,7 @@ def test_accumulated_micro_batches_equal_one_large_batch(make_cfg, tmp_path):
         steps = [trainer.train_step() for _ in range(3)]
         # The gradient norm (before any clipping) exposes a wrong loss scale, which
         # Adam's update alone would hide.
-        stats = [(s["loss"], s["grad_norm"]) for s in steps]
+        stats = [(s.loss, s.grad_norm) for s in steps]
         weights.append((stats, [p.detach().clone() for p in trainer.model.parameters()]))
     (ref_stats, ref), *others = weights
     for stats, params in others:
@@ -62,7 +62,7 @@ def test_mfu_uses_configured_peak(make_cfg, tmp_path):
     trainer = Trainer(make_cfg("metrics.peak_tflops=2.0", "train.max_steps=1"), tmp_path / "run")
     trainer.fit([sink])
     record = sink.records[0]
-    expected = record["tokens_per_s"] * trainer.flops_per_token / 2.0e12
+    expected = record["tokens_per_s"] * trainer.facts.flops_per_token / 2.0e12
     assert record["mfu"] == pytest.approx(expected) and record["mfu"] > 0
 
 
@@ -164,7 +164,7 @@ def test_skipped_steps_are_counted_and_carry_no_descent(make_cfg, tmp_path):
 def _three_steps(cfg, run_dir):
     trainer = Trainer(cfg, run_dir)
     stats = [trainer.train_step() for _ in range(3)]
-    return trainer, [x for s in stats for x in (s["loss"], s["grad_norm"])]
+    return trainer, [x for s in stats for x in (s.loss, s.grad_norm)]
 
 
 def test_activation_checkpointing_recomputes_the_same_gradients(make_cfg, tmp_path):
@@ -191,7 +191,7 @@ def test_activation_checkpointing_recomputes_the_same_gradients(make_cfg, tmp_pa
         gradient_checkpointing_func=functools.partial(counting_checkpoint, use_reentrant=False),
     )
     stats = [trainer.train_step() for _ in range(3)]
-    stats = [x for s in stats for x in (s["loss"], s["grad_norm"])]
+    stats = [x for s in stats for x in (s.loss, s.grad_norm)]
     assert len(calls) == 3 * trainer.accum_steps * cfg.model.num_layers  # every block
     assert stats == pytest.approx(plain_stats, rel=1e-6)
     for a, b in zip(plain.model.parameters(), trainer.model.parameters(), strict=True):

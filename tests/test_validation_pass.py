@@ -25,7 +25,9 @@ def test_padding_forwards_are_run_but_not_counted(make_cfg, tmp_path):
     def loss_of(window: int) -> float:
         trainer.forward_module.eval()
         with torch.no_grad(), trainer.cpu_bf16_gemm.context(compiled=False):
-            return trainer._loss(window_batch(data.val_tokens, data.seq_len, window, 1)).item()
+            return trainer.stepper.loss(
+                window_batch(data.val_tokens, data.seq_len, window, 1)
+            ).item()
 
     losses = [loss_of(window) for window in range(3)]
     assert len(set(losses)) == 3  # a counted padding forward would change the mean

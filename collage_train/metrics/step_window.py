@@ -1,4 +1,5 @@
-"""Turning a window of steps' device statistics into host numbers, with one wait.
+"""A step's statistics (``StepRecord``), and turning a window of them into host numbers
+with one wait.
 
 Each optimizer step leaves its loss, gradient norm and EDQ partial sums on the device
 (this rank's share); the loop runs ahead until it needs numbers (to log, validate or
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +21,32 @@ import torch
 from collage_train.errors import TrainingDiverged
 from collage_train.guard import REASONS, Verdict
 from collage_train.metrics.edq import FIELDS, layer_group_metrics
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step's statistics: device tensors (this rank's share) until
+    ``settle`` turns them into host numbers.
+
+    ``applied`` is False for a step refused at once (the guard's verdict read before the
+    update, or DeepSpeed's overflow check), the guard's device verdict for a step whose
+    update it masked, True otherwise; ``verdict`` is the guard's judgement of a step it
+    refused or may have refused. ``settle`` fills ``time`` (the window's wall seconds per
+    step) and, for a refused step, ``skip`` (reason and z-scores); ``edq`` becomes the EDQ
+    metrics (``metrics.edq.layer_group_metrics``), None for a refused step.
+    """
+
+    step: int
+    loss: torch.Tensor | float
+    lr: float
+    grad_norm: torch.Tensor | float
+    data_time: float = 0.0
+    edq: torch.Tensor | dict[str, float] | None = None
+    applied: bool | torch.Tensor = True
+    verdict: Verdict | None = None
+    time: float = 0.0
+    skip: dict[str, Any] | None = None
+
 
 # A step that DeepSpeed's own overflow check refused before the guard was asked.
 OVERFLOW_REASON = "non-finite grad norm (DeepSpeed's overflow check)"
@@ -44,7 +72,7 @@ def _loss_row(share: torch.Tensor, applied: bool | torch.Tensor) -> torch.Tensor
 
 
 def settle(
-    window: list[dict[str, Any]],
+    window: Sequence[StepRecord],
     *,
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
     device: torch.device,
@@ -54,29 +82,21 @@ def settle(
     world_size: int = 1,
 ) -> None:
     """Replace the device statistics of ``window`` (the steps since the last settle) by
-    host numbers, in place.
+    host numbers, in place (``StepRecord`` says what each field becomes).
 
-    ``window`` holds one dict per step with ``loss`` (this rank's share of the mean),
-    ``grad_norm`` (already global), ``edq`` (``StepOutcome.edq`` or None) and, for a step
-    the step guard refused, ``applied`` False and its ``verdict`` (``guard.Verdict``, or
-    None where DeepSpeed's overflow check refused it first); ``applied`` may also be the
-    guard's device verdict, with the ``verdict`` beside it, and becomes a bool here (a
-    refused step's EDQ then None); afterwards ``loss`` and
-    ``grad_norm`` are floats, ``edq`` the EDQ metrics (``layer_group_metrics``), ``time``
-    the window's wall time per step, and a refused step's ``skip`` says why
-    (``guard.REASONS``) with the z-scores. A step's loss is the mean over the ranks that
-    applied it (replicas judge their steps alone), or, refused on every rank, the mean
-    of the refused losses. A non-finite loss of an applied step raises
-    ``TrainingDiverged`` naming its step, before anything is checkpointed.
+    A step's loss is the mean over the ranks that applied it (replicas judge their steps
+    alone), or, refused on every rank, the mean of the refused losses. A non-finite loss
+    of an applied step raises ``TrainingDiverged`` naming its step, before anything is
+    checkpointed.
     """
-    reduced = [_loss_row(stats["loss"], stats.get("applied", True)) for stats in window]
-    tracked = [stats for stats in window if stats["edq"] is not None]
-    reduced += [stats["edq"].flatten() for stats in tracked]
-    local = [torch.as_tensor(s["grad_norm"], dtype=torch.float64).reshape(1) for s in window]
-    judged = [s for s in window if s.get("verdict") is not None]
-    local += [verdict_row(s["verdict"]) for s in judged]
-    on_device = [s for s in window if torch.is_tensor(s.get("applied"))]
-    local += [s["applied"].to(torch.float64).reshape(1) for s in on_device]
+    reduced = [_loss_row(record.loss, record.applied) for record in window]
+    tracked = [record for record in window if record.edq is not None]
+    reduced += [record.edq.flatten() for record in tracked]
+    local = [torch.as_tensor(r.grad_norm, dtype=torch.float64).reshape(1) for r in window]
+    judged = [r for r in window if r.verdict is not None]
+    local += [verdict_row(r.verdict) for r in judged]
+    on_device = [r for r in window if torch.is_tensor(r.applied)]
+    local += [r.applied.to(torch.float64).reshape(1) for r in on_device]
     flat = torch.cat([t.to(device, torch.float64) for t in reduced + local])
     count = sum(t.numel() for t in reduced)
     all_reduce_sum(flat[:count])
@@ -84,43 +104,42 @@ def settle(
     elapsed = time.perf_counter() - since
     size = len(window)
     width = len(layer_groups) * len(FIELDS)
-    for index, stats in enumerate(window):
+    for index, record in enumerate(window):
         applied_sum, refused_sum, applied_ranks = values[3 * index : 3 * index + 3]
         if applied_ranks == 0:
-            stats["loss"] = refused_sum
+            record.loss = refused_sum
         elif applied_ranks == world_size:
-            stats["loss"] = applied_sum
+            record.loss = applied_sum
         else:  # some replicas refused it: the mean over the others
-            stats["loss"] = applied_sum * world_size / applied_ranks
-        stats["grad_norm"] = values[count + index]
-        stats["time"] = elapsed / size
+            record.loss = applied_sum * world_size / applied_ranks
+        record.grad_norm = values[count + index]
+        record.time = elapsed / size
     offset = 3 * size
-    for stats in tracked:
-        stats["edq"] = layer_group_metrics(
-            values[offset : offset + width], layer_groups, with_dtheta
-        )
+    for record in tracked:
+        record.edq = layer_group_metrics(values[offset : offset + width], layer_groups, with_dtheta)
         offset += width
     offset = count + size + 3 * len(judged)
-    for stats in on_device:
-        stats["applied"] = values[offset] != 0
+    for record in on_device:
+        record.applied = values[offset] != 0
         offset += 1
-        if not stats["applied"]:
-            stats["edq"] = None
+        if not record.applied:
+            record.edq = None
     offset = count + size
-    for stats in judged:
+    for record in judged:
         reason, loss_z, grad_norm_z = values[offset : offset + 3]
         offset += 3
-        stats.pop("verdict")
-        if not stats.get("applied", True) and int(reason) != 0:  # 0: the engine refused it
-            stats["skip"] = {"reason": REASONS[int(reason)], "loss_z": loss_z}
-            stats["skip"]["grad_norm_z"] = grad_norm_z
-    for stats in window:
-        if not stats.get("applied", True):
-            stats.setdefault("skip", {"reason": OVERFLOW_REASON})
+        record.verdict = None
+        if not record.applied and int(reason) != 0:  # 0: the engine refused it
+            record.skip = {"reason": REASONS[int(reason)], "loss_z": loss_z}
+            record.skip["grad_norm_z"] = grad_norm_z
+    for record in window:
+        if not record.applied:
+            if record.skip is None:
+                record.skip = {"reason": OVERFLOW_REASON}
             continue
-        if not math.isfinite(stats["loss"]):
+        if not math.isfinite(record.loss):
             raise TrainingDiverged(
-                f"the loss became {stats['loss']} at step {stats['step']}; the last good "
+                f"the loss became {record.loss} at step {record.step}; the last good "
                 "checkpoint is kept. Lower optim.lr, raise optim.warmup_steps, or use "
                 "precision=mixed_fp32"
             )

@@ -177,6 +177,17 @@ class StopAgreement:
             return max(0.0, time.time() - self._agreed_wall)
         return None
 
+    def describe(self, step: int) -> str:
+        """The line saying the run stopped at ``step`` on the signal, its checkpoint saved."""
+        elapsed = self.elapsed()
+        took = f", {elapsed:.1f} s after the signal" if elapsed is not None else ""
+        landed = step - self.stop_step + self.signal_step if self.signal_step else None
+        during = f" during step {landed}" if landed is not None else " on another rank"
+        return (
+            f"{self.signal_name or 'a stop signal'} received{during}: checkpoint saved at "
+            f"step {step}{took}; continue with train.resume=true"
+        )
+
     def finish(self) -> None:
         """Wait for an all-reduce still in flight, so nothing is pending at exit."""
         if self._pending is not None:

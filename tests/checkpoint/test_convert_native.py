@@ -112,7 +112,7 @@ def test_one_process_converted_to_zero_loads_with_deepspeeds_own_loader(
         # aside, which the trainer sets before each step)
         again = zero.save_checkpoint()
         assert_same_deepspeed_files(out, again)
-        assert zero.train_step()["loss"] == pytest.approx(single.train_step()["loss"], rel=1e-6)
+        assert zero.train_step().loss == pytest.approx(single.train_step().loss, rel=1e-6)
     finally:
         zero.engine.close()
 
@@ -156,7 +156,7 @@ def test_layouts_chain_over_3_and_6_ranks_and_back_to_one_process_bit_for_bit(ma
     resumed = Trainer(cfg, tmp_path / "resumed")
     resumed.resume_from(previous)
     assert_bitwise(state_of(resumed), state_of(single))
-    assert resumed.train_step()["loss"] == single.train_step()["loss"]
+    assert resumed.train_step().loss == single.train_step().loss
 
 
 def test_deepspeeds_partitions_for_n_ranks(monkeypatch):

@@ -45,7 +45,7 @@ def test_universal_layout_round_trip_resumes_bit_for_bit(make_cfg, tmp_path, pre
     assert_bitwise(state_of(resumed), state_of(saved))
     assert resumed.step == saved.step == 2
     assert resumed.data.train_loader.state_dict() == saved.data.train_loader.state_dict()
-    assert resumed.train_step()["loss"] == saved.train_step()["loss"]
+    assert resumed.train_step().loss == saved.train_step().loss
 
 
 @pytest.mark.slow
@@ -119,7 +119,7 @@ def test_one_process_checkpoint_resumes_under_zero_element_for_element(
             flats = zero.engine.master_partitions()
             assert sum(zero.optimizer.state[f]["remainder_ties"].numel() for f in flats) >= 2
         # the same weights and data: the next step's loss (before its update) agrees
-        assert zero.train_step()["loss"] == pytest.approx(single.train_step()["loss"], rel=1e-6)
+        assert zero.train_step().loss == pytest.approx(single.train_step().loss, rel=1e-6)
         # DeepSpeed's own step counters go on from the source's steps, not from 0
         batch = cfg.train.global_batch_size
         counters = deepspeed_counters(zero.save_checkpoint())

@@ -594,7 +594,7 @@ def test_train_compile_under_zero_compiles_through_deepspeed(
               "model.num_layers=1")  # fmt: skip
     eager = _zero_trainer(make_cfg, tmp_path / "eager", monkeypatch, *common)
     try:
-        eager_losses = [eager.train_step()["loss"] for _ in range(3)]
+        eager_losses = [eager.train_step().loss for _ in range(3)]
     finally:
         eager.engine.close()
     seen = []
@@ -619,7 +619,7 @@ def test_train_compile_under_zero_compiles_through_deepspeed(
     try:
         assert compiled_before_initialize == [False]
         assert trainer.engine.ds.is_compiled and trainer.model._compiled_call_impl is not None
-        losses = [trainer.train_step()["loss"] for _ in range(3)]
+        losses = [trainer.train_step().loss for _ in range(3)]
     finally:
         trainer.engine.close()
     assert counters["stats"]["unique_graphs"] >= 1  # Dynamo compiled the model
@@ -634,13 +634,13 @@ def test_one_zero2_rank_trains_bit_for_bit_like_one_process(make_cfg, tmp_path, 
     and every Collage state component (stepping the weights in place changed none)."""
     common = ("precision=collage_plus", "optim.lr=3e-3", "optim.warmup_steps=0")
     single = Trainer(make_cfg(*common), tmp_path / "single")
-    expected = [single.train_step()["loss"] for _ in range(4)]
+    expected = [single.train_step().loss for _ in range(4)]
     trainer = _zero_trainer(make_cfg, tmp_path / "zero", monkeypatch, *common, "distributed=zero2")
     try:
         rendered = trainer.engine.deepspeed_config  # written into the run directory by fit
         assert trainer.engine.run_files() == {"deepspeed_config.json": rendered}
         assert rendered["zero_optimization"]["stage"] == 2 and single.engine.run_files() == {}
-        assert [trainer.train_step()["loss"] for _ in range(4)] == expected
+        assert [trainer.train_step().loss for _ in range(4)] == expected
         theirs = dict(single.model.named_parameters())
         for name, param in trainer.model.named_parameters():
             assert torch.equal(param.detach(), theirs[name].detach()), name
@@ -674,10 +674,10 @@ def test_an_elementwise_rival_steps_deepspeeds_flat_partition_like_one_process(
     over the 4 steps; its bf16 moments are checked by dtype."""
     common = (f"precision={precision}", "optim.lr=3e-3", "optim.warmup_steps=0")
     single = Trainer(make_cfg(*common), tmp_path / "single")
-    expected = [single.train_step()["loss"] for _ in range(4)]
+    expected = [single.train_step().loss for _ in range(4)]
     trainer = _zero_trainer(make_cfg, tmp_path / "zero", monkeypatch, *common, "distributed=zero2")
     try:
-        losses = [trainer.train_step()["loss"] for _ in range(4)]
+        losses = [trainer.train_step().loss for _ in range(4)]
         assert losses == pytest.approx(expected, rel=rtol, abs=0.0)
         strategy = get_strategy(precision)
         accumulate = trainer.engine.gradient_dtypes.accumulate

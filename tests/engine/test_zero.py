@@ -522,7 +522,7 @@ def test_zero2_on_two_ranks_resumes_on_one_process(
         mine = torch.cat([master.reshape(-1) for master in masters])
         assert torch.equal(torch.cat([shard["masters"][group] for shard in shards]), mine)
         assert all(state["step"] == 4 for state in states)
-    losses = [trainer.train_step()["loss"] for _ in range(4)]
+    losses = [trainer.train_step().loss for _ in range(4)]
     uninterrupted = train_records(single_dir)
     assert losses == pytest.approx([uninterrupted[s]["loss"] for s in range(5, 9)], rel=RTOL)
 

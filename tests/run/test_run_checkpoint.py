@@ -86,12 +86,12 @@ def test_a_save_in_flight_is_not_a_checkpoint_until_committed(make_cfg, tmp_path
 
     monkeypatch.setattr(checkpoint, "write_checksummed", held)
     second = trainer.save_checkpoint(background=True)
-    assert writing.wait(timeout=60) and trainer.saver.in_flight
+    assert writing.wait(timeout=60) and trainer.checkpointer.saver.in_flight
     assert checkpoint.latest_checkpoint(tmp_path / "run") == first
     assert checkpoint.temporary_dir(tmp_path / "run", 2).is_dir()
     trainer.train_step()  # training goes on meanwhile
     release.set()
-    trainer.saver.wait()
+    trainer.checkpointer.saver.wait()
     assert checkpoint.latest_checkpoint(tmp_path / "run") == second
     assert checkpoint.damage(second) is None
 
@@ -112,12 +112,15 @@ def test_a_failed_background_write_is_kept_and_leaves_the_last_checkpoint(
 
     monkeypatch.setattr(checkpoint, "write_checksummed", failing)
     trainer.save_checkpoint(background=True)
-    trainer.saver.wait()
-    assert "step 2" in trainer.saver.failure and "rank 0" in trainer.saver.failure
+    trainer.checkpointer.saver.wait()
+    assert (
+        "step 2" in trainer.checkpointer.saver.failure
+        and "rank 0" in trainer.checkpointer.saver.failure
+    )
     # a full disk is raised as itself: the CLI has its own line for it
     expected = OSError if code == errno.ENOSPC else CheckpointWriteFailed
     with pytest.raises(expected):
-        trainer.saver.raise_failure()
+        trainer.checkpointer.saver.raise_failure()
     assert checkpoint.latest_checkpoint(run_dir) == first and checkpoint.damage(first) is None
 
 
@@ -169,7 +172,7 @@ def test_killed_during_a_background_save_resumes_from_the_previous_checkpoint(ma
         checkpoint.write_checksummed = one_then_die
         trainer.save_checkpoint(background=True)
         trainer.train_step()
-        trainer.saver.wait()
+        trainer.checkpointer.saver.wait()
         """
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
@@ -199,17 +202,19 @@ def test_the_planned_host_copy_is_what_a_background_save_holds(make_cfg, tmp_pat
     cfg = make_cfg(f"precision={precision}")
     trainer = Trainer(cfg, tmp_path / "run")
     trainer.train_step()
-    trainer.saver.prepare(trainer.state_dict())  # what fit does after its first step
-    trainer.saver.wait()
-    prepared = trainer.saver.host_staging_bytes
+    trainer.checkpointer.saver.prepare(trainer.state_dict())  # what fit does after its first step
+    trainer.checkpointer.saver.wait()
+    prepared = trainer.checkpointer.saver.host_staging_bytes
     trainer.save_checkpoint(background=True)
-    trainer.saver.wait()
-    assert trainer.saver.host_staging_bytes == prepared  # the save allocated nothing more
+    trainer.checkpointer.saver.wait()
+    assert (
+        trainer.checkpointer.saver.host_staging_bytes == prepared
+    )  # the save allocated nothing more
     assert not list((tmp_path / "run" / "checkpoints").glob(".step-0*"))  # scratch removed
     shape = ModelShape.from_model(trainer.model, seq_len=cfg.data.seq_len)
     setting = planned_setting(cfg, trainer.strategy, 1, trainer.optimizer_kernel)
     planned = checkpoint_copy_bytes(shape, setting)
-    assert planned == pytest.approx(trainer.saver.host_staging_bytes, rel=0.02)
+    assert planned == pytest.approx(trainer.checkpointer.saver.host_staging_bytes, rel=0.02)
     assert "for the background checkpoint's copy of the state" in render(make_plan(cfg))
 
 

@@ -154,7 +154,7 @@ def test_scalify_llama_run_trains_with_unit_data(make_cfg, tmp_path):
     assert trainer.model.config._attn_implementation == "scalify_float8_propagated"
     down = trainer.model.get_submodule("model.layers.0.mlp.down_proj")
     assert isinstance(down, ScaledLinear) and down.input_scale_source is not None
-    losses = [trainer.train_step()["loss"] for _ in range(4)]
+    losses = [trainer.train_step().loss for _ in range(4)]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.05, losses
     metrics = trainer.strategy.model_metrics(trainer.model)
     assert metrics["scalify_residual_rms_outside_frac"] == 0.0

@@ -279,7 +279,7 @@ def test_scalify_run_keeps_power_of_two_scales_and_unit_data(make_cfg, tmp_path,
     kinds = {type(m) for m in trainer.model.modules()}
     assert {ScaledLinear, ScaledLayerNorm} <= kinds and torch.nn.LayerNorm not in kinds
     assert not any(isinstance(m, torch.nn.Linear) for m in trainer.model.modules())
-    losses = [trainer.train_step()["loss"] for _ in range(6)]
+    losses = [trainer.train_step().loss for _ in range(6)]
     assert all(torch.isfinite(torch.tensor(losses)))
     for param, state in trainer.optimizer.state.items():
         if name == "scalify":  # the parameter is the fp16 master: data, its scale beside

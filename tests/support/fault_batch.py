@@ -38,13 +38,15 @@ def inject(trainer_class: type, kind: str, steps: str) -> None:
     Steps are counted as the run draws their batches from the loader: a step taken again
     after a rollback is a later one, with other batches, as in a run whose bad batches
     were transient (``"6,7"``) or persistent (``"6-"``: every batch from the 6th step's
-    on); a batch taken again behind a refused step (``Trainer._rewind``) keeps its fault.
+    on); a batch taken again behind a refused step (``GuardedWindow``'s rewind) keeps its
+    fault. ``nan`` and ``spike`` wrap each built trainer's window (``next_batch``) and
+    stepper (``loss``).
     """
     bad = parse_steps(steps)
-    step = trainer_class._step
     if kind == "drop":
+        step = trainer_class._take_step
 
-        def step_without_bad_batches(self) -> dict:
+        def step_without_bad_batches(self):
             taken = getattr(self, "_steps_taken", 0)
             while bad(taken + 1):
                 for _ in range(self.accum_steps):
@@ -53,29 +55,35 @@ def inject(trainer_class: type, kind: str, steps: str) -> None:
             self._steps_taken = taken + 1
             return step(self)
 
-        trainer_class._step = step_without_bad_batches
+        trainer_class._take_step = step_without_bad_batches
         return
     factor = {"nan": float("nan"), "spike": SPIKE}[kind]
-    loss, next_batch = trainer_class._loss, trainer_class._next_batch
+    init = trainer_class.__init__
     drawn, mark = f"_batches_drawn_{kind}", f"_fault_{kind}"  # one per fault: faults stack
 
-    def next_batch_with_faults(self) -> torch.Tensor:
-        batch = next_batch(self)
-        if not hasattr(batch, mark):  # drawn for the first time: the batch of which step?
-            count = getattr(self, drawn, 0) + 1
-            setattr(self, drawn, count)
-            setattr(batch, mark, bad(-(-count // self.accum_steps)))
-        self._fault_factors = getattr(self, "_fault_factors", {})
-        self._fault_factors[kind] = factor if getattr(batch, mark) else None
-        return batch
+    def init_with_faults(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        next_batch, loss = self.window.next_batch, self.stepper.loss
 
-    def faulty_loss(self, batch: torch.Tensor) -> torch.Tensor:
-        value = loss(self, batch)
-        chosen = getattr(self, "_fault_factors", {}).get(kind)
-        return value if chosen is None else value * chosen
+        def next_batch_with_faults() -> torch.Tensor:
+            batch = next_batch()
+            if not hasattr(batch, mark):  # drawn for the first time: the batch of which step?
+                count = getattr(self, drawn, 0) + 1
+                setattr(self, drawn, count)
+                setattr(batch, mark, bad(-(-count // self.accum_steps)))
+            self._fault_factors = getattr(self, "_fault_factors", {})
+            self._fault_factors[kind] = factor if getattr(batch, mark) else None
+            return batch
 
-    trainer_class._next_batch = next_batch_with_faults
-    trainer_class._loss = faulty_loss
+        def faulty_loss(batch: torch.Tensor) -> torch.Tensor:
+            value = loss(batch)
+            chosen = getattr(self, "_fault_factors", {}).get(kind)
+            return value if chosen is None else value * chosen
+
+        self.window.next_batch = next_batch_with_faults
+        self.stepper.loss = faulty_loss
+
+    trainer_class.__init__ = init_with_faults
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from collage_train import trainer
 from collage_train.__main__ import main
 
 HANG_STEP = 5
-_step = trainer.Trainer._step
+_step = trainer.Trainer._take_step
 
 
 def _sleep_inside_step() -> None:
@@ -31,7 +31,7 @@ def _step_sleeping_on_rank_one(self: trainer.Trainer) -> dict:
 
 
 if os.environ.get("RANK") == "1":
-    trainer.Trainer._step = _step_sleeping_on_rank_one
+    trainer.Trainer._take_step = _step_sleeping_on_rank_one
 
 if __name__ == "__main__":
     main()

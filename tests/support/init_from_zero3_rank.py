@@ -4,7 +4,7 @@ allocates, and the weights the ranks hold together.
 Each rank's entry (``cli_runner.run_ranks(..., entry=...)``) for tests/test_init_from.py,
 with arguments ``CORPUS CACHE OUT DIRECTORY [OVERRIDE ...]``: builds the trainer of the
 tiny configuration in bf16 under ZeRO-3 from ``DIRECTORY``, measuring the bytes
-``Trainer._build_model`` allocates at its peak (``allocation_peak``); writes them to
+``run.model_setup.build_run_model`` allocates at its peak (``allocation_peak``); writes them to
 ``OUT/rank{R}.json`` and, on rank 0, the gathered state dict to ``OUT/weights.pt``.
 """
 
@@ -18,6 +18,7 @@ import torch
 from allocation_peak import allocation_peak
 from tiny_config import compose_tiny
 
+from collage_train import trainer as trainer_module
 from collage_train.trainer import Trainer
 
 OVERRIDES = [
@@ -34,15 +35,15 @@ def main() -> None:
     cfg = compose_tiny(
         Path(corpus), Path(cache), *OVERRIDES, f"model.init_from={directory}", *extra
     )
-    build, peaks = Trainer._build_model, {}
+    build, peaks = trainer_module.build_run_model, {}
 
-    def measured(self: Trainer) -> torch.nn.Module:
-        with allocation_peak(self.device) as found:
-            model = build(self)
+    def measured(cfg, strategy, engine, tokenizer):
+        with allocation_peak(engine.device) as found:
+            built = build(cfg, strategy, engine, tokenizer)
         peaks.update(found)
-        return model
+        return built
 
-    Trainer._build_model = measured
+    trainer_module.build_run_model = measured
     trainer = Trainer(cfg, Path(out) / "run")
     with trainer.engine.full_weights() as model:
         state = {name: value.detach().clone() for name, value in model.state_dict().items()}

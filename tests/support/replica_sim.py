@@ -52,7 +52,7 @@ def simulate_replicas(cfg: DictConfig, replicas: int, work_dir: Path) -> Simulat
         for _ in range(cfg.comm.sync_every):
             # settle counts a step applied on one of `replicas` ranks (this engine reduces
             # nothing) as that rank's own mean loss; its share of the mean is that over R
-            losses.append([t.train_step()["loss"] / replicas for t in trainers])
+            losses.append([t.train_step().loss / replicas for t in trainers])
         payloads = [
             make_payload(settings, state, t.optimizer.full_precision_weights())
             for state, t in zip(states, trainers, strict=True)

@@ -1,0 +1,93 @@
+"""The run's checkpoints as the loop sees them: when one is due, saving, restoring.
+
+``Checkpointer`` saves every ``train.checkpoint_every`` steps and at the run's end (a stop
+saves through it too), in the background when ``train.async_checkpoint``, through
+``run.checkpointing.CheckpointSaver``; it restores the newest checkpoint or any other,
+also one written by another engine or number of ranks (``run.checkpointing.restore``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from collage_train import checkpoint
+from collage_train.engine.base import Engine
+from collage_train.run import checkpointing
+from collage_train.run.checkpointing import CheckpointSaver
+
+
+class Checkpointer:
+    """When the run checkpoints, and its saves and restores. ``identity`` gives what
+    ``meta.json`` records of the run (``run.resume.identity``), ``extra_files`` the small
+    files rank 0 writes beside the state (model config, tokenizer)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        run_dir: Path,
+        *,
+        every: int,
+        end: int,
+        keep: int,
+        background: bool,
+        identity: Callable[[], dict[str, Any]],
+        extra_files: Callable[[], dict[str, bytes]],
+    ) -> None:
+        self._engine = engine
+        self._run_dir = run_dir
+        self._every, self._end, self._keep = every, end, keep
+        self.background = background
+        self._identity = identity
+        self._extra_files = extra_files
+        self.saver = CheckpointSaver(engine, run_dir, background=background)
+
+    def due(self, step: int) -> bool:
+        return step % self._every == 0 or step == self._end
+
+    def prepare(self, client_state: dict[str, Any]) -> None:
+        """Allocate the background saves' host buffers (``CheckpointSaver.prepare``), once
+        the optimizer holds its state; nothing for foreground saves."""
+        if self.background:
+            self.saver.prepare(client_state)
+
+    def save(
+        self, step: int, client_state: dict[str, Any], *, background: bool | None = None
+    ) -> Path:
+        """Checkpoint ``step`` on every rank (in the background unless told otherwise),
+        refusing to store non-finite weights."""
+        return self.saver.save(
+            step,
+            background=self.background if background is None else background,
+            client_state=client_state,
+            meta=self._identity(),
+            keep=self._keep,
+            extra_files=self._extra_files(),
+        )
+
+    def finish(self) -> None:
+        """Wait for a save in the background; stop, on every rank, when it failed on any."""
+        self.saver.wait()
+        self.saver.stop_on_failure()
+
+    @property
+    def failed(self) -> bool:
+        """Whether a save in the background failed on this rank."""
+        return self.saver.failure is not None
+
+    def newest(self) -> Path | None:
+        return checkpoint.latest_checkpoint(self._run_dir)
+
+    def restore(self, path: Path, model: torch.nn.Module, param_order: list[str]) -> dict[str, Any]:
+        """Model and optimizer state from ``path`` (any engine, any number of ranks);
+        returns the client state saved beside them."""
+        return checkpointing.restore(
+            self._engine, model, path, distributed=self._engine.name, param_order=param_order
+        )
+
+    def times(self) -> dict[str, Any]:
+        """The saves' blocked and written seconds (``SaveTimes.summary``)."""
+        return self.saver.times.summary()
