@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from collage_train import determinism
+from collage_train.comm.settings import comm_name, uses_replicas
 from collage_train.data.progress import write_json_atomic
 from collage_train.guard import describe_skip
-from collage_train.metrics import model_flops_utilisation
+from collage_train.metrics import detect_peak_tflops, model_flops_utilisation
 from collage_train.metrics.step_window import StepRecord
 
 # The GPU-tested stack (docker/gpu_stack.txt) names torch, transformers, deepspeed and
@@ -107,6 +108,50 @@ class RunProgress:
     downstream: dict[str, Any] | None = None
     downstream_seconds: float = 0.0
     checkpoint_times: dict[str, Any] = field(default_factory=dict)
+
+
+def run_facts(
+    cfg: Any,
+    strategy: Any,
+    engine: Any,
+    built: Any,
+    corpus: dict[str, Any],
+    accum_steps: int,
+    *,
+    num_params: int,
+    flops_per_token: float,
+) -> RunFacts:
+    """The ``RunFacts`` of a run of ``cfg`` (the whole config) with ``strategy`` on
+    ``engine``, its model ``built`` (``run.model_setup.RunModel``) on ``corpus``."""
+    train, gemm = cfg.train, built.gemm
+    replicas = uses_replicas(cfg.comm)
+    return RunFacts(
+        model=cfg.model.name,
+        num_params=num_params,
+        precision=strategy.name,
+        optimizer_kernel=built.optimizer_kernel,
+        device=str(engine.device),
+        distributed=engine.name,
+        comm=comm_name(cfg.comm),
+        outer_step_every=int(cfg.comm.sync_every) if replicas else None,
+        world_size=engine.world_size,
+        global_batch_sequences=train.global_batch_size,
+        micro_batch_size=train.micro_batch_size,
+        accum_steps=accum_steps,
+        seq_len=cfg.data.seq_len,
+        max_steps=train.max_steps,
+        flops_per_token=flops_per_token,
+        peak_tflops=cfg.metrics.peak_tflops or detect_peak_tflops(engine.device),
+        compile=train.compile,
+        activation_checkpointing=train.activation_checkpointing,
+        loss_chunk_tokens=built.loss_chunk_tokens,
+        async_checkpoint=train.async_checkpoint,
+        cpu_bf16_gemm=gemm.describe(),
+        cpu_bf16_gemm_summary=gemm.summary(),
+        expected_state_bytes_per_param=engine.expected_state_bytes_per_param(strategy),
+        state_bytes_measure=engine.state_bytes_measure,
+        corpus=corpus,
+    )
 
 
 def package_versions() -> dict[str, str]:

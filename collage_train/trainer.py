@@ -22,17 +22,15 @@ from omegaconf import DictConfig
 
 from collage_train import init_from, report, watchdog
 from collage_train.batch import accumulation_steps
-from collage_train.comm.settings import align_to_outer_steps, comm_name, uses_replicas
+from collage_train.comm.settings import align_to_outer_steps
 from collage_train.data import build_data
-from collage_train.data.progress import write_json_atomic
 from collage_train.downstream import InRunTasks
 from collage_train.engine import build_engine
 from collage_train.engine.launch import launched_rank
-from collage_train.errors import ConfigError
 from collage_train.evaluation.validation import Validator
 from collage_train.export import export_from_engine
 from collage_train.guard import GuardSettings
-from collage_train.metrics import Sink, detect_peak_tflops, peak_memory, reset_peak_memory
+from collage_train.metrics import Sink, peak_memory, reset_peak_memory
 from collage_train.metrics.edq import layer_groups
 from collage_train.metrics.run_log import RunLog
 from collage_train.metrics.step_window import StepRecord
@@ -42,10 +40,12 @@ from collage_train.precision import strategy_for
 from collage_train.run import finish, resume
 from collage_train.run.agreement import agreement
 from collage_train.run.checkpointer import Checkpointer
+from collage_train.run.directory import write_engine_files
 from collage_train.run.guarded_window import Action, GuardedWindow
-from collage_train.run.model_setup import build_run_model
+from collage_train.run.model_setup import build_run_model, prepare_engine
 from collage_train.run.stepper import Stepper
 from collage_train.run.stop_signal import StopAgreement, StopRequest, stop_group
+from collage_train.run.validate import check_steps
 
 
 class Trainer:
@@ -53,12 +53,7 @@ class Trainer:
 
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
         self.cfg, self.run_dir, train = cfg, run_dir, cfg.train
-        if train.max_steps < 1:
-            raise ConfigError(f"train.max_steps must be at least 1, got {train.max_steps}")
-        if train.stop_at_step is not None and not 0 < train.stop_at_step <= train.max_steps:
-            raise ConfigError(
-                f"train.stop_at_step={train.stop_at_step} must lie in 1..{train.max_steps}"
-            )
+        check_steps(train)
         self.watchdog = watchdog.for_run(train, cfg.distributed, run_dir, launched_rank())
         self.strategy = strategy_for(cfg.precision)
         self.engine = build_engine(
@@ -97,20 +92,20 @@ class Trainer:
             kernel=self.optimizer_kernel,
             seed=train.seed,
         )
-        self.forward_module = self._prepare_engine()  # DeepSpeed's wrapper under ZeRO
+        self.forward_module = prepare_engine(  # DeepSpeed's wrapper under ZeRO
+            self.engine, built, self.optimizer, self.strategy, cfg, self.accum_steps
+        )
         edq_every = (
             cfg.logging.log_every if cfg.metrics.edq_every is None else cfg.metrics.edq_every
         )
         self.stepper = Stepper(
             self.engine,
             self.forward_module,
+            built,
             autocast_dtype=self.strategy.autocast_dtype,
-            gemm=self.cpu_bf16_gemm,
-            compiled=train.compile,
-            accum_steps=self.accum_steps,
-            loss_chunk_tokens=self.loss_chunk_tokens,
             optim=cfg.optim,
-            max_steps=train.max_steps,
+            train=train,
+            accum_steps=self.accum_steps,
             edq_every=edq_every,
             layer_group_count=len(self.layer_groups),
         )
@@ -128,8 +123,7 @@ class Trainer:
             lambda: self.data.validation_batches(self.validation_plan),
             self.stepper.eval_losses,
             self.data.tokenizer,
-            every=train.eval_every,
-            max_steps=train.max_steps,
+            train,
         )
         self.downstream = InRunTasks(
             cfg.eval, self.data.tokenizer, is_main=main, max_steps=train.max_steps
@@ -137,10 +131,7 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.engine,
             run_dir,
-            every=train.checkpoint_every,
-            end=train.stop_at_step or train.max_steps,
-            keep=train.keep_checkpoints,
-            background=train.async_checkpoint,
+            train,
             identity=lambda: resume.identity(
                 cfg, self.strategy.checkpoint_holds, self.engine.world_size
             ),
@@ -150,28 +141,11 @@ class Trainer:
             },
         )
         self.stop_group = stop_group()  # collective: every rank builds it here
-        self.facts = self._run_facts()  # what the run is, for its report
-
-    def _prepare_engine(self) -> torch.nn.Module:
-        """Hand model and optimizer to the engine; with ``model.init_from`` the masters
-        get the directory's fp32 weights (the client optimizer's before, or those the
-        engine builds at prepare, ZeRO's, after). Returns the module to run forward with."""
-        cfg, init = self.cfg, self.cfg.model.init_from
-        after = self.engine.masters_built_at_prepare
-        if init and not after:
-            init_from.seed_masters(self.optimizer, self.model, self.strategy, init)
-        module = self.engine.prepare(
-            self.model,
-            self.optimizer,
-            strategy=self.strategy,
-            micro_batch_size=cfg.train.micro_batch_size,
-            accum_steps=self.accum_steps,
-            grad_clip=cfg.optim.grad_clip,
-            compile_backend=self.cpu_bf16_gemm.compile_backend() if cfg.train.compile else None,
-        )
-        if init and after:
-            init_from.seed_zero_masters(self.engine, self.optimizer, self.strategy, init)
-        return module
+        flops = flops_per_token(self.model, cfg.data.seq_len)
+        self.facts = report.run_facts(  # what the run is, for its report
+            cfg, self.strategy, self.engine, built, self.data.meta, self.accum_steps,
+            num_params=self.num_params, flops_per_token=flops,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------- run
 
@@ -190,7 +164,7 @@ class Trainer:
     def _fit(self, log: RunLog) -> dict[str, Any] | None:
         train, window = self.cfg.train, self.window
         end = train.stop_at_step or train.max_steps
-        self._write_run_files()
+        write_engine_files(self.engine, self.run_dir)  # once a resume has been accepted
         start_step, wall_start = window.step, time.perf_counter()
         reset_peak_memory(self.device)
         self.forward_module.train()
@@ -292,26 +266,14 @@ class Trainer:
         finished run (a warning line instead, ``run.finish``)."""
         model, tokenizer = self.model, self.data.tokenizer
         sample = finish.export_and_sample(self.engine, model, tokenizer, self.cfg, self.run_dir)
+        records, steady = (log.last_train, log.last_validation), self.window.steady()
         summary = report.run_summary(
-            self.facts,
-            self.progress(),
-            log.last_train,
-            log.last_validation,
-            self.window.steady(),
-            wall_time,
-            start_step,
+            self.facts, self.progress(), *records, steady, wall_time, start_step
         )
         if sample is not None:
             summary["sample"] = sample
         plots, main = self.cfg.logging.plots, self.engine.is_main
         return finish.record_summary(summary, self.run_dir, log.sinks, plots=plots, main=main)
-
-    def _write_run_files(self) -> None:
-        """What the engine was told (ZeRO: DeepSpeed's config), written once a resume has
-        been accepted, so a refused one leaves the run as it was."""
-        if self.engine.is_main:
-            for name, content in self.engine.run_files().items():
-                write_json_atomic(self.run_dir / name, content)
 
     # ----------------------------------------------------------------- state
 
@@ -351,39 +313,6 @@ class Trainer:
         self.load_state_dict(self.checkpointer.restore(path, self.model, order))
 
     # ---------------------------------------------------------------- report
-
-    def _run_facts(self) -> report.RunFacts:
-        """What this run is (``report.RunFacts``), once every piece is built."""
-        cfg, train = self.cfg, self.cfg.train
-        return report.RunFacts(
-            model=cfg.model.name,
-            num_params=self.num_params,
-            precision=self.strategy.name,
-            optimizer_kernel=self.optimizer_kernel,
-            device=str(self.device),
-            distributed=self.engine.name,
-            comm=comm_name(cfg.comm),
-            outer_step_every=int(cfg.comm.sync_every) if uses_replicas(cfg.comm) else None,
-            world_size=self.engine.world_size,
-            global_batch_sequences=train.global_batch_size,
-            micro_batch_size=train.micro_batch_size,
-            accum_steps=self.accum_steps,
-            seq_len=cfg.data.seq_len,
-            max_steps=train.max_steps,
-            flops_per_token=flops_per_token(self.model, cfg.data.seq_len),
-            peak_tflops=cfg.metrics.peak_tflops or detect_peak_tflops(self.device),
-            compile=train.compile,
-            activation_checkpointing=train.activation_checkpointing,
-            loss_chunk_tokens=self.loss_chunk_tokens,
-            async_checkpoint=train.async_checkpoint,
-            cpu_bf16_gemm=self.cpu_bf16_gemm.describe(),
-            cpu_bf16_gemm_summary=self.cpu_bf16_gemm.summary(),
-            expected_state_bytes_per_param=self.engine.expected_state_bytes_per_param(
-                self.strategy
-            ),
-            state_bytes_measure=self.engine.state_bytes_measure,
-            corpus=self.data.meta,
-        )
 
     def progress(self) -> report.RunProgress:
         """What this run has done so far (``report.RunProgress``)."""

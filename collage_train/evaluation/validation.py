@@ -18,7 +18,7 @@ from collage_train.metrics.bits_per_byte import bits_per_byte, target_text_size
 
 
 class Validator:
-    """The run's validation: due when, and its record."""
+    """The run's validation (``train``: the ``train`` config): due when, and its results."""
 
     def __init__(
         self,
@@ -28,16 +28,13 @@ class Validator:
             [Iterator[tuple[torch.Tensor, bool]]], Iterator[tuple[torch.Tensor, torch.Tensor, bool]]
         ],
         tokenizer: Any,
-        *,
-        every: int,
-        max_steps: int,
+        train: Any,
     ) -> None:
         self._engine = engine
         self._batches = batches
         self._losses = losses
         self._tokenizer = tokenizer
-        self._every = every
-        self._max_steps = max_steps
+        self._every, self._max_steps = train.eval_every, train.max_steps
         self._text_size: tuple[int, int] | None = None  # tokens, bytes: the first pass's
 
     def due(self, step: int) -> bool:

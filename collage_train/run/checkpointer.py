@@ -21,7 +21,8 @@ from collage_train.run.checkpointing import CheckpointSaver
 
 
 class Checkpointer:
-    """When the run checkpoints, and its saves and restores. ``identity`` gives what
+    """When the run checkpoints (``train``: the ``train`` config), and its saves and
+    restores. ``identity`` gives what
     ``meta.json`` records of the run (``run.resume.identity``), ``extra_files`` the small
     files rank 0 writes beside the state (model config, tokenizer)."""
 
@@ -29,18 +30,16 @@ class Checkpointer:
         self,
         engine: Engine,
         run_dir: Path,
+        train: Any,
         *,
-        every: int,
-        end: int,
-        keep: int,
-        background: bool,
         identity: Callable[[], dict[str, Any]],
         extra_files: Callable[[], dict[str, bytes]],
     ) -> None:
         self._engine = engine
         self._run_dir = run_dir
-        self._every, self._end, self._keep = every, end, keep
-        self.background = background
+        self._every, self._keep = train.checkpoint_every, train.keep_checkpoints
+        self._end = train.stop_at_step or train.max_steps
+        self.background = background = train.async_checkpoint
         self._identity = identity
         self._extra_files = extra_files
         self.saver = CheckpointSaver(engine, run_dir, background=background)

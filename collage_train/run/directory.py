@@ -31,6 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from collage_train.data.progress import write_json_atomic
 from collage_train.errors import BAD_INPUT, CollageError, ConfigError, RunDirectoryBusy
 
 LOCK_FILE = ".lock"
@@ -85,6 +86,14 @@ def _read_holder(fd: int) -> str:
                 break
         time.sleep(0.05)
     return "a process that has not identified itself"
+
+
+def write_engine_files(engine: Any, run_dir: Path) -> None:
+    """What the engine was told (``Engine.run_files``; ZeRO: DeepSpeed's config), written
+    by rank 0 once a resume has been accepted, so a refused one leaves the run as it was."""
+    if engine.is_main:
+        for name, content in engine.run_files().items():
+            write_json_atomic(run_dir / name, content)
 
 
 def write_hydra_record(cfg: DictConfig, run_dir: Path) -> None:

@@ -5,7 +5,8 @@ optimizer kernel, has every rank agree that the state and a step fit
 (``fit_check.check_run_fits``), draws or reads the weights unit by unit into their
 placement (``model_init.materialise``; ZeRO-3: this rank's partitions), applies the
 strategy's model changes, the CPU bf16 GEMM choice and activation checkpointing, checks
-the end-of-run sample's prompt and installs the chunked loss head.
+the end-of-run sample's prompt and installs the chunked loss head. ``prepare_engine`` then
+hands it with its optimizer to the engine.
 """
 
 from __future__ import annotations
@@ -129,3 +130,32 @@ def _check_sample_prompt(logging_cfg: Any, model: torch.nn.Module, tokenizer: An
             f"{context - 1} after the document start (data.seq_len): shorten it, or set "
             "logging.sample_tokens=0"
         )
+
+
+def prepare_engine(
+    engine: Engine,
+    built: RunModel,
+    optimizer: torch.optim.Optimizer,
+    strategy: PrecisionStrategy,
+    cfg: DictConfig,
+    accum_steps: int,
+) -> torch.nn.Module:
+    """Hand the model and its optimizer to the engine; returns the module to run forward
+    with (DeepSpeed's wrapper under ZeRO). With ``model.init_from`` the masters get the
+    directory's fp32 weights: the client optimizer's before, or those the engine builds at
+    prepare (ZeRO's) after."""
+    init, after = cfg.model.init_from, engine.masters_built_at_prepare
+    if init and not after:
+        init_from.seed_masters(optimizer, built.model, strategy, init)
+    module = engine.prepare(
+        built.model,
+        optimizer,
+        strategy=strategy,
+        micro_batch_size=cfg.train.micro_batch_size,
+        accum_steps=accum_steps,
+        grad_clip=cfg.optim.grad_clip,
+        compile_backend=built.gemm.compile_backend() if cfg.train.compile else None,
+    )
+    if init and after:
+        init_from.seed_zero_masters(engine, optimizer, strategy, init)
+    return module

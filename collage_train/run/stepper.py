@@ -17,28 +17,27 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from collage_train.cpu_bf16 import CpuBf16Gemm
 from collage_train.data.transfer import to_device
 from collage_train.engine.base import Engine, StepOutcome
 from collage_train.metrics.edq import FIELDS as EDQ_FIELDS
 from collage_train.optim import warmup_cosine_lr
+from collage_train.run.model_setup import RunModel
 
 
 class Stepper:
-    """The forward and backward passes of a run's steps and validation batches."""
+    """The forward and backward passes of a run's steps and validation batches, for the
+    model ``built`` (its GEMMs, its loss head); ``optim`` and ``train`` are those configs."""
 
     def __init__(
         self,
         engine: Engine,
         forward_module: torch.nn.Module,
+        built: RunModel,
         *,
         autocast_dtype: torch.dtype | None,
-        gemm: CpuBf16Gemm,
-        compiled: bool,
-        accum_steps: int,
-        loss_chunk_tokens: int | None,
         optim: Any,
-        max_steps: int,
+        train: Any,
+        accum_steps: int,
         edq_every: int,
         layer_group_count: int,
     ) -> None:
@@ -46,12 +45,10 @@ class Stepper:
         self._module = forward_module
         self._device = engine.device
         self._autocast_dtype = autocast_dtype
-        self._gemm = gemm
-        self._compiled = compiled
+        self._gemm, self._loss_chunk_tokens = built.gemm, built.loss_chunk_tokens
+        self._compiled, self._max_steps = train.compile, train.max_steps
         self.accum_steps = accum_steps
-        self._loss_chunk_tokens = loss_chunk_tokens
         self._optim = optim
-        self._max_steps = max_steps
         self._edq_every = edq_every
         self._layer_group_count = layer_group_count
 

@@ -157,9 +157,21 @@ def check_eval(cfg: DictConfig) -> None:
         check_tasks_load(list(ev.tasks), ev.include_path)
 
 
+def check_steps(train: DictConfig) -> None:
+    """``train.max_steps`` at least 1, ``train.stop_at_step`` within it (checked again
+    where a ``Trainer`` is built, for programmatic use)."""
+    if train.max_steps < 1:
+        raise ConfigError(f"train.max_steps must be at least 1, got {train.max_steps}")
+    if train.stop_at_step is not None and not 0 < train.stop_at_step <= train.max_steps:
+        raise ConfigError(
+            f"train.stop_at_step={train.stop_at_step} must lie in 1..{train.max_steps}"
+        )
+
+
 def check_train(train: DictConfig) -> None:
     """Cadences and batch sizes that are counts of at least one; under
     ``train.deterministic``, a CUBLAS_WORKSPACE_CONFIG that cuBLAS would not honour."""
+    check_steps(train)
     for key in ("checkpoint_every", "eval_every"):
         check_positive(f"train.{key}", train[key], "step")
     check_positive("train.eval_batches", train.eval_batches, "micro-batch")
