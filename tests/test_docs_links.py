@@ -10,57 +10,15 @@ pages is linked from README.md, and RESULTS.md (the current numbers) links its d
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from markdown_pages import anchors, links, slug
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
 MAX_README_LINES = 150
-LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
-
-
-def prose_lines(text: str) -> Iterator[str]:
-    """The lines of a Markdown text outside fenced code blocks, inline code removed."""
-    fenced = False
-    for line in text.splitlines():
-        if line.lstrip().startswith(("```", "~~~")):
-            fenced = not fenced
-        elif not fenced:
-            yield re.sub(r"`[^`]*`", "", line)
-
-
-def slug(heading: str) -> str:
-    """GitHub's anchor for a heading's text."""
-    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
-    return text.replace(" ", "-")
-
-
-def anchors(path: Path) -> set[str]:
-    """The anchors of a Markdown file's headings (code blocks' ``#`` lines are not)."""
-    found: set[str] = set()
-    fenced = False
-    for line in path.read_text().splitlines():
-        if line.lstrip().startswith(("```", "~~~")):
-            fenced = not fenced
-            continue
-        match = None if fenced else HEADING.match(line)
-        if match:
-            base = slug(match[1])
-            name, count = base, 0
-            while name in found:
-                count += 1
-                name = f"{base}-{count}"
-            found.add(name)
-    return found
-
-
-def links(path: Path) -> list[str]:
-    """The link targets of a Markdown file's prose (not of its code)."""
-    return [target for line in prose_lines(path.read_text()) for target in LINK.findall(line)]
 
 
 def broken_links(path: Path) -> list[str]:

@@ -163,8 +163,9 @@ def test_gpu_path_matches_the_emulation(dtypes):
     if torch.cuda.get_device_capability() >= (8, 9) and dtypes != (E5M2, E5M2):
         assert hardware_scaled_mm_available(a8_gpu, b8_gpu)
     # Hopper's float8 tensor cores accumulate with fewer bits than fp32: on an H100 the
-    # results differed from the fp32 emulation by up to 2e-4 relative (docs/RESULTS.md,
-    # "GPU check on one H100", 2026-11-26). A wrong layout or scale would be off by O(1).
+    # results differed from the fp32 emulation by up to 2e-4 relative
+    # (docs/results-history.md, "GPU check on one H100, partial", 2026-11-26). A wrong
+    # layout or scale would be off by O(1).
     bound = HARDWARE_ACCUMULATION_RTOL
     assert torch.allclose(got, expected, rtol=bound, atol=bound * expected.abs().max().item())
 

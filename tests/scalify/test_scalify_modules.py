@@ -116,9 +116,9 @@ def test_float8_matmul_on_gpu_matches_the_cpu_emulation():
         out.backward(grad_out.to(device))
         results.append([t.detach().cpu() for t in (out, xd.grad, wd.grad)])
     for cpu, gpu in zip(*results, strict=True):
-        # Hopper's float8 tensor cores accumulate with fewer bits than fp32 (docs/RESULTS.md,
-        # "GPU check on one H100", 2026-11-26: 2e-4 relative); a wrong layout or scale is off
-        # by O(1)
+        # Hopper's float8 tensor cores accumulate with fewer bits than fp32
+        # (docs/results-history.md, "GPU check on one H100, partial", 2026-11-26: 2e-4
+        # relative); a wrong layout or scale is off by O(1)
         bound = HARDWARE_ACCUMULATION_RTOL
         assert torch.allclose(gpu, cpu, rtol=bound, atol=bound * cpu.abs().max().item())
 

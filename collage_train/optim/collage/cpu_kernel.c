@@ -14,7 +14,7 @@
  *
  * 1. Roundings known to be exact are not done. TwoSum (mcf.two_sum) rounds six
  *    results; only the first two can be inexact, the other four are exact for every
- *    pair of bf16 inputs (tests/exhaustive_two_sum.c checks all 2^32 pairs; it is also
+ *    pair of bf16 inputs (tests/optim/exhaustive_two_sum.c checks all 2^32 pairs; it is also
  *    the theorem of Boldo, Graillat and Muller 2017).
  * 2. Roundings that are exact in practice are checked instead of done. A rounding of
  *    an fp32 value whose low 16 bits are zero returns it unchanged, so the fast paths
@@ -28,7 +28,7 @@
  *    c = x * (2^16 + 1), is x rounded to 8 significant bits, ties to even, for every
  *    normal fp32 x below 2^111. Where it is not, x is subnormal, or c overflows, or x
  *    is infinite, and the processor says so: the product raises the denormal-operand
- *    flag or the overflow flag, inf - inf the invalid flag (tests/exhaustive_split.c
+ *    flag or the overflow flag, inf - inf the invalid flag (tests/optim/exhaustive_split.c
  *    checks all 2^32 inputs: rb's bits or a flag). The kernel reads those sticky MXCSR
  *    flags after a block and hands the block on if any is set. A quiet NaN x gives
  *    h = x, as rb does for the NaNs this kernel sees (see below); a signalling one
@@ -250,7 +250,7 @@ new_weights(const int mode, const int tier, float th, float dth, float update, u
     return r;
 }
 
-/* The six EDQ partial sums of metrics.descent.FIELDS, per vector lane. Sums, not
+/* The six EDQ partial sums of collage_train.metrics.edq.FIELDS, per vector lane. Sums, not
  * results: fused multiply-adds are fine here (fewer ops). */
 #define EDQ_ACCUMULATE(th, w, update)                                                         \
     do {                                                                                      \

@@ -200,7 +200,7 @@ static inline __attribute__((always_inline)) void step_blocks(
             const float u = rb((m / denom) * step_size + decay * th);
             /* mcf.grow: TwoSum of theta and u, its error into dtheta, Fast2Sum. TwoSum's
              * last four roundings are exact for bf16 operands and are left out, as in
-             * cpu_kernel.c (tests/exhaustive_two_sum.c checks every pair). */
+             * cpu_kernel.c (tests/optim/exhaustive_two_sum.c checks every pair). */
             const float s = rb(th + u);
             const float a_approx = rb(s - u);
             const float b_approx = s - a_approx;
