@@ -23,6 +23,7 @@ from collage_train import checkpoint, determinism
 from collage_train.compose import config_dir
 from collage_train.config import register_schemas
 from collage_train.config_reference import register_help_resolver
+from collage_train.engine.agreement import agreement, gathered, the_same
 from collage_train.engine.launch import gather_objects, launched_rank, launched_world_size
 from collage_train.errors import (
     BAD_INPUT,
@@ -34,7 +35,6 @@ from collage_train.errors import (
 )
 from collage_train.metrics import ConsoleSink, JsonlSink, Sink, WandbSink
 from collage_train.metrics.sinks import wandb_mode
-from collage_train.run.agreement import agreement, gathered, the_same
 from collage_train.run.directory import write_hydra_record
 from collage_train.run.resume import check_resume, choose_checkpoint, record_changes
 
@@ -83,7 +83,7 @@ def _existing_checkpoint(cfg: DictConfig, run_dir: Path) -> Path | None:
 
 def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> dict | None:
     # Every check that reads this rank's own state is agreed by every rank before any
-    # refuses (collage_train.run.agreement): none stops alone while the others wait.
+    # refuses (collage_train.engine.agreement): none stops alone while the others wait.
     existing = the_same(
         gathered(lambda: _existing_checkpoint(cfg, run_dir)),
         f"the newest checkpoint in {run_dir}",

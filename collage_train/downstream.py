@@ -35,8 +35,8 @@ from collage_train import generators
 from collage_train.data.hf_files import save_tokenizer
 from collage_train.data.tokenizer import Tokenizer
 from collage_train.decodable import decodable_only
+from collage_train.engine.agreement import agreement
 from collage_train.errors import CollageError, ConfigError, first_line
-from collage_train.run.agreement import agreement
 
 
 @dataclass(frozen=True)
@@ -239,11 +239,18 @@ def flatten(results: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 class InRunTasks:
     """``eval.tasks`` during training, on rank 0 while the other ranks wait, each failure
-    agreed by every rank (``run.agreement``). The transformers tokenizer is built at the
+    agreed by every rank (``engine.agreement``). The transformers tokenizer is built at the
     first evaluation; a task the harness fails on is left out of the rest of the run with
     one warning line and training goes on (docs/wandb.md says why)."""
 
-    def __init__(self, ev: Any, tokenizer: Tokenizer, *, is_main: bool, max_steps: int) -> None:
+    def __init__(
+        self,
+        ev: Any,
+        tokenizer: Tokenizer,
+        *,
+        is_main: bool,
+        max_steps: int,
+    ) -> None:
         self.tasks = list(ev.tasks)
         self.include_path, self.limit, self.batch_size = ev.include_path, ev.limit, ev.batch_size
         self.every = ev.every
@@ -265,7 +272,7 @@ class InRunTasks:
         (empty on the other ranks); ``notice`` prints each failed task's warning line."""
         results: dict[str, float] = {}
         start = time.perf_counter()
-        with agreement():
+        with agreement():  # a failure on rank 0 stops every rank
             if self._is_main:
                 metrics, warnings = self.evaluate(model, step)
                 for line in warnings:

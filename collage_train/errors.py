@@ -33,7 +33,7 @@ class CollageError(Exception):
     """Base of every error caused by the user's input rather than by a bug.
 
     ``agreed``: every rank of a launch raised this same error together
-    (``collage_train.run.agreement``), so rank 0 alone reports it; ``quiet``: this rank
+    (``collage_train.engine.agreement``), so rank 0 alone reports it; ``quiet``: this rank
     reports nothing (another rank reports why the launch stopped).
     """
 

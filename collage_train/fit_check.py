@@ -9,7 +9,7 @@ both in ``check_run_fits``:
   initialisation and for ``model.init_from`` alike) must fit the host, once for every rank
   on this node. Raises ``OutOfMemory`` (exit 1): no micro-batch can fix it. Each rank
   checks its own device and host, and the ranks agree before any refuses
-  (``collage_train.run.agreement``): a rank short of memory stops every rank at once, with
+  (``collage_train.engine.agreement``): a rank short of memory stops every rank at once, with
   the same line naming it.
 - ``check_step_fits`` (CUDA runs): the memory planner's peak of a whole training step
   (state, activations, logits and loss, optimizer temporaries, DeepSpeed buffers; see
@@ -32,6 +32,7 @@ import torch
 from omegaconf import OmegaConf
 
 from collage_train.comm.settings import uses_replicas
+from collage_train.engine.agreement import agreement, gathered
 from collage_train.engine.deepspeed_config import gradient_dtypes
 from collage_train.engine.launch import local_world_size
 from collage_train.errors import BAD_INPUT, ConfigError, OutOfMemory
@@ -47,7 +48,6 @@ from collage_train.metrics.memory import available_memory
 from collage_train.model_init import largest_unit_numel
 from collage_train.models import count_parameters
 from collage_train.precision.base import PrecisionStrategy
-from collage_train.run.agreement import agreement, gathered
 
 ZERO_GPU_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256, 512)  # what "how many GPUs" tries
 

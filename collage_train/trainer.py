@@ -26,6 +26,7 @@ from collage_train.comm.settings import align_to_outer_steps
 from collage_train.data import build_data
 from collage_train.downstream import InRunTasks
 from collage_train.engine import build_engine
+from collage_train.engine.agreement import agreement
 from collage_train.engine.launch import launched_rank
 from collage_train.evaluation.validation import Validator
 from collage_train.export import export_from_engine
@@ -38,7 +39,6 @@ from collage_train.models import count_parameters, flops_per_token
 from collage_train.optim import decay_param_groups
 from collage_train.precision import strategy_for
 from collage_train.run import finish, resume
-from collage_train.run.agreement import agreement
 from collage_train.run.checkpointer import Checkpointer
 from collage_train.run.directory import write_engine_files
 from collage_train.run.guarded_window import Action, GuardedWindow

@@ -4,6 +4,7 @@
 ZeRO stages over every rank of a ``deepspeed`` or ``torchrun`` launch. With
 ``comm=diloco`` or ``comm=sparseloco``, ``single`` means one whole replica per process,
 merged every ``comm.sync_every`` steps (``ReplicaEngine``, any number of ranks).
+``agreement``: a check that refuses on one rank refuses on every rank, in one line.
 """
 
 from __future__ import annotations

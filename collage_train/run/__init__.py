@@ -1,5 +1,9 @@
-"""A run's housekeeping, around the training loop (``collage_train.trainer``).
+"""A run's components and housekeeping, around the training loop (``collage_train.trainer``).
 
+- ``model_setup``: the run's model, built to fit, handed to the engine;
+- ``stepper``: a step's forward and backward, its lr and EDQ tracking;
+- ``guarded_window``: the step counters, the step guard's verdicts acted on at a settle;
+- ``checkpointer``: when the run checkpoints, its saves and restores;
 - ``directory``: the run directory's lock and the Hydra callback that validates a run
   before anything is written into its directory;
 - ``validate``: the start-up checks of a configuration, one ``error:`` line each
@@ -10,7 +14,6 @@
 - ``stop_signal``: a stop signal acted on at the same step on every rank;
 - ``finish``: what a finished run writes after its last step (export, sample, summary),
   each failure a warning, never the run's.
-- ``agreement``: a check that refuses on one rank refuses on every rank, in one line.
 
 docs/runs.md describes what a run directory holds and how a run resumes.
 """

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from collage_train import init_from
 from collage_train.cpu_bf16 import CpuBf16Gemm, choose_cpu_bf16_gemm, probe_gflops
+from collage_train.engine.agreement import agreement
 from collage_train.engine.base import Engine
 from collage_train.errors import ConfigError
 from collage_train.fit_check import check_run_fits
@@ -29,7 +30,6 @@ from collage_train.model_init import materialise
 from collage_train.models import build_meta_model, count_parameters, enable_activation_checkpointing
 from collage_train.optim.collage.kernels import choose_kernel
 from collage_train.precision.base import PrecisionStrategy
-from collage_train.run.agreement import agreement
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def build_run_model(
     rank's partitions). The weights are drawn unit by unit, or read so from
     ``model.init_from``'s files: no fp32 copy of the model exists, and the weights are the
     same whatever the engine or the number of ranks. Every check that can refuse is agreed
-    by every rank before any refuses (``run.agreement``)."""
+    by every rank before any refuses (``engine.agreement``)."""
     device = engine.device
     shape = {"vocab_size": tokenizer.vocab_size, "seq_len": cfg.data.seq_len}
     shape["eot_id"] = tokenizer.eot_id

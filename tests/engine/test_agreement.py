@@ -1,4 +1,4 @@
-"""Refusals every rank agrees on (collage_train/run/agreement.py): no rank stops alone while
+"""Refusals every rank agrees on (collage_train/engine/agreement.py): no rank stops alone while
 the others wait in a collective (issue 48)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 import pytest
 from cli_runner import REPO, run_ranks, tiny_overrides
 
+from collage_train.engine.agreement import OtherRankFailed, agreement, gathered, the_same
 from collage_train.errors import RUN_FAILED, ConfigError, OutOfMemory
-from collage_train.run.agreement import OtherRankFailed, agreement, gathered, the_same
 
 
 class ThreadRanks:
