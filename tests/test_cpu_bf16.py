@@ -302,7 +302,10 @@ def test_sampling_a_bf16_model_follows_the_probe(monkeypatch, probe, emulated):
     monkeypatch.setattr(cpu_bf16, "probe_gflops", lambda: probe)
     seen = _count_emulated(monkeypatch)
     model = tiny_transformer("gpt", layers=1).to(BF16)
-    tokenizer = SimpleNamespace(eot_id=0, encode=lambda text: [5, 6], decode=lambda ids: "x")
+    vocab = model.config.vocab_size
+    tokenizer = SimpleNamespace(
+        eot_id=0, vocab_size=vocab, encode=lambda text: [5, 6], decode=lambda ids: "x"
+    )
     text = generate(model, tokenizer, "ab", max_new_tokens=3, temperature=0.0, top_k=1, seed=0)
     assert text == "abx"
     assert bool(seen) is emulated

@@ -189,13 +189,15 @@ class AdamW(TrackingOptimizer):
                 torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
                 commit_(m_low[start:stop], m[0], mask)
                 commit_(v_low[start:stop], v[0], mask)
-                denom = torch._foreach_sqrt(v)
-                torch._foreach_div_(denom, [sqrt_bias2])
-                torch._foreach_add_(denom, eps)
-                update = torch._foreach_div(m, denom)
-                torch._foreach_mul_(update, [step_size])
+                # in place on the chunk's copies: the same kernels as the whole-list path's
+                # out-of-place ones, without two more chunk-sized temporaries
+                torch._foreach_sqrt_(v)
+                torch._foreach_div_(v, [sqrt_bias2])
+                torch._foreach_add_(v, eps)
+                torch._foreach_div_(m, v)
+                torch._foreach_mul_(m, [step_size])
                 if weight_decay != 0.0:
-                    torch._foreach_add_(update, [flat_target[start:stop]], alpha=-lr * weight_decay)
-                self._apply_chunk(flat_weight, flat_target, update[0], start, sums, mask)
+                    torch._foreach_add_(m, [flat_target[start:stop]], alpha=-lr * weight_decay)
+                self._apply_chunk(flat_weight, flat_target, m[0], start, sums, mask)
             if sums is not None:
                 self.last_edq[param] = sums.rows()

@@ -37,9 +37,9 @@ if CHECK == "memory" and RANK == 1:
 elif CHECK == "data" and RANK == 1:
     trainer.build_data = _refuse_data
 elif CHECK == "downstream":
-    downstream.task_manager = lambda tasks, include_path: None  # known at start-up
+    downstream.check_tasks_load = lambda tasks, include_path: None  # loads at start-up
     if RANK == 0:
-        trainer.evaluate_model = _refuse_task
+        downstream.evaluate_model = _refuse_task
 
 if __name__ == "__main__":
     main()
