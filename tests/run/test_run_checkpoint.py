@@ -60,15 +60,18 @@ def test_background_save_holds_the_step_it_was_taken_at(make_cfg, tmp_path, monk
     background.train_step()  # the weights and moments change before a file is written
     background.train_step()
     release.set()
-    background.saver.wait()
+    background.checkpointer.saver.wait()
     monkeypatch.undo()
-    assert background.saver.failure is None
+    assert background.checkpointer.saver.failure is None
     reference = foreground.save_checkpoint()
     assert checkpoint.damage(path) is None
     _assert_bitwise(_state(path), _state(reference))
     trainer_state = checkpoint.load_checkpoint_file(path, "trainer")
     assert trainer_state["step"] == 2
-    assert background.saver.times.blocked and background.saver.host_staging_bytes > 0
+    assert (
+        background.checkpointer.saver.times.blocked
+        and background.checkpointer.saver.host_staging_bytes > 0
+    )
 
 
 def test_a_save_in_flight_is_not_a_checkpoint_until_committed(make_cfg, tmp_path, monkeypatch):
@@ -185,7 +188,7 @@ def test_killed_during_a_background_save_resumes_from_the_previous_checkpoint(ma
     assert resumed.step == 1
     resumed.train_step()
     assert resumed.save_checkpoint(background=True).name == "step-2"
-    resumed.saver.wait()
+    resumed.checkpointer.saver.wait()
     assert checkpoint.damage(run_dir / "checkpoints" / "step-2") is None
     assert not partial.exists()  # the stale write was cleared by the next save
 

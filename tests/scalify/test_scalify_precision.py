@@ -14,6 +14,7 @@ from collage_train.checkpoint import load_checkpoint_file
 from collage_train.cli import train
 from collage_train.errors import ConfigError
 from collage_train.metrics import RecordingSink, model_state_bytes
+from collage_train.metrics.step_window import StepRecord
 from collage_train.optim import decay_param_groups
 from collage_train.precision import get_strategy, strategy_for
 from collage_train.scalify import is_power_of_two
@@ -296,8 +297,8 @@ def test_scalify_run_keeps_power_of_two_scales_and_unit_data(make_cfg, tmp_path,
             assert is_power_of_two(scales[key])
             rms = data.double().square().mean().sqrt().item()
             assert rms == 0 or 1 / 16 <= rms <= 16
-    window = {"time": 1.0, "loss": 1.0, "lr": 0.0, "grad_norm": 0.0, "data_time": 0.0}
-    record = report.train_record(trainer.facts, trainer.progress(), [{**window, "edq": None}])
+    window = [StepRecord(step=6, loss=1.0, lr=0.0, grad_norm=0.0, time=1.0)]
+    record = report.train_record(trainer.facts, trainer.progress(), window)
     assert record["scalify_rms_outside_frac"] == 0.0 and record["scalify_rescales"] > 0
     assert record["scalify_residual_rms_outside_frac"] == 0.0
     # Forward operands at their propagated scales stay near unit RMS too.
