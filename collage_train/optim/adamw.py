@@ -158,6 +158,7 @@ class AdamW(TrackingOptimizer):
                 commit_(v_low[start:stop], v[0], mask)
                 theta = [flat_target[start:stop]]
                 update = adamw_updates(group, [state["step"]], m, v, theta)[0]
+                del g, m, v  # freed before the apply's temporaries
                 self._apply_chunk(flat_weight, flat_target, update, start, sums, mask)
             self._keep_edq(param, sums)
 
