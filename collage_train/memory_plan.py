@@ -136,7 +136,7 @@ STEP_TRANSIENT = {
     # fp32 copies of the moments and the update (bf16_moments, adamw_8bit: + dequantised
     # codes and their map indices), the SR step's int64 random bits (bf16_sr, collage_8bit;
     # on CPU they step at most 2^17 elements at a time), Kahan's bf16 scratch.
-    "adamw_bf16": (0.0, 26.0),
+    "adamw_bf16": (0.0, 24.0),  # AdamW._step_in_chunks, remeasured 2026-11-28 (issue 49)
     "adamw_blockwise8": (0.0, 34.0),
     "collage_blockwise8": (0.0, 62.0),
     "stochastic_rounding": (0.0, 44.7),
@@ -150,12 +150,12 @@ STEP_TRANSIENT = {
 # the others keep a copy of what they used to update in place (Kahan's four bf16 pieces,
 # the 8-bit step's fp32 weight).
 MASKED_STEP_TRANSIENT = {
-    "adamw_fp32": (0.0, 25.0),
-    "adamw_master": (0.0, 30.0),
-    "adamw_bf16": (0.0, 30.0),
+    "adamw_fp32": (0.0, 21.0),  # AdamW._step_in_chunks: remeasured 2026-11-28 (issue 49)
+    "adamw_master": (0.0, 24.0),
+    "adamw_bf16": (0.0, 24.0),
     "adamw_blockwise8": (0.0, 38.0),
     "kahan": (0.0, 21.0),
-    "split_master": (4.0, 30.0),  # the rebuilt fp32 masters, whole, and AdamW's chunk
+    "split_master": (4.0, 24.0),  # the rebuilt fp32 masters, whole, and AdamW's chunk
 }
 
 CHUNKED_KINDS = (

@@ -50,8 +50,8 @@ def bitwise_equal(step, mode: str, numel: int) -> bool:
     for t in range(1, 5):
         scalars = step_scalars(1e-3, 0.9, 0.999, 1e-8, 0.1, t)
         flags = {"track": t % 2 == 0, "return_update": False}
-        a = eager(*args_for(eager_state, mode), *scalars, **flags)
-        b = step(*args_for(fused_state, mode), *scalars, **flags)
+        a = eager(*args_for(eager_state, mode), scalars, **flags)
+        b = step(*args_for(fused_state, mode), scalars, **flags)
         if flags["track"] and not partials_close(a, b):
             return False
     return all(
@@ -106,7 +106,7 @@ def main() -> None:
         for track in (False, True):
             ms = median_ms(
                 functools.partial(
-                    step, *args_for(tensors, mode), *scalars, track=track, return_update=False
+                    step, *args_for(tensors, mode), scalars, track=track, return_update=False
                 )
             )
             row["edq_ms" if track else "ms"] = ms

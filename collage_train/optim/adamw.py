@@ -15,19 +15,19 @@ Serves the fp32 and mixed_fp32 strategies:
   a time, so the fp32 copies of the moments exist for one chunk only.
 
 Bias corrections come from an integer step count and are computed on the host in
-float64; all elementwise work uses multi-tensor ``torch._foreach_*`` kernels. The
-all-bf16 strategies use ``CollageAdamW``.
+float64; all elementwise work uses multi-tensor ``torch._foreach_*`` kernels, in
+``adamw_moments_`` and ``adamw_updates`` (whose parts ``BlockwiseAdamW`` shares where its
+arithmetic is AdamW's). The all-bf16 strategies use ``CollageAdamW``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from collage_train.optim.base import TrackingOptimizer, commit_
+from collage_train.optim.base import TrackingOptimizer, bias_corrections, commit_
 
 
 class AdamW(TrackingOptimizer):
@@ -72,31 +72,6 @@ class AdamW(TrackingOptimizer):
             state["exp_avg_sq"] = torch.zeros_like(target, **moments)
         return state
 
-    @staticmethod
-    def _adamw_updates(
-        group: dict[str, Any],
-        steps: list[int],
-        exp_avgs: list[torch.Tensor],
-        exp_avg_sqs: list[torch.Tensor],
-        thetas: list[torch.Tensor],
-    ) -> list[torch.Tensor]:
-        """u = -lr * m_hat / (sqrt(v_hat) + eps) - lr * wd * theta, in the moments' dtype.
-
-        The bias corrections come from the integer step counts, in float64 on the host.
-        """
-        beta1, beta2 = group["betas"]
-        lr, weight_decay = group["lr"], group["weight_decay"]
-        sqrt_bias2 = [math.sqrt(1.0 - beta2**t) for t in steps]
-        step_sizes = [-lr / (1.0 - beta1**t) for t in steps]
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, sqrt_bias2)
-        torch._foreach_add_(denom, group["eps"])
-        updates = torch._foreach_div(exp_avgs, denom)
-        torch._foreach_mul_(updates, step_sizes)
-        if weight_decay != 0.0:
-            torch._foreach_add_(updates, thetas, alpha=-lr * weight_decay)
-        return list(updates)
-
     def _full_precision(self, param: torch.Tensor) -> torch.Tensor:
         """The fp32 master when one is kept (before the first step: the weight itself)."""
         master = self.state[param].get("master")
@@ -123,7 +98,6 @@ class AdamW(TrackingOptimizer):
             torch._foreach_copy_([p for p, _ in kept], [m for _, m in kept])
 
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        beta1, beta2 = group["betas"]
         states = [self._state_for(p) for p in params]
         targets = self._masters(params, states)
         for s in states:
@@ -137,11 +111,9 @@ class AdamW(TrackingOptimizer):
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
 
-        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+        adamw_moments_(exp_avgs, exp_avg_sqs, grads, group["betas"])
         steps = [s["step"] for s in states]
-        updates = self._adamw_updates(group, steps, exp_avgs, exp_avg_sqs, targets)
+        updates = adamw_updates(group, steps, exp_avgs, exp_avg_sqs, targets)
 
         if self.track_edq and self.tracks_in_chunks:
             self._apply_tracked(params, targets, updates)
@@ -161,43 +133,90 @@ class AdamW(TrackingOptimizer):
         """The AdamW step of ``_step_group`` one tensor and ``step_chunk_numel`` elements at
         a time, with moments stored in ``moment_dtype`` and computed in the target's dtype.
 
-        The same ``torch._foreach_*`` kernels in the same order as the whole-list path, on
-        one-chunk lists: fused ops (lerp, addcmul, add with alpha, division by a scalar)
-        round alike only within one kernel family (on CUDA the plain and the foreach kernels
-        differ), so with moments in the target's own dtype the two paths give the same bits
-        on every device (tested). The fp32 copies of the moments and the update exist for
-        one chunk at a time. A step under a ``step_mask`` runs here too: each chunk's new
-        values are written where it holds.
+        The same functions (``adamw_moments_``, ``adamw_updates``) as the whole-list path,
+        on one-chunk lists, so the same ``torch._foreach_*`` kernels: fused ops (lerp,
+        addcmul, add with alpha, division by a scalar) round alike only within one kernel
+        family (on CUDA the plain and the foreach kernels differ), so with moments in the
+        target's own dtype the two paths give the same bits on every device (tested). The
+        fp32 copies of the moments and the update exist for one chunk at a time. A step
+        under a ``step_mask`` runs here too: each chunk's new values are written where it
+        holds.
         """
-        beta1, beta2 = group["betas"]
-        lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
         mask = self.step_mask
         for param, state, target in zip(params, states, targets, strict=True):
-            t = state["step"]
-            sqrt_bias2, step_size = math.sqrt(1.0 - beta2**t), -lr / (1.0 - beta1**t)
             grad, m_low, v_low = (
                 x.reshape(-1) for x in (param.grad, state["exp_avg"], state["exp_avg_sq"])
             )
             flat_weight, flat_target = param.detach().view(-1), target.detach().view(-1)
-            sums = self._edq_sums(param) if self.track_edq else None
+            sums = self._edq_sums(param)
             for start, stop in self._chunks(target.numel()):
                 g = [grad[start:stop].to(target.dtype)]
                 m = [m_low[start:stop].to(target.dtype, copy=True)]
                 v = [v_low[start:stop].to(target.dtype, copy=True)]
-                torch._foreach_lerp_(m, g, 1.0 - beta1)
-                torch._foreach_mul_(v, beta2)
-                torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
+                adamw_moments_(m, v, g, group["betas"])
                 commit_(m_low[start:stop], m[0], mask)
                 commit_(v_low[start:stop], v[0], mask)
-                # in place on the chunk's copies: the same kernels as the whole-list path's
-                # out-of-place ones, without two more chunk-sized temporaries
-                torch._foreach_sqrt_(v)
-                torch._foreach_div_(v, [sqrt_bias2])
-                torch._foreach_add_(v, eps)
-                torch._foreach_div_(m, v)
-                torch._foreach_mul_(m, [step_size])
-                if weight_decay != 0.0:
-                    torch._foreach_add_(m, [flat_target[start:stop]], alpha=-lr * weight_decay)
-                self._apply_chunk(flat_weight, flat_target, m[0], start, sums, mask)
-            if sums is not None:
-                self.last_edq[param] = sums.rows()
+                theta = [flat_target[start:stop]]
+                update = adamw_updates(group, [state["step"]], m, v, theta)[0]
+                del g, m, v  # freed before the apply's temporaries
+                self._apply_chunk(flat_weight, flat_target, update, start, sums, mask)
+            self._keep_edq(param, sums)
+
+
+def adamw_moments_(
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    betas: tuple[float, float],
+) -> None:
+    """m <- lerp(m, g, 1 - beta1), then ``second_moments_``, in place."""
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - betas[0])
+    second_moments_(exp_avg_sqs, grads, betas[1])
+
+
+def adamw_updates(
+    group: dict[str, Any],
+    steps: list[int],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    thetas: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """u = -lr * m_hat / (sqrt(v_hat) + eps) - lr * wd * theta, in the moments' dtype.
+
+    The bias corrections come from the integer step counts, in float64 on the host.
+    """
+    beta1, beta2 = group["betas"]
+    lr, weight_decay = group["lr"], group["weight_decay"]
+    corrections = [bias_corrections(beta1, beta2, t) for t in steps]
+    denoms = adamw_denominators(exp_avg_sqs, [c[1] for c in corrections], group["eps"])
+    updates = adamw_directions(exp_avgs, denoms, [-lr / c[0] for c in corrections])
+    if weight_decay != 0.0:
+        torch._foreach_add_(updates, thetas, alpha=-lr * weight_decay)
+    return updates
+
+
+def second_moments_(
+    exp_avg_sqs: list[torch.Tensor], grads: list[torch.Tensor], beta2: float
+) -> None:
+    """v <- beta2 * v + (1 - beta2) * g^2, in place: ``_foreach_mul_``, ``_foreach_addcmul_``."""
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+
+
+def adamw_denominators(
+    exp_avg_sqs: list[torch.Tensor], sqrt_bias2: list[float], eps: float
+) -> list[torch.Tensor]:
+    """sqrt(v) / sqrt(1 - beta2^t) + eps, one new tensor each (``sqrt_bias2``: one a tensor)."""
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denoms, sqrt_bias2)
+    torch._foreach_add_(denoms, eps)
+    return list(denoms)
+
+
+def adamw_directions(
+    exp_avgs: list[torch.Tensor], denoms: list[torch.Tensor], step_sizes: list[float]
+) -> list[torch.Tensor]:
+    """m / denom * step_size, one new tensor each (``step_size = -lr / (1 - beta1^t)``)."""
+    directions = torch._foreach_div(exp_avgs, denoms)
+    torch._foreach_mul_(directions, step_sizes)
+    return list(directions)

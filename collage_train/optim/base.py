@@ -4,7 +4,8 @@ full-precision value of every weight (read and written by the replica engines)."
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,10 @@ class EdqSums:
                     before[low:high], after[low:high], update[low:high], low_part
                 )
 
+    def add_partials(self, partials: torch.Tensor) -> None:
+        """Partials a step summed itself over a chunk of a tensor with no segments."""
+        self.sums[0] += partials
+
     def rows(self) -> torch.Tensor:
         return self.sums if self.segmented else self.sums[0]
 
@@ -104,6 +109,17 @@ def write_back(pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy each ``flat_view`` copy back into the tensor it was taken from."""
     for tensor, flat in pending:
         tensor.copy_(flat.view(tensor.shape))
+
+
+def chunk_ranges(numel: int, chunk: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of at most ``chunk`` elements (one at least) covering ``numel``."""
+    chunk = max(1, chunk)
+    return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
+
+
+def bias_corrections(beta1: float, beta2: float, step: int) -> tuple[float, float]:
+    """Adam's ``1 - beta1^t`` and ``sqrt(1 - beta2^t)`` for integer step ``t``, in float64."""
+    return 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
 
 
 def chunk_numel_for(state_bytes: float) -> int:
@@ -344,12 +360,36 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
             flat_w, flat_t, flat_u = weight.view(-1), target.view(-1), update.view(-1)
             for start, stop in self._chunks(weight.numel()):
                 self._apply_chunk(flat_w, flat_t, flat_u[start:stop], start, sums)
-            self.last_edq[param] = sums.rows()
+            self._keep_edq(param, sums)
 
-    def _edq_sums(self, param: torch.Tensor) -> EdqSums:
-        """Zeroed EDQ partial sums for ``param``, measured in ``edq_view_dtype``."""
+    def _edq_sums(self, param: torch.Tensor) -> EdqSums | None:
+        """Zeroed EDQ partial sums for ``param`` (measured in ``edq_view_dtype``, a row per
+        ``edq_segments`` range) when descent is tracked, else None."""
+        if not self.track_edq:
+            return None
         segments = self.edq_segments.get(param)
         return EdqSums(segments, param.numel(), self.edq_view_dtype, param.device)
+
+    def _keep_edq(self, param: torch.Tensor, sums: EdqSums | None) -> None:
+        """Record ``param``'s EDQ partial sums of this step (``last_edq``), if tracked."""
+        if sums is not None:
+            self.last_edq[param] = sums.rows()
+
+    def _pieces(
+        self,
+        tensors: Sequence[torch.Tensor | None],
+        chunks: list[tuple[int, int]] | None = None,
+    ) -> Iterator[tuple[int, list[torch.Tensor | None]]]:
+        """``(start, pieces)`` of one tensor's step: the same ``[start, stop)`` range of each
+        of ``tensors`` (the weight first; None entries stay None), flattened, for each of
+        ``chunks`` (default ``_chunks``); tensors not all contiguous come whole, as they
+        are (start 0). Elementwise steps give the same bits either way."""
+        if not all(t is None or t.is_contiguous() for t in tensors):
+            yield 0, list(tensors)
+            return
+        flat = [t.view(-1) if t is not None else None for t in tensors]
+        for start, stop in self._chunks(flat[0].numel()) if chunks is None else chunks:
+            yield start, [t[start:stop] if t is not None else None for t in flat]
 
     @staticmethod
     def _apply_chunk(
@@ -378,14 +418,16 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
 
     def _chunks(self, numel: int) -> list[tuple[int, int]]:
         """``[start, stop)`` ranges of at most ``step_chunk_numel`` elements covering ``numel``."""
-        chunk = max(1, self.step_chunk_numel)
-        return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
+        return chunk_ranges(numel, self.step_chunk_numel)
 
     def edq_metrics(self) -> dict[str, float]:
-        """EDQ metrics of the last tracked step over all its parameters ({} if none)."""
+        """EDQ metrics of the last tracked step over all its parameters ({} if none), with
+        the dtheta terms where the state holds a low part (``low_part``)."""
         if not self.last_edq:
             return {}
-        with_dtheta = any("dtheta" in self.state[p] for p in self.last_edq)
+        with_dtheta = self.low_part is not None and any(
+            self.low_part in self.state[p] for p in self.last_edq
+        )
         total = sum(p.reshape(-1, len(FIELDS)).sum(dim=0) for p in self.last_edq.values())
         return edq_metrics(total, with_dtheta)
 

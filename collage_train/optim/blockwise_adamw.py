@@ -14,7 +14,9 @@ bitsandbytes 0.50.2's ``AdamW8bit`` on CPU (``backends/cpu/ops.py``, op for op):
 
 and quantises m and v back; the parameter update uses the moments before quantisation.
 Bias corrections come from the integer step in float64 on the host, as bitsandbytes
-computes them.
+computes them. v, the denominator and the update's direction ``m / denom * step size`` are
+AdamW's arithmetic too and use ``optim.adamw``'s functions on one-chunk lists (on CPU the
+same kernels as the plain ops); m and the weight update stay bitsandbytes'.
 
 ``master_dtype=torch.float32`` on bf16 parameters keeps an fp32 master copy that takes
 the update and is rounded into the parameter (the ``adamw_8bit`` strategy: 2 + 2 + 4 +
@@ -35,14 +37,18 @@ v as the map's smallest positive value instead (``blockwise8.quantize``), the ru
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from collage_train.optim.adamw import AdamW
-from collage_train.optim.base import EdqSums, commit_, flat_view, write_back
+from collage_train.optim.adamw import (
+    AdamW,
+    adamw_denominators,
+    adamw_directions,
+    second_moments_,
+)
+from collage_train.optim.base import bias_corrections, chunk_ranges, commit_, flat_view, write_back
 from collage_train.optim.blockwise8 import BLOCK_SIZE, QuantizedMoment
 
 MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (state name, signed map)
@@ -51,8 +57,7 @@ MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (state name, signed map)
 def block_chunks(numel: int, chunk_numel: int, block_size: int) -> list[tuple[int, int]]:
     """``[start, stop)`` ranges covering ``numel`` elements, each at most ``chunk_numel``
     elements rounded down to whole blocks (one block at least)."""
-    chunk = max(block_size, chunk_numel // block_size * block_size)
-    return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
+    return chunk_ranges(numel, max(block_size, chunk_numel // block_size * block_size))
 
 
 class BlockwiseAdamW(AdamW):
@@ -108,38 +113,36 @@ class BlockwiseAdamW(AdamW):
     def _step_param(self, group: dict[str, Any], param: torch.Tensor) -> None:
         state = self._state_for(param)
         state["step"] += 1
-        step, (beta1, beta2) = state["step"], group["betas"]
+        beta1, beta2 = group["betas"]
         lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
-        bias1, bias2_sqrt = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+        bias1, sqrt_bias2 = bias_corrections(beta1, beta2, state["step"])
+        step_size = -lr / bias1
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         weight = flat_view(param.detach(), pending)
         master = state["master"].view(-1) if "master" in state else None
         grad = param.grad.reshape(-1)
-        m_state, v_state = (QuantizedMoment.of(state, n, s, self.block_size) for n, s in MOMENTS)
-        edq = None
-        if self.track_edq:
-            segments = self.edq_segments.get(param)
-            edq = EdqSums(segments, weight.numel(), self.edq_view_dtype, weight.device)
+        m_state, v_state = (QuantizedMoment.of(state, *spec, self.block_size) for spec in MOMENTS)
+        edq = self._edq_sums(param)
         mask = self.step_mask  # a False one: every chunk computed, nothing written
         for start, stop in self._chunks(weight.numel()):
             g = grad[start:stop].float()
             m, v = m_state.load(start, stop), v_state.load(start, stop)
-            m.mul_(beta1).add_(g, alpha=1.0 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-            denom = (v.sqrt() / bias2_sqrt).add_(eps)
+            m.mul_(beta1).add_(g, alpha=1.0 - beta1)  # bitsandbytes' m, not AdamW's lerp
+            second_moments_([v], [g], beta2)
+            denom = adamw_denominators([v], [sqrt_bias2], eps)[0]
             target = (master if master is not None else weight)[start:stop]
             in_place = target.dtype == torch.float32 and mask is None
             p = target if in_place else target.to(torch.float32, copy=True)
             if edq is not None:
                 before = weight[start:stop].clone()
-                update = (m / denom) * (-lr / bias1)
+                update = adamw_directions([m], [denom], [step_size])[0]
                 if weight_decay > 0.0:
                     update += p * (-lr * weight_decay)
                 if mask is not None:
                     update = torch.where(mask, update, 0.0)
             if weight_decay > 0.0:
                 p.mul_(1.0 - lr * weight_decay)
-            p.addcdiv_(m, denom, value=-lr / bias1)
+            p.addcdiv_(m, denom, value=step_size)
             if p is not target:
                 commit_(target, p, mask)
             if master is not None:
@@ -149,5 +152,4 @@ class BlockwiseAdamW(AdamW):
             if edq is not None:
                 edq.add(start, before, weight[start:stop], update)
         write_back(pending)
-        if edq is not None:
-            self.last_edq[param] = edq.rows()
+        self._keep_edq(param, edq)

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 
-from collage_train.metrics.edq import FIELDS, edq_metrics, edq_partials
 from collage_train.optim.base import TrackingOptimizer, commit_
 
 __all__ = ["KahanAdamW", "debiased_beta"]
@@ -152,65 +151,30 @@ class KahanAdamW(TrackingOptimizer):
                 state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
 
-    def edq_metrics(self) -> dict[str, float]:
-        """EDQ metrics of the last tracked step, with c reported as Collage's dtheta."""
-        if not self.last_edq:
-            return {}
-        total = sum(p.reshape(-1, len(FIELDS)).sum(dim=0) for p in self.last_edq.values())
-        return edq_metrics(total, with_dtheta=True)
-
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         for param in params:
             state = self._state_for(param)
             state["step"] += 1
             if param.numel() == 0:
                 continue
-            tensors = [
-                param.detach(),
-                state["kahan_comp"],
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                param.grad,
-            ]
-            scalars = step_scalars(group, state["step"])
-            partials = self._step_in_chunks(tensors, scalars, self.edq_segments.get(param))
-            if self.track_edq:
-                self.last_edq[param] = partials
+            self._step_tensor(param, state, step_scalars(group, state["step"]))
 
-    def _step_in_chunks(
-        self,
-        tensors: list[torch.Tensor],
-        scalars: KahanScalars,
-        segments: list[tuple[str, int, int]] | None,
-    ) -> torch.Tensor | None:
-        """One tensor's step, ``step_chunk_numel`` elements at a time (a non-contiguous
-        tensor in one piece); its EDQ partials when tracked, one row per segment of a flat
-        partition. EDQ's realised change is that of the bf16 weight; c is passed as the
-        low part (``dtheta``), as for Collage."""
-        track = self.track_edq
-        numel = tensors[0].numel()
-        if all(t.is_contiguous() for t in tensors):
-            flat = [t.view(-1) for t in tensors]
-            chunks = self._chunks(numel)
-        else:
-            flat, chunks = None, [(0, numel)]
-        ranges = segments if segments is not None else [("", 0, numel)]
-        sums = torch.zeros(len(ranges), len(FIELDS), device=tensors[0].device) if track else None
-        for start, stop in chunks:
-            piece = tensors if flat is None else [t[start:stop] for t in flat]
-            result = kahan_piece_step(*piece, scalars, track=track, mask=self.step_mask)
+    def _step_tensor(
+        self, param: torch.Tensor, state: dict[str, Any], scalars: KahanScalars
+    ) -> None:
+        """One tensor's step in ``_pieces``, its EDQ partials kept when tracked: the
+        realised change is that of the bf16 weight, and c is passed as the low part
+        (``dtheta``), as for Collage."""
+        mask = self.step_mask
+        sums = self._edq_sums(param)
+        tensors = [param.detach(), state["kahan_comp"], state["exp_avg"], state["exp_avg_sq"]]
+        for start, piece in self._pieces([*tensors, param.grad]):
+            result = kahan_piece_step(*piece, scalars, track=sums is not None, mask=mask)
             if result is None:
                 continue
             before, update = (t.reshape(-1) for t in result)
-            after, comp = piece[0].reshape(-1), piece[1].reshape(-1)
-            if self.step_mask is not None:  # a refused step's partials are all zero
-                comp = torch.where(self.step_mask, comp, 0.0)
-            for row, (_, first, last) in enumerate(ranges):
-                low, high = max(first, start) - start, min(last, stop) - start
-                if low < high:
-                    sums[row] += edq_partials(
-                        before[low:high], after[low:high], update[low:high], comp[low:high]
-                    )
-        if sums is None or segments is not None:
-            return sums
-        return sums[0]
+            comp = piece[1].reshape(-1)
+            if mask is not None:  # a refused step's partials are all zero
+                comp = torch.where(mask, comp, 0.0)
+            sums.add(start, before, piece[0].reshape(-1), update, comp)
+        self._keep_edq(param, sums)

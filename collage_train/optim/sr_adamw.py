@@ -28,15 +28,18 @@ whole-tensor step. A drop-in for ``torch.optim.AdamW`` on bf16 parameters::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from collage_train.metrics.edq import FIELDS, edq_partials
 from collage_train.optim import rounding_noise
-from collage_train.optim.base import TrackingOptimizer, commit_
+from collage_train.optim.base import (
+    TrackingOptimizer,
+    bias_corrections,
+    chunk_ranges,
+    commit_,
+)
 
 # (numel, stream, step, offset, device) -> int64 tensor of 32-bit values, one per element
 BitsSource = Callable[[int, int, int, int, torch.device], torch.Tensor]
@@ -82,8 +85,7 @@ def step_scalars(
     lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int
 ) -> tuple[float, ...]:
     """The host scalars of ``sr_adamw_piece`` for integer ``step``, in float64."""
-    bias1 = 1.0 - beta1**step
-    sqrt_bias2 = math.sqrt(1.0 - beta2**step)
+    bias1, sqrt_bias2 = bias_corrections(beta1, beta2, step)
     return (lr, lr * weight_decay, 1.0 - beta1, 1.0 - beta2, bias1, sqrt_bias2, eps)
 
 
@@ -148,45 +150,24 @@ class StochasticRoundingAdamW(TrackingOptimizer):
             scalars = step_scalars(
                 group["lr"], beta1, beta2, group["eps"], group["weight_decay"], state["step"]
             )
-            partials = self._step_in_chunks(param, state, scalars)
-            if partials is not None:
-                self.last_edq[param] = partials
+            self._step_tensor(param, state, scalars)
 
-    def _step_in_chunks(
+    def _step_tensor(
         self, param: torch.Tensor, state: dict[str, Any], scalars: tuple[float, ...]
-    ) -> torch.Tensor | None:
-        """One tensor's step, ``step_chunk_numel`` elements at a time (on CPU at most
-        ``CPU_PIECE_NUMEL``), the same bits as one pass (elementwise arithmetic, bits indexed
-        by position in the tensor); its EDQ partials (one row per ``edq_segments`` range)
-        when descent is tracked, else None."""
+    ) -> None:
+        """One tensor's step in ``_pieces`` (on CPU at most ``CPU_PIECE_NUMEL`` elements at
+        a time), the same bits as one pass (elementwise arithmetic, bits indexed by
+        position in the tensor), its EDQ partials kept when descent is tracked."""
+        chunk = self.step_chunk_numel
+        if param.device.type == "cpu":
+            chunk = min(chunk, CPU_PIECE_NUMEL)
+        sums = self._edq_sums(param)
         tensors = [param.detach(), state["exp_avg"], state["exp_avg_sq"], param.grad]
-        numel = param.numel()
-        if all(t.is_contiguous() for t in tensors):
-            flat = [t.view(-1) for t in tensors]
-            chunk = max(1, self.step_chunk_numel)
-            if param.device.type == "cpu":
-                chunk = min(chunk, CPU_PIECE_NUMEL)
-            pieces = [
-                (start, min(start + chunk, numel), [t[start : start + chunk] for t in flat])
-                for start in range(0, numel, chunk)
-            ]
-        else:
-            pieces = [(0, numel, tensors)]  # as it is, in one piece (row-major element order)
-        segments = self.edq_segments.get(param)
-        ranges = segments if segments is not None else [("", 0, numel)]
-        track = self.track_edq
-        sums = torch.zeros(len(ranges), len(FIELDS), device=param.device) if track else None
-        for start, stop, piece in pieces:
-            bits = self._bits(stop - start, state["stream"], state["step"], start, param.device)
-            before = piece[0].reshape(-1).clone() if track else None
+        for start, piece in self._pieces(tensors, chunk_ranges(param.numel(), chunk)):
+            weight = piece[0]
+            bits = self._bits(weight.numel(), state["stream"], state["step"], start, param.device)
+            before = weight.reshape(-1).clone() if sums is not None else None
             update = sr_adamw_piece(*piece, bits, scalars, self.step_mask)
-            if sums is None:
-                continue
-            after, update = piece[0].reshape(-1), update.reshape(-1)
-            for row, (_, first, last) in enumerate(ranges):
-                low, high = max(first, start) - start, min(last, stop) - start
-                if low < high:
-                    sums[row] += edq_partials(before[low:high], after[low:high], update[low:high])
-        if sums is None or segments is not None:
-            return sums
-        return sums[0]
+            if sums is not None:
+                sums.add(start, before, weight.reshape(-1), update.reshape(-1))
+        self._keep_edq(param, sums)

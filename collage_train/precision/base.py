@@ -174,12 +174,7 @@ class PrecisionStrategy:
             StochasticRoundingAdamW,
         )
 
-        hyperparameters = {
-            "lr": optim_cfg.lr,
-            "betas": tuple(optim_cfg.betas),
-            "eps": optim_cfg.eps,
-            "weight_decay": optim_cfg.weight_decay,
-        }
+        hyperparameters = adamw_hyperparameters(optim_cfg)
         spec = self.optimizer
         if spec.kind == "collage" and spec.moments == "blockwise8":
             return Collage8bitAdamW(param_groups, seed=seed, kernel=kernel, **hyperparameters)
@@ -200,6 +195,16 @@ class PrecisionStrategy:
             param_groups, master_dtype=self.master_dtype, moment_dtype=moment_dtype,
             **hyperparameters,
         )  # fmt: skip
+
+
+def adamw_hyperparameters(optim_cfg: Any) -> dict[str, Any]:
+    """The AdamW keyword arguments every strategy's optimizer takes, from ``optim``."""
+    return {
+        "lr": optim_cfg.lr,
+        "betas": tuple(optim_cfg.betas),
+        "eps": optim_cfg.eps,
+        "weight_decay": optim_cfg.weight_decay,
+    }
 
 
 _REGISTRY: dict[str, PrecisionStrategy] = {}

@@ -74,7 +74,12 @@ from typing import Any
 import torch
 
 from collage_train.errors import ConfigError
-from collage_train.precision.base import OptimizerSpec, PrecisionStrategy, register
+from collage_train.precision.base import (
+    OptimizerSpec,
+    PrecisionStrategy,
+    adamw_hyperparameters,
+    register,
+)
 
 MATMULS = ("fp8", "fp16", "bf16", "fp32")
 MASTERS = ("fp16", "fp32")
@@ -216,12 +221,9 @@ class ScalifyStrategy(PrecisionStrategy):
 
         return ScaledAdamW(
             param_groups,
-            lr=optim_cfg.lr,
-            betas=tuple(optim_cfg.betas),
-            eps=optim_cfg.eps,
-            weight_decay=optim_cfg.weight_decay,
             master=self.master,
             state=self.state,
+            **adamw_hyperparameters(optim_cfg),
         )
 
 

@@ -34,13 +34,18 @@ as in ``collage_train.optim.AdamW``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from collage_train.optim.base import EdqSums, TrackingOptimizer, commit_, flat_view, write_back
+from collage_train.optim.base import (
+    TrackingOptimizer,
+    bias_corrections,
+    commit_,
+    flat_view,
+    write_back,
+)
 from collage_train.scalify.params import (
     holds_exactly,
     is_scaled,
@@ -318,7 +323,7 @@ class ScaledAdamW(TrackingOptimizer):
         state["step"] += 1
         step, (beta1, beta2) = state["step"], group["betas"]
         lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
-        bias1, bias2_sqrt = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+        bias1, bias2_sqrt = bias_corrections(beta1, beta2, step)
         kind = self._weight_kind(state, param)
         layout = PieceChunks(param.numel(), self.flat_pieces.get(param), param.device)
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # written back at the end
@@ -386,7 +391,7 @@ class ScaledAdamW(TrackingOptimizer):
         mask = self.step_mask  # a False one: the old scales kept, nothing written
         if mask is not None:
             new_scales = {k: torch.where(mask, s, old_scales[k]) for k, s in new_scales.items()}
-        edq = self._edq_rows(param) if self.track_edq else None
+        edq = self._edq_sums(param)
         for lo, hi in chunks:
             m, v = new_moments(lo, hi)
             for name, value in (("exp_avg", m), ("exp_avg_sq", v)):
@@ -427,8 +432,7 @@ class ScaledAdamW(TrackingOptimizer):
             key = "weight" if kind == "scaled" else "param"
             self._note_rescale(old_scales[key], new_scales[key])
             getattr(param, SCALE_ATTR).copy_(new_scales[key])  # every holder sees it
-        if edq is not None:
-            self.last_edq[param] = edq.rows()
+        self._keep_edq(param, edq)
 
     def _note_rescale(self, old: torch.Tensor, new: torch.Tensor) -> None:
         if not torch.equal(old, new):
@@ -451,10 +455,6 @@ class ScaledAdamW(TrackingOptimizer):
             return flat_param[lo:hi].to(torch.float32) * layout.scale_of(scales[key], lo, hi)
         chunk = flat_param[lo:hi]
         return chunk.to(torch.float32, copy=True) if copy else chunk
-
-    def _edq_rows(self, param: torch.Tensor) -> EdqSums:
-        segments = self.edq_segments.get(param)
-        return EdqSums(segments, param.numel(), self.edq_view_dtype, param.device)
 
 
 def _store_chunk(

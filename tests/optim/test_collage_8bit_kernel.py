@@ -22,6 +22,7 @@ from collage_train.optim import blockwise8, rounding_noise
 from collage_train.optim.collage import cpu_kernel, eight_bit_kernel, kernels
 from collage_train.optim.collage.eight_bit import Collage8bitAdamW, sqrt_rn
 from collage_train.optim.collage.kernels import EIGHT_BIT_MODE, choose_kernel
+from collage_train.optim.collage.step_math import step_scalars
 from collage_train.precision import get_strategy
 
 pytestmark = pytest.mark.skipif(
@@ -223,7 +224,7 @@ def test_the_kernel_refuses_tensors_it_cannot_step():
         torch.zeros(1),  # one absmax short
         torch.zeros(n, dtype=torch.bfloat16),
     )
-    scalars = (0.1, 0.999, 0.001, 1.0, 1e-8, -1e-3, 0.0)
+    scalars = step_scalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
     step = dict(block_size=256, seed=0, stream=0, step=1, segments=None)
     with pytest.raises(ValueError, match=r"v_absmax must be torch\.float32 with 2 elements"):
         eight_bit_kernel.eight_bit_step(tensors, scalars, **step)

@@ -81,9 +81,9 @@ def agrees_with_eager(mode: str, n: int, beta2: float) -> bool:
         scalars = step_scalars(3e-3 * 0.97**step, 0.9, beta2, 1e-8, 0.1, step)
         track, keep = step % 3 == 0, step % 4 == 0
         expected = collage_tensor_step(
-            *eager, grad, *scalars, mode=mode, track=track, return_update=keep
+            *eager, grad, scalars, mode=mode, track=track, return_update=keep
         )
-        got = kernel(*fused, grad, *scalars, track=track, return_update=keep)
+        got = kernel(*fused, grad, scalars, track=track, return_update=keep)
         if track and keep:
             assert torch.equal(bits(got), bits(expected)), step
         elif track:
@@ -142,7 +142,7 @@ def training_like_state(mode: str, n: int, beta2: float) -> list[torch.Tensor | 
             torch.randn(n, generator=gen) * 10.0 ** -torch.randint(1, 5, (n,), generator=gen)
         ).bfloat16()
         collage_tensor_step(
-            *tensors, grad, *step_scalars(1e-3, 0.9, beta2, 1e-8, 0.1, step), mode=mode, track=False
+            *tensors, grad, step_scalars(1e-3, 0.9, beta2, 1e-8, 0.1, step), mode=mode, track=False
         )
     return tensors
 
@@ -156,9 +156,9 @@ def steps_agree(mode: str, eager: list, fused: list, beta2: float, seed: int) ->
         grad = (torch.randn(n, generator=gen) * 1e-2).bfloat16()
         scalars = step_scalars(1e-3, 0.9, beta2, 1e-8, 0.1, step)
         expected = collage_tensor_step(
-            *eager, grad, *scalars, mode=mode, track=track, return_update=keep
+            *eager, grad, scalars, mode=mode, track=track, return_update=keep
         )
-        got = kernel(*fused, grad, *scalars, track=track, return_update=keep)
+        got = kernel(*fused, grad, scalars, track=track, return_update=keep)
         if keep:
             assert torch.equal(bits(got), bits(expected)), step
         elif track:
@@ -247,8 +247,8 @@ def test_without_round_to_nearest_the_split_tier_is_left_out(monkeypatch, no_spl
     before = tier_counts()
     assert LIBM.fesetround(FE_UPWARD) == 0
     try:
-        split_kernel(*with_split, grad, *scalars, track=False, return_update=False)
-        plain_kernel(*without, grad, *scalars, track=False, return_update=False)
+        split_kernel(*with_split, grad, scalars, track=False, return_update=False)
+        plain_kernel(*without, grad, scalars, track=False, return_update=False)
     finally:
         LIBM.fesetround(FE_TONEAREST)
     assert tier_counts()[0] == before[0]  # no block tried the split tier
@@ -266,7 +266,7 @@ def test_the_kernel_leaves_the_callers_floating_point_flags_as_it_found_them():
     scalars = step_scalars(1e-3, 0.9, 0.95, 1e-8, 0.1, 21)
     before = tier_counts()
     LIBM.feraiseexcept(FE_INVALID)
-    kernel(*fused, grad, *scalars, track=False, return_update=False)
+    kernel(*fused, grad, scalars, track=False, return_update=False)
     raised = LIBM.fetestexcept(FE_INVALID)
     LIBM.feclearexcept(FE_INVALID)
     assert tier_counts()[0] == before[0] + 1  # the split tier ran and flagged a block
@@ -279,7 +279,7 @@ def test_each_thread_range_counts_once():
     theta, dtheta, m, v, dv = state("plus", n, 3)
     grad = torch.full((n,), 1e-2, dtype=torch.bfloat16)
     sums = cpu_kernel.cpu_tensor_step("plus")(
-        theta, dtheta, m, v, dv, grad, *step_scalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 1),
+        theta, dtheta, m, v, dv, grad, step_scalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 1),
         track=True, return_update=False,
     )  # fmt: skip
     assert sums.dtype == torch.float32
@@ -291,9 +291,9 @@ def test_refuses_tensors_it_cannot_step():
     theta, dtheta, m, v, dv = state("plus", 8, 0)
     scalars = step_scalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
     with pytest.raises(ValueError, match="contiguous bf16 CPU"):
-        kernel(theta, dtheta, m, v, dv, theta.float(), *scalars, track=False, return_update=False)
+        kernel(theta, dtheta, m, v, dv, theta.float(), scalars, track=False, return_update=False)
     with pytest.raises(ValueError, match="needs its dtheta"):
-        kernel(theta, dtheta, m, v, None, theta, *scalars, track=False, return_update=False)
+        kernel(theta, dtheta, m, v, None, theta, scalars, track=False, return_update=False)
 
 
 @pytest.fixture

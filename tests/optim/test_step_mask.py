@@ -188,7 +188,7 @@ def test_the_c_kernel_and_the_eager_step_mask_alike(mode):
                 if return_update and mask is OK:
                     continue  # an applied step runs once
                 outs.append(
-                    step(theta, dtheta, m, v, dv, grad, *scalars, track=True,
+                    step(theta, dtheta, m, v, dv, grad, scalars, track=True,
                          return_update=return_update, mask=mask)
                 )  # fmt: skip
             if mask is REFUSED:

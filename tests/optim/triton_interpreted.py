@@ -67,7 +67,7 @@ def check(mode: str, numel: int, bit_rounding: bool = True) -> None:
             dv = dv if mode == "plus" else None
             results.append(
                 step(
-                    p, dtheta, m, v, dv, grad, *scalars,
+                    p, dtheta, m, v, dv, grad, scalars,
                     track=track, return_update=return_update, mask=mask,
                 )
             )  # fmt: skip

@@ -96,9 +96,6 @@ def check(numel: int, bit_rounding: bool, block_size: int = 256) -> None:
 
 
 def _triton_step(param, state, grad, t, block_size, track, mask, bit_rounding):
-    one_minus_beta1, beta2, _, _, inv_sqrt_bias2, eps, step_size, decay = step_scalars(
-        1e-3, 0.9, 0.999, 1e-8, 0.1, t
-    )
     return triton_eight_bit_step(
         param.detach(),
         state["dtheta"],
@@ -107,7 +104,7 @@ def _triton_step(param, state, grad, t, block_size, track, mask, bit_rounding):
         state["exp_avg_absmax"],
         state["exp_avg_sq"],
         state["exp_avg_sq_absmax"],
-        (one_minus_beta1, beta2, 1.0 - beta2, inv_sqrt_bias2, eps, step_size, decay),
+        step_scalars(1e-3, 0.9, 0.999, 1e-8, 0.1, t),
         block_size=block_size,
         seed=11,
         stream=state["stream"],

@@ -33,17 +33,11 @@ from typing import Any
 
 import torch
 
-from collage_train.metrics.edq import FIELDS, edq_partials
 from collage_train.optim.base import TrackingOptimizer, chunk_numel_for
 
 __all__ = ["CollageAdamW", "chunk_numel_for"]
-from collage_train.optim.collage.kernels import choose_kernel
-from collage_train.optim.collage.step_math import (
-    collage_tensor_step,
-    fused_tensor_step,
-    min_fused_numel,
-    step_scalars,
-)
+from collage_train.optim.collage.kernels import choose_kernel, fused_tensor_step, min_fused_numel
+from collage_train.optim.collage.step_math import StepScalars, collage_tensor_step
 
 MODES = ("none", "light", "plus")
 KERNELS = ("auto", "eager", "compiled")
@@ -109,12 +103,9 @@ class CollageAdamW(TrackingOptimizer):
 
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         self._resolve_kernel()
-        beta1, beta2 = group["betas"]
-        track = self.track_edq
         for param in params:
             state = self._state_for(param)
-            state["step"] += 1
-            t = state["step"]  # an integer: the bias corrections are exact in float64
+            state["step"] += 1  # an integer: the bias corrections are exact in float64
             if param.numel() == 0:
                 continue
             tensors = [
@@ -125,72 +116,42 @@ class CollageAdamW(TrackingOptimizer):
                 state.get("dv"),
                 param.grad,
             ]
-            scalars = step_scalars(
-                group["lr"], beta1, beta2, group["eps"], group["weight_decay"], t
-            )
-            partials = self._step_in_chunks(tensors, scalars, self.edq_segments.get(param))
-            if track:
-                self.last_edq[param] = partials
+            self._step_tensor(param, tensors, StepScalars.of(group, state["step"]))
 
-    def _step_in_chunks(
-        self,
-        tensors: list[torch.Tensor | None],
-        scalars: tuple[float, ...],
-        segments: list[tuple[str, int, int]] | None,
-    ) -> torch.Tensor | None:
-        """One tensor's step, ``step_chunk_numel`` elements at a time; its EDQ partials.
+    def _step_tensor(
+        self, param: torch.Tensor, tensors: list[torch.Tensor | None], scalars: StepScalars
+    ) -> None:
+        """One tensor's step in ``_pieces``, its EDQ partials kept when tracked.
 
-        Elementwise, so the result is the same bits as one pass; but the eager step's fp32
-        temporaries, and under EDQ tracking of a flat partition (``segments``) the copy of
-        the weights before the step and the intended update, exist for one chunk at a time
-        instead of for the whole tensor. Returns the partial sums (one row per segment for
-        a flat partition) when descent is tracked, else None.
+        The eager step's fp32 temporaries, and under EDQ tracking of a flat partition
+        (``edq_segments``) the copy of the weights before the step and the intended
+        update, exist for one chunk at a time; otherwise the step sums the partials itself.
         """
-        track = self.track_edq
-        if not all(t is None or t.is_contiguous() for t in tensors):
-            chunks, flat = [(0, tensors[0].numel())], None  # as it is, in one piece
-        else:
-            flat = [t.view(-1) if t is not None else None for t in tensors]
-            chunks = self._chunks(tensors[0].numel())
-        rows = len(segments) if segments is not None else 1
-        sums = torch.zeros(rows, len(FIELDS), device=tensors[0].device) if track else None
-        for start, stop in chunks:
-            piece = (
-                tensors
-                if flat is None
-                else [t[start:stop] if t is not None else None for t in flat]
-            )
-            if not (track and segments is not None):
-                result = self._step_piece(piece, scalars, track=track, return_update=False)
-                if track:
-                    sums[0] += result
+        sums = self._edq_sums(param)
+        segmented = sums is not None and sums.segmented
+        for start, piece in self._pieces(tensors):
+            if not segmented:
+                partials = self._step_piece(piece, scalars, track=sums is not None)
+                if sums is not None:
+                    sums.add_partials(partials)
                 continue
             before = piece[0].reshape(-1).clone()  # sums per layer-group range, flattened
             update = self._step_piece(piece, scalars, track=True, return_update=True)
-            after, update = piece[0].reshape(-1), update.reshape(-1)
-            low_part = piece[1].reshape(-1) if piece[1] is not None else None
-            for row, (_, seg_start, seg_stop) in enumerate(segments):
-                low, high = max(seg_start, start) - start, min(seg_stop, stop) - start
-                if low < high:
-                    dtheta = low_part[low:high] if low_part is not None else None
-                    sums[row] += edq_partials(
-                        before[low:high], after[low:high], update[low:high], dtheta
-                    )
-        if sums is None or segments is not None:
-            return sums
-        return sums[0]
+            low = piece[1].reshape(-1) if piece[1] is not None else None
+            sums.add(start, before, piece[0].reshape(-1), update.reshape(-1), low)
+        self._keep_edq(param, sums)
 
     def _step_piece(
         self,
         tensors: list[torch.Tensor | None],
-        scalars: tuple[float, ...],
+        scalars: StepScalars,
         *,
         track: bool,
-        return_update: bool,
+        return_update: bool = False,
     ) -> torch.Tensor | None:
         """The fused kernel where it runs (contiguous pieces), else the eager step."""
         flags = {"track": track, "return_update": return_update, "mask": self.step_mask}
         if self._runs_fused(tensors):
             step = fused_tensor_step(self.mode, tensors[0].device.type)
-            return step(*tensors, *scalars, **flags)
-        return collage_tensor_step(*tensors, *scalars, mode=self.mode, **flags)
+            return step(*tensors, scalars, **flags)
+        return collage_tensor_step(*tensors, scalars, mode=self.mode, **flags)

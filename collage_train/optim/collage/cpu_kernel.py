@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from collage_train.optim.collage.step_math import StepScalars
+
 _MODES = {"none": 0, "light": 1, "plus": 2}
 # Blocks the kernel handed from its fastest tier to the checked one, and to the exact
 # one, since the process started.
@@ -58,20 +60,20 @@ class KernelBuildError(RuntimeError):
 
 
 class _Scalars(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_float)
-        for name in (
-            "one_minus_beta1",
-            "beta2",
-            "beta2_hi",
-            "beta2_lo",
-            "one_minus_beta2",
-            "inv_sqrt_bias2",
-            "eps",
-            "step_size",
-            "decay",
-        )
-    ]
+    """``scalars_t`` of cpu_kernel.c: these ``StepScalars`` fields, in this order, fp32."""
+
+    NAMES = (
+        "one_minus_beta1",
+        "beta2",
+        "beta2_hi",
+        "beta2_lo",
+        "one_minus_beta2",
+        "inv_sqrt_bias2",
+        "eps",
+        "step_size",
+        "decay",
+    )
+    _fields_ = [(name, ctypes.c_float) for name in NAMES]
 
 
 def c_compiler() -> str | None:
@@ -215,9 +217,10 @@ def _ranges(n: int, workers: int) -> list[tuple[int, int]]:
 def cpu_tensor_step(mode: str) -> Callable[..., torch.Tensor | None]:
     """The fused step of ``mode`` for contiguous CPU bf16 tensors.
 
-    Same positional tensors and scalars as ``step_math.collage_tensor_step`` (1-D),
-    ``track``, ``return_update`` and ``mask`` as keywords; returns the six EDQ partial sums (fp32)
-    or the intended update. Raises KernelBuildError when the kernel cannot be built.
+    Same positional tensors and ``StepScalars`` as ``step_math.collage_tensor_step``
+    (1-D), ``track``, ``return_update`` and ``mask`` as keywords; returns the six EDQ
+    partial sums (fp32) or the intended update. Raises KernelBuildError when the kernel
+    cannot be built.
     """
     library, mode_id = load_library(), _MODES[mode]
 
@@ -228,14 +231,7 @@ def cpu_tensor_step(mode: str) -> Callable[..., torch.Tensor | None]:
         exp_avg_sq: torch.Tensor,
         dv: torch.Tensor | None,
         grad: torch.Tensor,
-        one_minus_beta1: float,
-        beta2: float,
-        beta2_hi: float,
-        beta2_lo: float,
-        inv_sqrt_bias2: float,
-        eps: float,
-        step_size: float,
-        decay: float,
+        scalars: StepScalars,
         *,
         track: bool,
         return_update: bool,
@@ -259,25 +255,14 @@ def cpu_tensor_step(mode: str) -> Callable[..., torch.Tensor | None]:
         update = new_update(theta) if track and return_update else None
         keep = mask.data_ptr() if mask is not None else None
         out = 0 if not track else (2 if return_update else 1)
-        # 1 - beta2 in float64 first, then fp32: what the eager reference's scalar gets.
-        scalars = _Scalars(
-            one_minus_beta1,
-            beta2,
-            beta2_hi,
-            beta2_lo,
-            1.0 - beta2,
-            inv_sqrt_bias2,
-            eps,
-            step_size,
-            decay,
-        )
+        c_scalars = _Scalars(*scalars.pick(_Scalars.NAMES))
         pointers = [t.data_ptr() if t is not None else None for t in (*tensors, update)]
 
         def run(bounds: tuple[int, int]) -> tuple[list[float], list[int]]:
             start, end = bounds
             sums, handed = (ctypes.c_double * 6)(), (ctypes.c_int64 * 2)()
             shifted = [p + 2 * start if p is not None else None for p in pointers]
-            library.collage_step(end - start, mode_id, out, *shifted, scalars, sums, handed, keep)
+            library.collage_step(end - start, mode_id, out, *shifted, c_scalars, sums, handed, keep)
             return list(sums), list(handed)
 
         ranges = _ranges(theta.numel(), torch.get_num_threads())

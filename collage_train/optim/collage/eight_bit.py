@@ -13,7 +13,7 @@ neighbouring values. Per element and step, in fp32::
     (theta, dtheta) = Grow((theta, dtheta), u)
     store m rounded to nearest, v stochastically rounded
 
-with r2 = 1 / sqrt(1 - beta2^t) (``step_math.step_scalars``: the integer step, float64 on
+with r2 = 1 / sqrt(1 - beta2^t) (``step_math.StepScalars``: the integer step, float64 on
 the host). Why v is rounded stochastically: with beta2 = 0.999, v of an element whose
 gradient has gone to zero shrinks by 0.1 % a step, while neighbouring values of the map
 lie 0.7 % to 14 % apart in its top decade. Rounding to nearest puts such a v back on the
@@ -56,7 +56,6 @@ from collage_train.metrics.edq import partials_close
 from collage_train.optim import rounding_noise
 from collage_train.optim.base import (
     STEP_BYTES_PER_ELEMENT,
-    EdqSums,
     TrackingOptimizer,
     flat_view,
     write_back,
@@ -71,7 +70,7 @@ from collage_train.optim.collage.kernels import (
     choose_kernel,
     register_parity_probe,
 )
-from collage_train.optim.collage.step_math import step_scalars
+from collage_train.optim.collage.step_math import StepScalars
 
 # Bytes of temporaries per element of a chunk during the eager step (measured: the peak
 # RSS of one step over a single 4M-element chunk); the int64 hash of the rounding bits
@@ -186,9 +185,8 @@ class Collage8bitAdamW(TrackingOptimizer):
     def _step_param(self, group: dict[str, Any], param: torch.Tensor) -> None:
         state = self._state_for(param)
         state["step"] += 1
-        step, (beta1, beta2) = state["step"], group["betas"]
-        scalars = step_scalars(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step)
-        one_minus_beta1, _, _, _, inv_sqrt_bias2, eps, step_size, decay = scalars
+        step = state["step"]
+        s = StepScalars.of(group, step)  # the host numbers, shared with the fused kernels
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         theta = flat_view(param.detach(), pending)
         dtheta = state["dtheta"].view(-1)
@@ -197,7 +195,6 @@ class Collage8bitAdamW(TrackingOptimizer):
         if fused is not None:
             moments = (state["exp_avg"].view(-1), state["exp_avg_absmax"])
             moments += (state["exp_avg_sq"].view(-1), state["exp_avg_sq_absmax"])
-            scalars = (one_minus_beta1, beta2, 1.0 - beta2, inv_sqrt_bias2, eps, step_size, decay)
             keys = {"block_size": self.block_size, "seed": self.seed, "stream": state["stream"]}
             segments = self.edq_segments.get(param)
             if fused == "cpu":
@@ -205,7 +202,7 @@ class Collage8bitAdamW(TrackingOptimizer):
                 tensors = eight_bit_kernel.EightBitState(theta, dtheta, *moments, grad.contiguous())
                 sums = eight_bit_kernel.eight_bit_step(
                     tensors,
-                    scalars,
+                    s,
                     step=step,
                     segments=bounds if self.track_edq else None,
                     mask=self.step_mask,
@@ -221,7 +218,7 @@ class Collage8bitAdamW(TrackingOptimizer):
                     dtheta,
                     grad.contiguous(),
                     *moments,
-                    scalars,
+                    s,
                     step=step,
                     track=self.track_edq,
                     mask=self.step_mask,
@@ -231,20 +228,17 @@ class Collage8bitAdamW(TrackingOptimizer):
             if sums is not None:
                 self.last_edq[param] = sums
             return
-        m_state, v_state = (QuantizedMoment.of(state, n, s, self.block_size) for n, s in MOMENTS)
-        edq = None
-        if self.track_edq:
-            segments = self.edq_segments.get(param)
-            edq = EdqSums(segments, theta.numel(), self.edq_view_dtype, theta.device)
+        m_state, v_state = (QuantizedMoment.of(state, *spec, self.block_size) for spec in MOMENTS)
+        edq = self._edq_sums(param)
         mask = self.step_mask
         for start, stop in self._chunks(theta.numel()):
             g = grad[start:stop].float()
             m = m_state.load(start, stop)
-            m = m + one_minus_beta1 * (g - m)
-            v = v_state.load(start, stop) * beta2 + (1.0 - beta2) * (g * g)
-            denom = sqrt_rn(v) * inv_sqrt_bias2 + eps
+            m = m + s.one_minus_beta1 * (g - m)
+            v = v_state.load(start, stop) * s.beta2 + s.one_minus_beta2 * (g * g)
+            denom = sqrt_rn(v) * s.inv_sqrt_bias2 + s.eps
             old_theta, old_dtheta = theta[start:stop], dtheta[start:stop]
-            update = ((m / denom) * step_size + decay * old_theta.float()).to(torch.bfloat16)
+            update = ((m / denom) * s.step_size + s.decay * old_theta.float()).to(torch.bfloat16)
             new_theta, new_dtheta = mcf.grow(old_theta, old_dtheta, update)
             m_state.store(start, stop, m, mask=mask)
             bits = rounding_noise.random_bits(
@@ -267,8 +261,7 @@ class Collage8bitAdamW(TrackingOptimizer):
             old_dtheta.copy_(new_dtheta)
             old_theta.copy_(new_theta)
         write_back(pending)
-        if edq is not None:
-            self.last_edq[param] = edq.rows()
+        self._keep_edq(param, edq)
 
 
 def eight_bit_matches_eager(device_type: str) -> bool:

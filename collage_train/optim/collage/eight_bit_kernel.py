@@ -29,6 +29,7 @@ import torch
 from collage_train.optim import rounding_noise
 from collage_train.optim.blockwise8 import _midpoints, dynamic_map
 from collage_train.optim.collage.cpu_kernel import _pool, build_library
+from collage_train.optim.collage.step_math import StepScalars
 
 _SOURCE = "eight_bit_kernel.c"
 MAX_BLOCK = 4096  # the kernel's block-local buffers (eight_bit_kernel.c)
@@ -38,19 +39,21 @@ _CELL_ROWS, _CELL_EXP0 = 25, 104
 _SPLIT_MIN_NUMEL = 1 << 16  # below this, one thread (a hand-off costs tens of us)
 
 
+# The ``StepScalars`` fields the 8-bit step takes, in the order of eight_bit_kernel.c's
+# ``scalars_t`` and of the Triton 8-bit kernel's arguments
+SCALARS = (
+    "one_minus_beta1",
+    "beta2",
+    "one_minus_beta2",
+    "inv_sqrt_bias2",
+    "eps",
+    "step_size",
+    "decay",
+)
+
+
 class _Scalars(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_float)
-        for name in (
-            "one_minus_beta1",
-            "beta2",
-            "one_minus_beta2",
-            "inv_sqrt_bias2",
-            "eps",
-            "step_size",
-            "decay",
-        )
-    ]
+    _fields_ = [(name, ctypes.c_float) for name in SCALARS]
 
 
 class _Maps(ctypes.Structure):
@@ -205,7 +208,7 @@ def _ranges(n: int, block_size: int, workers: int) -> list[tuple[int, int]]:
 
 def eight_bit_step(
     tensors: EightBitState,
-    scalars: Sequence[float],
+    scalars: StepScalars,
     *,
     block_size: int,
     seed: int,
@@ -217,11 +220,10 @@ def eight_bit_step(
     """One fused step of a whole tensor, in place; nothing is written where ``mask`` (a
     0-d bool CPU tensor: ``TrackingOptimizer.step_mask``, read by the kernel) is False.
 
-    ``scalars``: ``(1 - beta1, beta2, 1 - beta2, inv_sqrt_bias2, eps, step_size, decay)``
-    as the eager step uses them. ``segments``: None (no EDQ tracking) or the ``[start,
-    stop)`` ranges to sum EDQ partials over; returns their fp32 sums, one row each.
-    Raises KernelBuildError when the kernel cannot be built, ValueError on tensors it
-    cannot step.
+    ``scalars``: the step's host numbers, as the eager step uses them. ``segments``: None
+    (no EDQ tracking) or the ``[start, stop)`` ranges to sum EDQ partials over; returns
+    their fp32 sums, one row each. Raises KernelBuildError when the kernel cannot be
+    built, ValueError on tensors it cannot step.
     """
     if not 1 <= block_size <= MAX_BLOCK:
         raise ValueError(f"the CPU 8-bit Collage kernel takes blocks of 1..{MAX_BLOCK}")
@@ -230,7 +232,7 @@ def eight_bit_step(
         raise ValueError("the CPU 8-bit Collage kernel's mask is a bool CPU tensor")
     keep = mask.data_ptr() if mask is not None else None
     library, maps = load_library(), _maps()
-    c_scalars = _Scalars(*scalars)
+    c_scalars = _Scalars(*scalars.pick(SCALARS))
     key1, key2 = rounding_noise.stream_keys(seed, stream, step)
     n = tensors.theta.numel()
     rows = list(segments) if segments is not None else []

@@ -19,14 +19,14 @@ same 32-bit hash. Checked against the eager step in the interpreter
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from collage_train.optim import rounding_noise
-from collage_train.optim.collage.eight_bit_kernel import search_tables
+from collage_train.optim.collage.eight_bit_kernel import SCALARS, search_tables
+from collage_train.optim.collage.step_math import StepScalars
 from collage_train.optim.collage.triton_kernel import _grow, _rn
 
 ROWS = 8  # quantisation blocks per program
@@ -172,7 +172,7 @@ def triton_eight_bit_step(
     m_absmax: torch.Tensor,
     v_codes: torch.Tensor,
     v_absmax: torch.Tensor,
-    scalars: Sequence[float],
+    scalars: StepScalars,
     *,
     block_size: int,
     seed: int,
@@ -213,7 +213,7 @@ def triton_eight_bit_step(
             n,
             key1,
             key2,
-            *scalars,
+            *scalars.pick(SCALARS),
             _TINY,
             QBLOCK=block_size,
             ROWS=ROWS,

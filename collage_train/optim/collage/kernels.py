@@ -29,10 +29,11 @@ import torch
 
 from collage_train.errors import ConfigError, first_line
 from collage_train.metrics.edq import partials_close
-from collage_train.optim.collage.cpu_kernel import KernelBuildError, c_compiler
+from collage_train.optim.collage.cpu_kernel import KernelBuildError, c_compiler, cpu_tensor_step
 from collage_train.optim.collage.step_math import (
+    MIN_COMPILED_NUMEL,
     collage_tensor_step,
-    fused_tensor_step,
+    compiled_tensor_step,
     step_scalars,
 )
 
@@ -59,6 +60,27 @@ def compiler_available(device: torch.device) -> bool:
         return c_compiler() is not None
     compilers = (os.environ.get("CXX", ""), "g++", "c++", "clang++")  # TorchInductor
     return any(name and shutil.which(name) for name in compilers)
+
+
+def fused_tensor_step(mode: str, device_type: str):
+    """The one-pass step of ``mode`` for tensors on ``device_type``.
+
+    CUDA runs the hand-written Triton kernel (``triton_kernel``), the CPU the C kernel
+    (``cpu_kernel``), other devices the TorchInductor compilation of
+    ``collage_tensor_step``. Same arguments as ``compiled_tensor_step``.
+    """
+    if device_type == "cuda":
+        from collage_train.optim.collage.triton_kernel import triton_tensor_step
+
+        return triton_tensor_step(mode)
+    if device_type == "cpu":
+        return cpu_tensor_step(mode)
+    return compiled_tensor_step(mode)
+
+
+def min_fused_numel(device_type: str) -> int:
+    """Tensors smaller than this are stepped eagerly (compiling for them would not pay)."""
+    return 1 if device_type in ("cuda", "cpu") else MIN_COMPILED_NUMEL
 
 
 # The parity probe of a fused mode whose optimizer is not CollageAdamW, by mode: given a
@@ -110,7 +132,7 @@ def compiled_matches_eager(mode: str, device_type: str) -> bool:
             dtheta = dtheta if mode != "none" else None
             dv = dv if mode == "plus" else None
             grad = grads[t - 1]
-            sums.append(step(p, dtheta, m, v, dv, grad, *scalars, track=track, return_update=False))
+            sums.append(step(p, dtheta, m, v, dv, grad, scalars, track=track, return_update=False))
         if track and not partials_close(sums[0], sums[1]):
             return False
     return all(

@@ -10,18 +10,21 @@ with them.
 
 ``collage_tensor_step`` updates its state tensors in place and, when ``track`` is set,
 returns the six effective-descent partial sums of ``metrics.edq.FIELDS`` (or, with
-``return_update``, the intended update itself, for callers that split the sums).
+``return_update``, the intended update itself, for callers that split the sums). Its
+host numbers are one ``StepScalars``, which the C and Triton kernels (and the 8-bit
+step's) take as they are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
+from typing import Any
 
 import torch
 
 from collage_train.metrics.edq import edq_partials
-from collage_train.optim.base import commit_
+from collage_train.optim.base import bias_corrections, commit_
 from collage_train.optim.collage import mcf
 
 _BF16 = torch.bfloat16
@@ -31,6 +34,64 @@ def _fl(x: torch.Tensor) -> torch.Tensor:
     return x.to(_BF16)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepScalars:
+    """The host numbers of one Collage step of one tensor, Python floats (float64) that
+    each backend rounds to fp32 where it uses them: the eager ``collage_tensor_step``,
+    the C kernels' ``scalars_t`` and the Triton kernels' arguments (same names)."""
+
+    one_minus_beta1: float
+    beta2: float
+    beta2_hi: float  # bf16(beta2)
+    beta2_lo: float  # bf16(beta2 - beta2_hi), the remainder taken in float64
+    one_minus_beta2: float  # in float64
+    inv_sqrt_bias2: float  # fp32(1) / fp32(sqrt(1 - beta2^t))
+    eps: float
+    step_size: float  # -lr / (1 - beta1^t)
+    decay: float  # -lr * wd
+
+    @classmethod
+    def of(cls, group: dict[str, Any], step: int) -> StepScalars:
+        """The scalars of integer step ``step`` of a param group (lr, betas, eps, wd)."""
+        beta1, beta2 = group["betas"]
+        return step_scalars(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step)
+
+    def pick(self, names: tuple[str, ...]) -> tuple[float, ...]:
+        """The values of ``names``, in that order (a C struct's fields, say)."""
+        return tuple(getattr(self, name) for name in names)
+
+
+@functools.lru_cache(maxsize=64)
+def _fp32_reciprocal(value: float) -> float:
+    """fp32(1) / fp32(value), one IEEE fp32 division (cached: every parameter of a step
+    asks for the same value)."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(value, dtype=torch.float32))
+
+
+def step_scalars(
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int
+) -> StepScalars:
+    """The ``StepScalars`` of integer step ``step``.
+
+    The bias corrections come from the integer step in float64 (never a bf16 counter)
+    and beta2's bf16 remainder from ``mcf.split_constant`` (float64); the reciprocal of
+    sqrt(1 - beta2^t) is one fp32 division of fp32 values, as a CUDA kernel would do it.
+    """
+    beta2_hi, beta2_lo = mcf.split_constant(beta2)
+    bias1, sqrt_bias2 = bias_corrections(beta1, beta2, step)
+    return StepScalars(
+        one_minus_beta1=1.0 - beta1,
+        beta2=beta2,
+        beta2_hi=beta2_hi,
+        beta2_lo=beta2_lo,
+        one_minus_beta2=1.0 - beta2,
+        inv_sqrt_bias2=_fp32_reciprocal(sqrt_bias2),
+        eps=eps,
+        step_size=-lr / bias1,
+        decay=-lr * weight_decay,
+    )
+
+
 def collage_tensor_step(
     theta: torch.Tensor,
     dtheta: torch.Tensor | None,
@@ -38,42 +99,35 @@ def collage_tensor_step(
     exp_avg_sq: torch.Tensor,
     dv: torch.Tensor | None,
     grad: torch.Tensor,
-    one_minus_beta1: float,
-    beta2: float,
-    beta2_hi: float,
-    beta2_lo: float,
-    inv_sqrt_bias2: float,
-    eps: float,
-    step_size: float,
-    decay: float,
+    s: StepScalars,
     mode: str,
     track: bool,
     return_update: bool = False,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """One step of one tensor; ``step_size = -lr / (1 - beta1^t)``, ``decay = -lr * wd``.
+    """One step of one tensor with the host numbers ``s``.
 
     ``mask`` (``TrackingOptimizer.step_mask``), where it holds False, leaves every tensor
     as it was and makes the partial sums (or the returned update) zero.
 
-    ``inv_sqrt_bias2`` is the fp32 reciprocal of sqrt(1 - beta2^t) (``step_scalars``):
-    the bias correction of the denominator is a multiplication by it, written out so
-    that every device computes the same thing (CUDA's eager division by a scalar
-    multiplies by the reciprocal, the CPU's divides).
+    The bias correction of the denominator is a multiplication by ``s.inv_sqrt_bias2``,
+    the fp32 reciprocal of sqrt(1 - beta2^t), written out so that every device computes
+    the same thing (CUDA's eager division by a scalar multiplies by the reciprocal, the
+    CPU's divides).
     """
     g = grad.float()
-    m = _fl(exp_avg.float() + one_minus_beta1 * (g - exp_avg.float()))
+    m = _fl(exp_avg.float() + s.one_minus_beta1 * (g - exp_avg.float()))
     square = g * g  # exact in fp32
     if mode == "plus":
-        v, dv_new = mcf.mul(exp_avg_sq, dv, beta2_hi, beta2_lo)
-        v, dv_new = mcf.grow(v, dv_new, _fl(_fl(square).float() * (1.0 - beta2)))
+        v, dv_new = mcf.mul(exp_avg_sq, dv, s.beta2_hi, s.beta2_lo)
+        v, dv_new = mcf.grow(v, dv_new, _fl(_fl(square).float() * s.one_minus_beta2))
     else:
-        v = _fl(_fl(exp_avg_sq.float() * beta2).float() + (1.0 - beta2) * square)
+        v = _fl(_fl(exp_avg_sq.float() * s.beta2).float() + s.one_minus_beta2 * square)
         dv_new = None
     denom = _fl(torch.sqrt(v.float()))
-    denom = _fl(_fl(denom.float() * inv_sqrt_bias2).float() + eps)
-    update = _fl(_fl(m.float() / denom.float()).float() * step_size)
-    update = _fl(update.float() + decay * theta.float())
+    denom = _fl(_fl(denom.float() * s.inv_sqrt_bias2).float() + s.eps)
+    update = _fl(_fl(m.float() / denom.float()).float() * s.step_size)
+    update = _fl(update.float() + s.decay * theta.float())
     if mode == "none":
         new_theta, new_dtheta = _fl(theta.float() + update.float()), None
     else:
@@ -94,36 +148,6 @@ def collage_tensor_step(
         commit_(dtheta, new_dtheta, mask)
     commit_(theta, new_theta, mask)
     return result
-
-
-@functools.lru_cache(maxsize=64)
-def _inv_sqrt_bias2(beta2: float, step: int) -> float:
-    """fp32(1) / fp32(sqrt(1 - beta2^step)), one IEEE fp32 division (cached: every
-    parameter of a step asks for the same value)."""
-    sqrt_bias2 = torch.tensor(math.sqrt(1.0 - beta2**step), dtype=torch.float32)
-    return float(torch.tensor(1.0, dtype=torch.float32) / sqrt_bias2)
-
-
-def step_scalars(
-    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int
-) -> tuple[float, ...]:
-    """The positional scalars of ``collage_tensor_step`` for integer step ``step``.
-
-    The bias corrections come from the integer step in float64 (never a bf16 counter)
-    and beta2's bf16 remainder from ``mcf.split_constant`` (float64); the reciprocal of
-    sqrt(1 - beta2^t) is one fp32 division of fp32 values, as a CUDA kernel would do it.
-    """
-    beta2_hi, beta2_lo = mcf.split_constant(beta2)
-    return (
-        1.0 - beta1,
-        beta2,
-        beta2_hi,
-        beta2_lo,
-        _inv_sqrt_bias2(beta2, step),
-        eps,
-        -lr / (1.0 - beta1**step),
-        -lr * weight_decay,
-    )
 
 
 # One entry point per mode, so that each compiles (and counts recompilations) on its
@@ -163,8 +187,8 @@ MIN_COMPILED_NUMEL = 64
 def compiled_tensor_step(mode: str):
     """``collage_tensor_step`` for ``mode`` compiled by TorchInductor into one fused kernel.
 
-    Takes 1-D contiguous tensors (any length: shapes are dynamic) and the same
-    positional scalars, with ``track``, ``return_update`` and ``mask`` as keywords.
+    Takes 1-D contiguous tensors (any length: shapes are dynamic) and the
+    ``StepScalars``, with ``track``, ``return_update`` and ``mask`` as keywords.
     """
     if mode not in _compiled:
         _compiled[mode] = torch.compile(
@@ -174,26 +198,3 @@ def compiled_tensor_step(mode: str):
             options={"emulate_precision_casts": True},
         )
     return _compiled[mode]
-
-
-def fused_tensor_step(mode: str, device_type: str):
-    """The one-pass step of ``mode`` for tensors on ``device_type``.
-
-    CUDA runs the hand-written Triton kernel (``triton_kernel``), the CPU the C kernel
-    (``cpu_kernel``), other devices the TorchInductor compilation of
-    ``collage_tensor_step``. Same arguments as ``compiled_tensor_step``.
-    """
-    if device_type == "cuda":
-        from collage_train.optim.collage.triton_kernel import triton_tensor_step
-
-        return triton_tensor_step(mode)
-    if device_type == "cpu":
-        from collage_train.optim.collage.cpu_kernel import cpu_tensor_step
-
-        return cpu_tensor_step(mode)
-    return compiled_tensor_step(mode)
-
-
-def min_fused_numel(device_type: str) -> int:
-    """Tensors smaller than this are stepped eagerly (compiling for them would not pay)."""
-    return 1 if device_type in ("cuda", "cpu") else MIN_COMPILED_NUMEL

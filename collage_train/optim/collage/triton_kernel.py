@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from collage_train.optim.collage.step_math import StepScalars
+
 _MODES = {"none": 0, "light": 1, "plus": 2}
 BLOCK = 2048
 NUM_WARPS = 8
@@ -164,7 +166,7 @@ def triton_tensor_step(
 ) -> Callable[..., torch.Tensor | None]:
     """A drop-in for ``step_math.compiled_tensor_step(mode)`` on contiguous CUDA tensors.
 
-    Same positional tensors and scalars, ``track``/``return_update``/``mask`` as keywords
+    Same positional tensors and ``StepScalars``, ``track``/``return_update``/``mask`` as keywords
     (``mask``: the 0-d bool ``TrackingOptimizer.step_mask``, read by the kernel); returns
     the six EDQ partial sums (fp32, on the device) or the intended update. ``block``,
     ``num_warps`` and ``bit_rounding`` (round on the bits instead of the conversion
@@ -179,14 +181,7 @@ def triton_tensor_step(
         exp_avg_sq: torch.Tensor,
         dv: torch.Tensor | None,
         grad: torch.Tensor,
-        one_minus_beta1: float,
-        beta2: float,
-        beta2_hi: float,
-        beta2_lo: float,
-        inv_sqrt_bias2: float,
-        eps: float,
-        step_size: float,
-        decay: float,
+        scalars: StepScalars,
         *,
         track: bool,
         return_update: bool,
@@ -212,15 +207,7 @@ def triton_tensor_step(
             partials,
             mask if mask is not None else partials,
             n,
-            one_minus_beta1,
-            beta2,
-            beta2_hi,
-            beta2_lo,
-            1.0 - beta2,
-            inv_sqrt_bias2,
-            eps,
-            step_size,
-            decay,
+            **vars(scalars),  # the kernel's scalar arguments, by name
             MODE=mode_id,
             TRACK=track and not return_update,
             WRITE_UPDATE=write_update,
