@@ -30,10 +30,11 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
 from collage_train.errors import WEIGHT_LOAD_ERRORS, ConfigError, first_line
+from collage_train.hf_modeling import AutoModelForCausalLM
 from collage_train.model_cast import cast_model
 
 # transformers' model_type -> our family
