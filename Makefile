@@ -1,44 +1,55 @@
-# Two commands on a fresh machine: `make train` and `make test`. Both create and
-# fill the virtual environment .venv on first use. Without an NVIDIA GPU the CPU
-# build of torch is installed first; with one, bring your own CUDA build of torch
-# (any version in pyproject.toml's range) or let pip pick one.
+# Two commands on a fresh machine: `make train` and `make test`. Both create the virtual
+# environment .venv on first use; `make train` installs what training needs (the package),
+# `make test` adds the dev extras (test tools and the rival libraries the tests compare
+# against). Without an NVIDIA GPU the CPU build of torch is installed first; with one,
+# bring your own CUDA build of torch (any version in pyproject.toml's range) or let pip
+# pick one.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+TRAIN_STAMP := $(VENV)/.installed-train
+DEV_STAMP := $(VENV)/.installed-dev
 TORCH_CPU ?= torch==2.13.0
 ARGS ?=
 
 .PHONY: install train test lint clean
 
-$(STAMP): pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+
+$(TRAIN_STAMP): pyproject.toml | $(PY)
 	@if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(PY) -c "import torch" 2>/dev/null; then \
 		echo "no NVIDIA GPU: installing the CPU build $(TORCH_CPU)"; \
 		$(PY) -m pip install --quiet "$(TORCH_CPU)"; \
 	fi
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+# The dev extras on top of the package (after `make train`, only what they add).
+$(DEV_STAMP): $(TRAIN_STAMP)
 	$(PY) -m pip install --quiet -e ".[dev]"
 	@# DeepSpeed builds its CPU shared-memory all-reduce when a ZeRO run first starts on a
-	@# CPU (20 s or more, every rank waiting); the install builds it into the same cache.
+	@# CPU (20 s or more, every rank waiting). The default run (distributed=unsharded) never
+	@# does; the tests launch ZeRO on the CPU, so their install builds it into the cache.
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		echo "building DeepSpeed's CPU all-reduce extension (once, about 20 s)"; \
 		DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; \
 			ShareMemCommBuilder().load(verbose=False)" >/dev/null 2>&1 \
 			|| echo "warning: DeepSpeed's CPU extension did not build; ZeRO on CPU builds it at its first launch"; \
 	fi
-	touch $(STAMP)
+	touch $@
 
-install: $(STAMP)
+install: $(DEV_STAMP)
 
-train: $(STAMP)
+train: $(TRAIN_STAMP)
 	$(PY) -m collage_train $(ARGS)
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=25 $(ARGS)
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:

@@ -40,7 +40,9 @@ def evaluate_path(
     """Evaluate the model at ``path``; returns the results and the checkpoint (None for an
     export)."""
     if (path / "config.json").is_file():  # a transformers export
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from collage_train.hf_modeling import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path)
         hf_tokenizer = AutoTokenizer.from_pretrained(path)

@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig
 
 from collage_train import checkpoint
 from collage_train.checkpoint.full_state import layout_of
 from collage_train.data import Tokenizer
 from collage_train.data.hf_files import save_tokenizer
 from collage_train.errors import BAD_INPUT, WEIGHT_LOAD_ERRORS, CollageError, first_line
+from collage_train.hf_modeling import AutoModelForCausalLM, PreTrainedModel
 from collage_train.model_cast import cast_model
 from collage_train.precision import get_strategy
 from collage_train.scalify.params import has_scaled_parameters, unscale_weights

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm
 from collage_train.data import Tokenizer
@@ -24,6 +23,7 @@ from collage_train.errors import (
     first_line,
 )
 from collage_train.export import load_checkpoint_model, resolve_checkpoint
+from collage_train.hf_modeling import AutoModelForCausalLM, PreTrainedModel
 
 # The sampling of the command and of the end-of-run sample (logging.sample_tokens): the
 # command with --seed SEED and --max-new-tokens N writes that sample again

@@ -37,10 +37,11 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
 from collage_train.errors import WEIGHT_LOAD_ERRORS, ConfigError, first_line
+from collage_train.hf_modeling import AutoModelForCausalLM
 from collage_train.hf_weights import WEIGHT_FILES, WeightFiles
 from collage_train.model_cast import cast_model
 from collage_train.model_init import Load

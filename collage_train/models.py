@@ -15,15 +15,10 @@ import difflib
 from typing import Any
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    GPT2Config,
-    LlamaConfig,
-    OPTConfig,
-    PretrainedConfig,
-)
+from transformers import GPT2Config, LlamaConfig, OPTConfig, PretrainedConfig
 
 from collage_train.errors import ConfigError
+from collage_train.hf_modeling import AutoModelForCausalLM
 from collage_train.model_init import materialise
 from collage_train.param_shapes import full_numel
 

@@ -115,7 +115,9 @@ def test_trainer_refuses_before_drawing_a_weight(make_cfg, tmp_path, monkeypatch
     status 2, before the model exists and without writing into the run directory."""
     drawn = []
     monkeypatch.setattr("collage_train.fit_check.device_free_memory", lambda device: 2**20)
-    monkeypatch.setattr("collage_train.run.model_setup.materialise", lambda *a, **k: drawn.append(a))
+    monkeypatch.setattr(
+        "collage_train.run.model_setup.materialise", lambda *a, **k: drawn.append(a)
+    )
     cfg = make_cfg("train.micro_batch_size=8", "train.global_batch_size=8", "plan.reserve_gb=0")
     with pytest.raises(StepWillNotFit, match="needs about"):
         Trainer(cfg, tmp_path / "direct")

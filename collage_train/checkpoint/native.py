@@ -125,7 +125,9 @@ def check_target(meta: dict[str, Any], engine: str, world_size: int | None) -> T
 def model_layout(source: Path, meta: dict[str, Any], strategy: PrecisionStrategy) -> ModelLayout:
     """The trainer's model rebuilt on the meta device from ``source``'s ``model_config.json``:
     parameter groups (``decay_param_groups``), tied names, state-dict keys."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from collage_train.hf_modeling import AutoModelForCausalLM
 
     file = source / "model_config.json"
     if not file.is_file():

@@ -29,9 +29,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from collage_train.hf_modeling import AttentionInterface
 from collage_train.scalify.modules import MATMUL_FORMATS, OPERAND_SCALES, ScaledMatmul
 from collage_train.scalify.propagation import attention_scales
 
