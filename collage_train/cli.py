@@ -19,10 +19,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from collage_train import checkpoint, determinism
+from collage_train import checkpoint
 from collage_train.compose import config_dir
-from collage_train.config import register_schemas
-from collage_train.config_reference import register_help_resolver
+from collage_train.config.reference import register_help_resolver
+from collage_train.config.schema import register_schemas
 from collage_train.engine.agreement import agreement, gathered, the_same
 from collage_train.engine.launch import gather_objects, launched_rank, launched_world_size
 from collage_train.errors import (
@@ -35,6 +35,7 @@ from collage_train.errors import (
 )
 from collage_train.metrics import ConsoleSink, JsonlSink, Sink, WandbSink
 from collage_train.metrics.sinks import wandb_mode
+from collage_train.run import determinism
 from collage_train.run.directory import write_hydra_record
 from collage_train.run.resume import check_resume, choose_checkpoint, record_changes
 
@@ -225,12 +226,12 @@ register_help_resolver()
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def hydra_main(cfg: DictConfig) -> float | None:
-    """One run; or, under ``-m``, one job of a sweep (``collage_train.sweep``). Returns the
+    """One run; or, under ``-m``, one job of a sweep (``collage_train.run.sweep``). Returns the
     final validation loss, the objective of Hydra's optimising sweepers."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:
-        from collage_train.sweep import run_sweep_job
+        from collage_train.run.sweep import run_sweep_job
 
         return run_sweep_job(cfg, run_dir, run_reporting)
     outcome = run_reporting(cfg, run_dir)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from collage_train.metrics.plots import CompareError, load_run, summary_table, write_report
-from collage_train.sweep import FAILED_FILE, job_dirs
+from collage_train.run.sweep import FAILED_FILE, job_dirs
 
 __all__ = ["CompareError", "main"]
 

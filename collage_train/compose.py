@@ -2,7 +2,7 @@
 Hydra's composition errors turned into one line.
 
 ``python -m collage_train`` composes its overrides here first, so that a misspelt key, a
-wrongly typed value or a value outside a closed choice (``config.Choice``) ends in one
+wrongly typed value or a value outside a closed choice (``config.schema.Choice``) ends in one
 ``error:`` line and exit status 2 before Hydra starts the run; ``collage_train.plan`` and
 ``collage_train.prepare`` compose through the same function.
 """
@@ -16,8 +16,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from collage_train.config import RENAMED_CHOICES, register_schemas
-from collage_train.config_options import chosen_option, config_dir, not_a_setting
+from collage_train.config.options import chosen_option, config_dir, not_a_setting
+from collage_train.config.schema import RENAMED_CHOICES, register_schemas
 from collage_train.errors import ConfigError
 
 # Lines of Hydra's and OmegaConf's messages that locate rather than explain.
@@ -55,7 +55,7 @@ def error_line(err: BaseException) -> str:
 
 
 def check_renamed(overrides: list[str]) -> None:
-    """Refuse, naming the new spelling, a choice renamed since (``config.RENAMED_CHOICES``):
+    """Refuse, naming the new spelling, a choice renamed since (``config.schema.RENAMED_CHOICES``):
     ``distributed=single`` or ``comm.name=ddp``."""
     for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")

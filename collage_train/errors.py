@@ -3,7 +3,7 @@
 Exit status 2 means bad input (a setting, file or directory the user must change before
 trying again, as argparse and Hydra's usage errors do); 1 means a run that started and
 failed (diverged, out of memory, replicas out of step, disk full); 3 means a rank hung:
-no optimizer step completed within ``train.hang_timeout_s`` (``collage_train.watchdog``
+no optimizer step completed within ``train.hang_timeout_s`` (``collage_train.run.watchdog``
 wrote every thread's stack to the run directory). The run directory is intact after any
 of them; after 3 a scheduler may restart the job as it is, with ``train.resume=true``.
 """

@@ -2,7 +2,7 @@
 
 PATH is a run directory (its newest checkpoint), a ``checkpoints/step-N`` directory or a
 transformers export (``hf/``, ``hf-step-N``). The tasks run through lm-evaluation-harness
-(``collage_train.downstream``); ``--include-path DIR`` adds local task definitions. The
+(``collage_train.evaluation.downstream``); ``--include-path DIR`` adds local task definitions. The
 results are printed, and for a checkpoint they are recorded in its run directory at the
 checkpoint's step: ``downstream/step-N.json``, a record in ``metrics.jsonl`` (keys
 ``downstream/<task>/<metric>``) and ``summary.json``'s ``downstream``, which
@@ -22,7 +22,6 @@ from omegaconf import OmegaConf
 
 from collage_train import checkpoint
 from collage_train.data.progress import write_json_atomic
-from collage_train.downstream import Downstream, evaluate_model, transformers_tokenizer
 from collage_train.errors import (
     BAD_INPUT,
     WEIGHT_LOAD_ERRORS,
@@ -30,6 +29,7 @@ from collage_train.errors import (
     ConfigError,
     first_line,
 )
+from collage_train.evaluation.downstream import Downstream, evaluate_model, transformers_tokenizer
 from collage_train.export import load_checkpoint_model, resolve_checkpoint
 from collage_train.metrics.sinks import WandbSink, wandb_key, wandb_mode
 
@@ -42,7 +42,7 @@ def evaluate_path(
     if (path / "config.json").is_file():  # a transformers export
         from transformers import AutoTokenizer
 
-        from collage_train.hf_modeling import AutoModelForCausalLM
+        from collage_train.model.hf_modeling import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path)
         hf_tokenizer = AutoTokenizer.from_pretrained(path)

@@ -30,8 +30,8 @@ from collage_train.checkpoint.full_state import layout_of
 from collage_train.data import Tokenizer
 from collage_train.data.hf_files import save_tokenizer
 from collage_train.errors import BAD_INPUT, WEIGHT_LOAD_ERRORS, CollageError, first_line
-from collage_train.hf_modeling import AutoModelForCausalLM, PreTrainedModel
-from collage_train.model_cast import cast_model
+from collage_train.model.cast import cast_model
+from collage_train.model.hf_modeling import AutoModelForCausalLM, PreTrainedModel
 from collage_train.precision import get_strategy
 from collage_train.scalify.params import has_scaled_parameters, unscale_weights
 

@@ -14,7 +14,6 @@ import torch
 
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm
 from collage_train.data import Tokenizer
-from collage_train.decodable import decodable_only
 from collage_train.errors import (
     BAD_INPUT,
     WEIGHT_LOAD_ERRORS,
@@ -23,7 +22,8 @@ from collage_train.errors import (
     first_line,
 )
 from collage_train.export import load_checkpoint_model, resolve_checkpoint
-from collage_train.hf_modeling import AutoModelForCausalLM, PreTrainedModel
+from collage_train.model.decodable import decodable_only
+from collage_train.model.hf_modeling import AutoModelForCausalLM, PreTrainedModel
 
 # The sampling of the command and of the end-of-run sample (logging.sample_tokens): the
 # command with --seed SEED and --max-new-tokens N writes that sample again

@@ -10,7 +10,7 @@ state component, DeepSpeed buffers and activations at the configured micro-batch
 sequence length (with and without activation checkpointing), the step's peak, the
 largest micro-batch that fits and whether the run fits at all: first for the chosen
 precision strategy and ZeRO stage, then for every strategy and stage side by side.
-Nothing is built or allocated; the estimates come from ``collage_train.memory_plan``.
+Nothing is built or allocated; the estimates come from ``collage_train.planning.memory_plan``.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 from collage_train.comm.settings import uses_replicas
 from collage_train.engine.deepspeed_config import GradientDtypes, gradient_dtypes
 from collage_train.errors import CollageError, ConfigError
-from collage_train.fit_check import chosen_stage, zero_overrides
-from collage_train.loss_settings import resolve_chunk_tokens
-from collage_train.memory_plan import (
+from collage_train.model.loss_settings import resolve_chunk_tokens
+from collage_train.planning.fit_check import chosen_stage, zero_overrides
+from collage_train.planning.memory_plan import (
     GIB,
     MemoryEstimate,
     ModelShape,

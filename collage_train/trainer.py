@@ -5,7 +5,7 @@ fit (``run.model_setup``), the engine (``engine``), the step's forward and backw
 (``run.stepper``), the guarded step window that counts steps and acts on the step guard's
 verdicts (``run.guarded_window``), validation (``evaluation.validation``) and downstream
 tasks (``downstream``), checkpoints (``run.checkpointer``), the stop agreement
-(``run.stop_signal``), the hang watchdog and the records (``metrics.run_log``, ``report``).
+(``run.stop_signal``), the hang watchdog and the records (``run.run_log``, ``report``).
 ``fit`` reads as the algorithm: step, settle, log, validate, evaluate, save, stop.
 The trainer talks to the engine only, never to the optimizer's internals.
 """
@@ -20,29 +20,29 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from collage_train import init_from, report, watchdog
-from collage_train.batch import accumulation_steps
 from collage_train.comm.settings import align_to_outer_steps
 from collage_train.data import build_data
-from collage_train.downstream import InRunTasks
 from collage_train.engine import build_engine
 from collage_train.engine.agreement import agreement
 from collage_train.engine.launch import launched_rank
+from collage_train.evaluation.downstream import InRunTasks
 from collage_train.evaluation.validation import Validator
 from collage_train.export import export_from_engine
-from collage_train.guard import GuardSettings
 from collage_train.metrics import Sink, peak_memory, reset_peak_memory
 from collage_train.metrics.edq import layer_groups
-from collage_train.metrics.run_log import RunLog
-from collage_train.metrics.step_window import StepRecord
-from collage_train.models import count_parameters, flops_per_token
+from collage_train.model import init_from
+from collage_train.model.build import count_parameters, flops_per_token
 from collage_train.optim import decay_param_groups
+from collage_train.planning.batch import accumulation_steps
 from collage_train.precision import strategy_for
-from collage_train.run import finish, resume
+from collage_train.run import finish, report, resume, watchdog
 from collage_train.run.checkpointer import Checkpointer
 from collage_train.run.directory import write_engine_files
+from collage_train.run.guard import GuardSettings
 from collage_train.run.guarded_window import Action, GuardedWindow
 from collage_train.run.model_setup import build_run_model, prepare_engine
+from collage_train.run.run_log import RunLog
+from collage_train.run.step_window import StepRecord
 from collage_train.run.stepper import Stepper
 from collage_train.run.stop_signal import StopAgreement, StopRequest, stop_group
 from collage_train.run.validate import check_steps
@@ -171,7 +171,7 @@ class Trainer:
         window.start_launch()
         # A signal on any rank, or a failed background save, stops every rank at the same
         # step, at most two steps later, without waiting for the device; a rank with no
-        # step completed for train.hang_timeout_s exits (watchdog.py).
+        # step completed for train.hang_timeout_s exits (run/watchdog.py).
         with StopRequest().installed() as request, self.watchdog.watching():
             stop = StopAgreement(request, self.engine.world_size, self.stop_group)
             while window.step < end:
@@ -315,7 +315,7 @@ class Trainer:
     # ---------------------------------------------------------------- report
 
     def progress(self) -> report.RunProgress:
-        """What this run has done so far (``report.RunProgress``)."""
+        """What this run has done so far (``run.report.RunProgress``)."""
         loader, window = self.data.train_loader, self.window
         return report.RunProgress(
             step=window.step,

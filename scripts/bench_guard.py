@@ -1,4 +1,4 @@
-"""What the step guard (``train.guard``, collage_train/guard.py) costs per step.
+"""What the step guard (``train.guard``, collage_train/run/guard.py) costs per step.
 
 Two measurements, side by side in one script run:
 
@@ -28,7 +28,7 @@ import torch
 from common import parser, publish, table
 from runs import quiet_run, run_training
 
-from collage_train.guard import GuardSettings, StepGuard
+from collage_train.run.guard import GuardSettings, StepGuard
 
 
 def guard_seconds_per_step(device: torch.device, calls: int, on_device: bool) -> float:

@@ -1,4 +1,4 @@
-"""The LM loss's memory with full logits against blocks of tokens (``collage_train.loss``).
+"""The LM loss's memory with full logits against blocks of tokens (``collage_train.model.loss``).
 
 Measured on this device (CPU: live-tensor peaks, ``LiveTensorBytes``; CUDA: the
 allocator's peak): a Llama of a few small layers with a large vocabulary (default Llama
@@ -38,10 +38,10 @@ import torch.nn.functional as F
 from common import default_device, parser, publish, table
 
 from collage_train.cpu_bf16 import choose_cpu_bf16_gemm
-from collage_train.loss import chunked_cross_entropy, install_chunked_loss
-from collage_train.loss_settings import resolve_chunk_tokens
 from collage_train.metrics.live_memory import LiveTensorBytes
-from collage_train.models import build_model
+from collage_train.model.build import build_model
+from collage_train.model.loss import chunked_cross_entropy, install_chunked_loss
+from collage_train.model.loss_settings import resolve_chunk_tokens
 
 PRECISIONS = {  # name: (parameter dtype, autocast dtype)
     "bf16 params": (torch.bfloat16, None),

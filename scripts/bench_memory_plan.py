@@ -2,7 +2,7 @@
 
 For one model preset, each precision strategy (with and without activation
 checkpointing) trains two steps in this process; the second step's peak is measured
-and set beside ``collage_train.memory_plan``'s prediction for the same setting:
+and set beside ``collage_train.planning.memory_plan``'s prediction for the same setting:
 
 - on a GPU: ``torch.cuda.max_memory_allocated`` over the step (everything allocated,
   the optimizer's fused kernel as the trainer chooses it);
@@ -28,11 +28,11 @@ from common import STRATEGIES, parser, publish, table
 from hydra import compose, initialize_config_dir
 from runs import quiet_run
 
-from collage_train.batch import accumulation_steps
 from collage_train.cli import config_dir
-from collage_train.config import register_schemas
-from collage_train.memory_plan import ModelShape, Setting, estimate
+from collage_train.config.schema import register_schemas
 from collage_train.metrics.live_memory import LiveTensorBytes
+from collage_train.planning.batch import accumulation_steps
+from collage_train.planning.memory_plan import ModelShape, Setting, estimate
 from collage_train.precision import get_strategy
 from collage_train.trainer import Trainer
 

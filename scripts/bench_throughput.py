@@ -7,7 +7,7 @@ For each precision strategy (default ``mixed_fp32``, ``bf16``, ``collage_plus``)
 - ``equal``: the same micro-batch for every strategy (``--micro-batch``, default 8, the
   gpt_1.3b recipe's);
 - ``largest``: the strategy's largest micro-batch from the planner
-  (``memory_plan.largest_micro_batch`` with one micro-batch per step, as these runs
+  (``planning.memory_plan.largest_micro_batch`` with one micro-batch per step, as these runs
   take, for the device's memory less ``--reserve-gb``, the planner's ``plan.reserve_gb``).
   What the paper's throughput gain comes from: less state, more sequences per step.
 
@@ -16,7 +16,7 @@ tokens/s and MFU from the run's summary, over the steps after the first (which p
 compilation): enough for ``--timed-tokens``, at least ``--min-timed-steps``; the
 measured peak (``torch.cuda.max_memory_allocated``; on CPU the process's peak RSS, not
 comparable with the plan) and the planner's predicted peak for the same setting
-(``memory_plan.estimate``, with the optimizer kernel the run used), with their ratio.
+(``planning.memory_plan.estimate``, with the optimizer kernel the run used), with their ratio.
 Each run's directory (it ends with a checkpoint) is deleted once read. Rows go to
 ``--json`` as each finishes, so a run cut short keeps what it measured; a run that fails
 (e.g. out of memory) is a row with its error line. ``--deterministic both`` runs each
@@ -49,7 +49,13 @@ from common import default_device, machine, parser, publish, ratio, table, write
 from runs import quiet_run, run_training
 
 from collage_train.compose import compose_job
-from collage_train.memory_plan import GIB, ModelShape, Setting, estimate, largest_micro_batch
+from collage_train.planning.memory_plan import (
+    GIB,
+    ModelShape,
+    Setting,
+    estimate,
+    largest_micro_batch,
+)
 from collage_train.precision import get_strategy
 
 STRATEGIES = ("mixed_fp32", "bf16", "collage_plus")

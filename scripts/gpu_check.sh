@@ -123,7 +123,7 @@ step train_bench "$python" scripts/bench_train.py --model gpt_125m \
 # the step guard on the GPU: the masked optimizer steps (the real Triton kernels under a
 # False verdict write nothing) and a refusal read at the settle, taken back and replayed
 step guard_masks "$python" -m pytest -q -rs -p no:cacheprovider --device cuda \
-    tests/optim/test_step_mask.py tests/test_guard.py -k "refused or masked or held"
+    tests/optim/test_step_mask.py tests/run/test_guard.py -k "refused or masked or held"
 # its cost per step (scripts/bench_guard.py: the guard alone, and whole runs on/off
 # interleaved; collage_plus masks its update with the verdict, no host read)
 step guard_cost "$python" scripts/bench_guard.py --model gpt_125m --seq-len 2048 \
@@ -153,7 +153,7 @@ step throughput_deterministic "${throughput[@]}" --strategies collage_plus --com
 suite_limit=${SUITE_LIMIT:-570}
 suite_first=(tests/optim/test_fused_optimizer.py tests/test_host_sync.py tests/test_trainer.py
     tests/run/test_resume_integrity.py tests/test_cli_e2e.py tests/checkpoint/test_elastic.py
-    tests/engine/test_engine.py tests/engine/test_zero.py tests/optim/test_collage_adamw.py tests/test_loss.py)
+    tests/engine/test_engine.py tests/engine/test_zero.py tests/optim/test_collage_adamw.py tests/model/test_loss.py)
 cuda_suite() {
     local pytest=("$python" -m pytest -q -rfEs -p no:cacheprovider --device cuda)
     local ignore=() file start=$SECONDS status=0 rest=0 left

@@ -40,7 +40,7 @@ from common import append_results, parser, table
 from runs import start_training
 
 from collage_train import checkpoint
-from collage_train.determinism import bitwise_expected
+from collage_train.run.determinism import bitwise_expected
 
 
 def corpus(root: Path, size: int = 400_000) -> Path:

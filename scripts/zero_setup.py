@@ -43,8 +43,8 @@ def build(
     """``model_name`` with ``precision`` under ZeRO stage ``stage`` on this rank."""
     from collage_train.compose import compose_job
     from collage_train.engine import build_engine
-    from collage_train.model_cast import cast_model
-    from collage_train.models import build_model, count_parameters
+    from collage_train.model.build import build_model, count_parameters
+    from collage_train.model.cast import cast_model
     from collage_train.optim import decay_param_groups
     from collage_train.precision import get_strategy
 

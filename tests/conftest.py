@@ -21,7 +21,7 @@ import file_costs
 import pytest
 import suite_device
 
-from collage_train.config import register_schemas
+from collage_train.config.schema import register_schemas
 
 if TYPE_CHECKING:
     from cli_runner import Result

@@ -126,7 +126,7 @@ def test_existing_run_is_not_overwritten(launch):
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(launch):
-    """Without the step guard (tests/test_guard.py has the run with it)."""
+    """Without the step guard (tests/run/test_guard.py has the run with it)."""
     assert launch("train.stop_at_step=4").returncode == 0
     good = launch.run_dir / "checkpoints" / "step-4" / "model.pt"
     before = good.read_bytes()

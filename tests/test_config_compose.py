@@ -11,12 +11,13 @@ import pytest
 from documented_commands import COMMANDS, Command
 from omegaconf import OmegaConf
 
-from collage_train import cli, config
-from collage_train.batch import accumulation_steps
+from collage_train import cli
 from collage_train.comm.settings import align_to_outer_steps, check_engine
 from collage_train.compose import compose_job
-from collage_train.config_options import option_schemas
+from collage_train.config import schema as config
+from collage_train.config.options import option_schemas
 from collage_train.errors import ConfigError
+from collage_train.planning.batch import accumulation_steps
 from collage_train.precision import strategy_for
 from collage_train.run.validate import validate
 

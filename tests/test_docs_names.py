@@ -9,7 +9,7 @@ collage_train's own sources (.py, .c):
 - dotted names starting ``collage_train.``: the longest prefix that is a module, then
   each further part an attribute of it (looked up in the module's source; imported and
   ``getattr``'d only where the source does not show it);
-- in Markdown's inline code only, short forms of such names: ``memory_plan.recompute_peak``
+- in Markdown's inline code only, short forms of such names: ``errors.first_line``
   (a top-level module of collage_train and an attribute) or ``optim.collage.kernels.X``
   (a subpackage and at least two more parts), and of such paths: ``optim/adamw.py``
   (a subpackage's .py or .c file). Config keys (the first column of
@@ -237,7 +237,8 @@ def test_every_name_the_package_cites_in_its_comments_exists():
 
 def test_a_stale_name_is_found_and_other_projects_names_are_not():
     fine = (
-        "`collage_train.memory_plan.recompute_peak`, `memory_plan.STEP_TRANSIENT`,\n"
+        "`collage_train.planning.memory_plan.recompute_peak`, `errors.first_line`,\n"
+        "`planning.memory_plan.STEP_TRANSIENT`,\n"
         "`optim.collage.kernels.compiled_matches_eager`, `optim/collage/adamw.py`,\n"
         "`optim.lr`, `metrics.edq_every`, `metrics.jsonl`, `loss.backward()`,\n"
         "`torch.optim.AdamW`, `engine.compile()`, python -m collage_train.plan,\n"
@@ -252,7 +253,7 @@ def test_a_stale_name_is_found_and_other_projects_names_are_not():
         "tests/test_zero.py, tests/test_docs_names.py::test_gone, scripts/gone.py,\n"
         "configs/precision/gone.yaml, collage_train.gone, collage_train.optim.adamw.Gone,\n"
         "`metrics.descent.partials_close`, `optim.kernels.compiled_matches_eager`,\n"
-        "`memory_plan.GONE`, `optim/gone.py`.\n"
+        "`errors.GONE`, `optim/gone.py`.\n"
     )
     assert stale_names(stale, markdown=True) == [
         "tests/test_zero.py",
@@ -263,7 +264,7 @@ def test_a_stale_name_is_found_and_other_projects_names_are_not():
         "collage_train.optim.adamw.Gone",
         "metrics.descent.partials_close",
         "optim.kernels.compiled_matches_eager",
-        "memory_plan.GONE",
+        "errors.GONE",
         "optim/gone.py",
     ]
     # outside Markdown only full names and paths count: code reads ``self.optim.x``

@@ -66,8 +66,11 @@ def test_the_record_names_test_files_of_this_checkout():
 
 
 def test_a_run_of_part_of_a_file_is_not_recorded():
-    file_costs.refuse_part_of_a_file("", "", ["tests/optim", "tests/test_batch.py"])
-    for markexpr, keyword, args in [("not slow", "", []), ("", "zero", []),
-                                    ("", "", ["tests/test_batch.py::test_a"])]:  # fmt: skip
+    file_costs.refuse_part_of_a_file("", "", ["tests/optim", "tests/planning/test_batch.py"])
+    for markexpr, keyword, args in [
+        ("not slow", "", []),
+        ("", "zero", []),
+        ("", "", ["tests/planning/test_batch.py::test_a"]),
+    ]:
         with pytest.raises(pytest.UsageError, match="records whole files"):
             file_costs.refuse_part_of_a_file(markexpr, keyword, args)

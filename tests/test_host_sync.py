@@ -11,7 +11,7 @@ checkpointed steps). Under ZeRO only reads made by this project's code count: wh
 DeepSpeed's own step needs is DeepSpeed's.
 
 The step guard (``train.guard``, on by default) adds no read: the optimizer masks its
-update with the verdict on the device (collage_train/guard.py; a replica, which steps
+update with the verdict on the device (collage_train/run/guard.py; a replica, which steps
 alone, reads it once per step instead). Under ZeRO it sums the step's loss over the ranks
 (one one-element all-reduce). That and nothing else is allowed per step with it on,
 nothing with it off.

@@ -179,3 +179,23 @@ def test_the_check_finds_a_cycle_and_lazy_imports_count():
     assert _imported(node, "collage_train.precision.base", False) == ["collage_train.optim"]
     relative = ast.parse("from ..metrics import descent").body[0]
     assert _imported(relative, "collage_train.optim.base", False) == ["collage_train.metrics"]
+
+
+# Units a unit must not import: the model knows nothing of precision, parallelism, the
+# planner or the run; the configuration's schema is plain data.
+FORBIDDEN_IMPORTS = {
+    "model": {"comm", "engine", "optim", "planning", "precision", "run", "scalify", "trainer"},
+    "config": {"checkpoint", "comm", "data", "engine", "evaluation", "metrics", "model",
+               "optim", "planning", "precision", "run", "scalify", "trainer"},
+}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_lower_units_import_nothing_of_the_layers_above():
+    graph = unit_graph()
+    found = {
+        f"{unit} -> {target} ({', '.join(graph[unit][target][:2])})"
+        for unit, forbidden in FORBIDDEN_IMPORTS.items()
+        for target in set(graph.get(unit, {})) & forbidden
+    }
+    assert not found, sorted(found)

@@ -35,3 +35,13 @@ def test_no_test_module_imports_another():
                 assert not node.module.startswith("test_"), (path, node.module)
             elif isinstance(node, ast.Import):
                 assert not any(a.name.startswith("test_") for a in node.names), path
+
+
+# The package's map (docs/design.md): the CLI, the trainer and the ``python -m`` entry
+# points at the top of collage_train/, everything else in the subpackage of its concern.
+MAX_TOP_LEVEL_MODULES = 16
+
+
+def test_the_package_top_level_holds_at_most_16_modules():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top

@@ -58,7 +58,7 @@ def test_wheel_contains_package_and_configs_and_finds_them(tmp_path):
         [
             sys.executable,
             "-c",
-            "from collage_train.config_options import config_dir; print(config_dir())",
+            "from collage_train.config.options import config_dir; print(config_dir())",
         ],
         cwd=tmp_path,
         env={"PYTHONPATH": str(site)},

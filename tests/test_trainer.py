@@ -7,7 +7,7 @@ from suite_device import torch_device
 
 from collage_train import cli
 from collage_train.cli import train
-from collage_train.config import register_schemas
+from collage_train.config.schema import register_schemas
 from collage_train.errors import ConfigError, OutOfMemory
 from collage_train.metrics import RecordingSink, detect_peak_tflops
 from collage_train.trainer import Trainer
@@ -100,7 +100,9 @@ def test_edq_every_controls_descent_metrics(make_cfg, tmp_path):
 
 
 def test_model_state_that_cannot_fit_is_refused_before_building(make_cfg, tmp_path, monkeypatch):
-    monkeypatch.setattr("collage_train.fit_check.available_memory", lambda device: 10 * 2**30)
+    monkeypatch.setattr(
+        "collage_train.planning.fit_check.available_memory", lambda device: 10 * 2**30
+    )
     with pytest.raises(OutOfMemory, match=r"gpt_1\.3b has 1\.\d+B parameters.*10\.0 GiB is free"):
         big = (
             "model=gpt_1.3b",

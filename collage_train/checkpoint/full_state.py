@@ -34,7 +34,7 @@ from collage_train.checkpoint.pieces import (
     zero12_pieces,
 )
 from collage_train.checkpoint.universal import UNIVERSAL, read_trainer_state
-from collage_train.config import current_choice
+from collage_train.config.schema import current_choice
 from collage_train.errors import CheckpointError
 
 ZERO_ENGINES = ("zero1", "zero2", "zero3")

@@ -46,7 +46,7 @@ from collage_train.checkpoint.native_spec import ModelLayout, Target
 from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState
 from collage_train.checkpoint.universal import COPIED
 from collage_train.checkpoint.zero_layout import write_zero, zero_settings
-from collage_train.config import current_choice
+from collage_train.config.schema import current_choice
 from collage_train.errors import CheckpointError, ConfigError
 from collage_train.optim.param_groups import decay_param_groups
 from collage_train.precision import PrecisionStrategy, strategy_for
@@ -127,7 +127,7 @@ def model_layout(source: Path, meta: dict[str, Any], strategy: PrecisionStrategy
     parameter groups (``decay_param_groups``), tied names, state-dict keys."""
     from transformers import AutoConfig
 
-    from collage_train.hf_modeling import AutoModelForCausalLM
+    from collage_train.model.hf_modeling import AutoModelForCausalLM
 
     file = source / "model_config.json"
     if not file.is_file():

@@ -35,7 +35,7 @@ CompileBackend = str | Callable[..., Any]
 
 @dataclass(frozen=True)
 class StepGate:
-    """The step guard's say over one step (``Trainer``, collage_train/guard.py).
+    """The step guard's say over one step (``Trainer``, collage_train/run/guard.py).
 
     An engine calls ``judge`` once per step on every rank with the step's global gradient
     norm (before clipping), after the norm is known and before the optimizer changes
@@ -96,7 +96,7 @@ class Engine(Protocol):
 
     def place_parameters(self, params: list[torch.nn.Parameter]) -> None:
         """Keep a freshly materialised unit of the model as this engine stores it, before the
-        next unit is drawn (``model_init.materialise``): whole (one process, ZeRO-1/2,
+        next unit is drawn (``model.materialise.materialise``): whole (one process, ZeRO-1/2,
         replicas) or partitioned across the ranks (ZeRO-3). Every rank calls it alike."""
 
     def prepare(

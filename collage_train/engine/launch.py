@@ -61,7 +61,7 @@ def init_process_group(timeout_minutes: int = 30, device_type: str | None = None
             MASTER_PORT=str(_free_port()),
         )  # fmt: skip
     # torch's flight recorder: the last collectives, which the hang watchdog reports
-    # (collage_train/watchdog.py); TORCH_FR_BUFFER_SIZE=0 turns it off
+    # (collage_train/run/watchdog.py); TORCH_FR_BUFFER_SIZE=0 turns it off
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     timeout = timedelta(minutes=timeout_minutes)
     store = _restart_store(timeout)

@@ -47,7 +47,7 @@ from collage_train.engine.zero_memory import ZeroStateBytes, zero_state_bytes
 from collage_train.errors import CheckpointError, ConfigError
 from collage_train.metrics.edq import layer_group_of
 from collage_train.metrics.memory import storage_bytes
-from collage_train.model_cast import keep_computed_buffers
+from collage_train.model.cast import keep_computed_buffers
 from collage_train.optim.base import FlatPieces, PieceTotals
 from collage_train.precision.base import PrecisionStrategy
 

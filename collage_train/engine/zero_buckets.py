@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from collage_train.metrics.edq import layer_group
-from collage_train.param_shapes import full_numel
+from collage_train.model.shapes import full_numel
 
 # DeepSpeed 0.19.8 asserts allgather_bucket_size % 2 == 0 (4-byte aligned fp16 shards).
 _ALLGATHER_ALIGNMENT = 2

@@ -211,7 +211,7 @@ _WANDB_SECTIONS = {
     "mfu": "perf",
     "peak_mem_bytes": "memory",
     "peak_mem_reserved_bytes": "memory",
-    # the step guard (collage_train/guard.py): skips, their reasons and rollbacks
+    # the step guard (collage_train/run/guard.py): skips, their reasons and rollbacks
     "skipped_steps": "guard",
     "skip_reason": "guard",
     "loss_z": "guard",

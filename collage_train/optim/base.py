@@ -162,7 +162,7 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
     # A 0-d bool tensor on the parameters' device, or None: where it holds False the step
     # changes nothing (weights, state, EDQ sums all zero) though it runs, so that whether a
     # step applies can be decided on the device without the host reading it (the step
-    # guard, collage_train/guard.py). Integer step counts still advance: the caller that
+    # guard, collage_train/run/guard.py). Integer step counts still advance: the caller that
     # learns later that the step was refused takes them back (``rewind_steps``).
     step_mask: torch.Tensor | None = None
 

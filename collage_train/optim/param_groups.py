@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from collage_train.param_shapes import full_shape
+from collage_train.model.shapes import full_shape
 
 
 def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -101,7 +101,7 @@ class PrecisionStrategy:
         reshards: whether its checkpoints resume on another engine or number of ranks
             and convert between layouts (``collage_train.checkpoint``).
         chunked_loss: whether the LM head stays a plain linear layer whose loss
-            ``collage_train.loss`` may compute a block of tokens at a time
+            ``collage_train.model.loss`` may compute a block of tokens at a time
             (``train.loss_chunk_tokens``); False where ``prepare_model`` replaces it.
     """
 
@@ -131,7 +131,7 @@ class PrecisionStrategy:
     def configured(self, precision_cfg: Any) -> PrecisionStrategy:
         """This strategy with the options of ``precision_cfg`` (the ``precision`` sub-config).
 
-        Only Scalify takes options (its schema, ``config.ScalifyPrecisionConfig``, is the
+        Only Scalify takes options (its schema, ``config.schema.ScalifyPrecisionConfig``, is the
         only one that has any); every other strategy is itself.
         """
         return self

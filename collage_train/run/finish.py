@@ -18,11 +18,11 @@ from typing import Any, TypeVar
 import torch
 from omegaconf import DictConfig
 
-from collage_train import report
 from collage_train.errors import first_line
 from collage_train.export import export_from_engine
 from collage_train.generate import sample_after_training
 from collage_train.metrics import Sink
+from collage_train.run import report
 from collage_train.scalify.params import has_scaled_parameters
 
 T = TypeVar("T")

@@ -6,7 +6,7 @@
 one ``Settled`` to the loop: go on, the window was taken back to just after a refused
 step whose verdict stayed on the device (its held steps are taken again), or roll back
 to the newest checkpoint (too many refusals in a row). The guard's judgement itself is
-``collage_train.guard``; docs/runs.md, "The step guard", says what a user sees.
+``collage_train.run.guard``; docs/runs.md, "The step guard", says what a user sees.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from collage_train import report
 from collage_train.engine.base import Engine, StepGate, StepOutcome
 from collage_train.errors import TrainingDiverged
-from collage_train.guard import GuardSettings, StepGuard, Verdict
-from collage_train.metrics.step_window import StepRecord, settle
+from collage_train.run import report
+from collage_train.run.guard import GuardSettings, StepGuard, Verdict
+from collage_train.run.step_window import StepRecord, settle
 
 
 class Action(enum.Enum):
@@ -253,7 +253,7 @@ class GuardedWindow:
         self._masked.discard(record.step)
 
     def settle_records(self, records: Sequence[StepRecord], *, since: float) -> None:
-        """``records`` as host numbers (``metrics.step_window.settle``)."""
+        """``records`` as host numbers (``run.step_window.settle``)."""
         settle(
             records,
             all_reduce_sum=self._engine.all_reduce_sum,

@@ -2,8 +2,8 @@
 
 ``build_run_model`` builds the model on the meta device (sizes and names only), chooses the
 optimizer kernel, has every rank agree that the state and a step fit
-(``fit_check.check_run_fits``), draws or reads the weights unit by unit into their
-placement (``model_init.materialise``; ZeRO-3: this rank's partitions), applies the
+(``planning.fit_check.check_run_fits``), draws or reads the weights unit by unit into their
+placement (``model.materialise.materialise``; ZeRO-3: this rank's partitions), applies the
 strategy's model changes, the CPU bf16 GEMM choice and activation checkpointing, checks
 the end-of-run sample's prompt and installs the chunked loss head. ``prepare_engine`` then
 hands it with its optimizer to the engine.
@@ -17,18 +17,22 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from collage_train import init_from
 from collage_train.cpu_bf16 import CpuBf16Gemm, choose_cpu_bf16_gemm, probe_gflops
 from collage_train.engine.agreement import agreement
 from collage_train.engine.base import Engine
 from collage_train.errors import ConfigError
-from collage_train.fit_check import check_run_fits
 from collage_train.generate import context_length, prompt_ids
-from collage_train.loss import install_chunked_loss
-from collage_train.loss_settings import resolve_chunk_tokens
-from collage_train.model_init import materialise
-from collage_train.models import build_meta_model, count_parameters, enable_activation_checkpointing
+from collage_train.model import init_from
+from collage_train.model.build import (
+    build_meta_model,
+    count_parameters,
+    enable_activation_checkpointing,
+)
+from collage_train.model.loss import install_chunked_loss
+from collage_train.model.loss_settings import resolve_chunk_tokens
+from collage_train.model.materialise import materialise
 from collage_train.optim.collage.kernels import choose_kernel
+from collage_train.planning.fit_check import check_run_fits
 from collage_train.precision.base import PrecisionStrategy
 
 

@@ -23,12 +23,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from collage_train import checkpoint
-from collage_train.batch import accumulation_steps
 from collage_train.checkpoint.full_state import ZERO_ENGINES, layout_of, needs_reshard
 from collage_train.checkpoint.universal import UNIVERSAL
 from collage_train.comm.settings import comm_name, uses_replicas
-from collage_train.config import RENAMED_CHOICES, current_choice
+from collage_train.config.schema import RENAMED_CHOICES, current_choice
 from collage_train.errors import CheckpointError, ConfigError
+from collage_train.planning.batch import accumulation_steps
 from collage_train.precision import strategy_for
 from collage_train.precision.base import NOT_RESHARDED
 
@@ -107,7 +107,7 @@ def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> dict[str
     """Dotted keys whose value differs between the saved and the current config.
 
     Keys the saved config does not have (options added since it was written) count as
-    unchanged; choices renamed since (``config.RENAMED_CHOICES``) compare by their new name.
+    unchanged; choices renamed since (``config.schema.RENAMED_CHOICES``) compare by their new name.
     """
     before, after = _flatten(saved), _flatten(current)
     for group in RENAMED_CHOICES:

@@ -1,7 +1,7 @@
 """One optimizer step's forward and backward, without waiting for the device.
 
 ``Stepper`` runs a step's micro-batches through the model (the plain loss or the chunked
-one, ``collage_train.loss``) and hands their gradients to the engine; it gives the step's
+one, ``collage_train.model.loss``) and hands their gradients to the engine; it gives the step's
 learning rate (from the applied steps: a skipped step does not move the schedule) and
 whether the step tracks EDQ. The loss and every statistic stay device tensors until the
 window settles them (``run.guarded_window``).

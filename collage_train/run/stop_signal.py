@@ -44,7 +44,7 @@ class StopRequest:
     def installed(self) -> Iterator[StopRequest]:
         """Handle SIGTERM and SIGINT inside the context; restore the previous handlers.
 
-        Nested inside another request's context (a sweep's, ``collage_train.sweep_stop``),
+        Nested inside another request's context (a sweep's, ``collage_train.run.sweep_stop``),
         it starts with the signal that one holds already and hands it the signal it
         received: a signal lands in whichever request is installed, and both learn of it."""
         previous = {

@@ -1,6 +1,6 @@
 """Start-up checks of the composed configuration, before anything is prepared or written.
 
-Hydra's schema (``collage_train/config.py``: one per kind of option) already refuses
+Hydra's schema (``collage_train/config/schema.py``: one per kind of option) already refuses
 misspelt keys, keys the chosen option does not have and wrongly typed values; this module
 refuses what it lets through: keys added with ``+`` under the project's own groups, a
 ZeRO stage other than the engine's name says, replicas (DiLoCo, SparseLoCo) on a sharded
@@ -29,13 +29,13 @@ from urllib.parse import urlsplit
 from omegaconf import DictConfig, OmegaConf
 
 from collage_train.comm.settings import check_engine
-from collage_train.config_options import chosen_option, not_a_setting
-from collage_train.determinism import check_cublas_config
+from collage_train.config.options import chosen_option, not_a_setting
 from collage_train.errors import ConfigError
-from collage_train.loss_settings import resolve_chunk_tokens
 from collage_train.metrics.sinks import wandb_mode
-from collage_train.models import check_model_extra
+from collage_train.model.build import check_model_extra
+from collage_train.model.loss_settings import resolve_chunk_tokens
 from collage_train.precision import get_strategy
+from collage_train.run.determinism import check_cublas_config
 from collage_train.run.vocabulary import check_vocabulary
 
 
@@ -150,8 +150,8 @@ def check_eval(cfg: DictConfig) -> None:
             "eval.tasks needs the whole model on rank 0, which distributed=zero3 partitions; "
             "evaluate its checkpoints with python -m collage_train.evaluate instead"
         )
-    from collage_train.downstream import check_tasks_load
     from collage_train.engine.launch import launched_rank
+    from collage_train.evaluation.downstream import check_tasks_load
 
     if launched_rank() == 0:
         check_tasks_load(list(ev.tasks), ev.include_path)

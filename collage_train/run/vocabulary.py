@@ -1,8 +1,8 @@
 """Start-up check: the model's token embedding has a row for every id of its tokenizer.
 
 ``model.vocab_size`` may pad the embedding past the tokenizer (the extra rows are never
-drawn: ``collage_train.decodable``) but never leave ids without a row. The tokenizer is
-the one the run will use (``init_from.data_config``): ``data.tokenizer``, else
+drawn: ``collage_train.model.decodable``) but never leave ids without a row. The tokenizer is
+the one the run will use (``model.init_from.data_config``): ``data.tokenizer``, else
 ``model.init_from``'s own, else one trained with ``data.vocab_size`` pieces (exactly that
 many). The embedding is ``model.vocab_size`` rows, or ``model.init_from``'s (its
 ``config.json``, which ``model.vocab_size`` may only repeat); a model that follows its
@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from collage_train.data import Tokenizer
 from collage_train.errors import ConfigError
-from collage_train.init_from import data_config, embedding_rows
+from collage_train.model.init_from import data_config, embedding_rows
 
 
 def check_vocabulary(cfg: DictConfig) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from collage_train.hf_modeling import AttentionInterface
+from collage_train.model.hf_modeling import AttentionInterface
 from collage_train.scalify.modules import MATMUL_FORMATS, OPERAND_SCALES, ScaledMatmul
 from collage_train.scalify.propagation import attention_scales
 

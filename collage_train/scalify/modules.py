@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from collage_train.param_shapes import full_shape
+from collage_train.model.shapes import full_shape
 from collage_train.scalify.float8 import FLOAT8_BACKWARD, FLOAT8_FORWARD, scaled_mm, to_float8
 from collage_train.scalify.scale import matmul_scale, rms_scale, value_rms_scale
 

@@ -97,8 +97,8 @@ def test_a_user_bucket_or_overlap_wins_over_the_derived_one():
 def test_the_model_size_is_the_planners_shape(make_cfg):
     """The engine sizes buckets from the built model, the planner from the config: the same
     width, parameter count and block."""
-    from collage_train.memory_plan import ModelShape
-    from collage_train.models import build_model
+    from collage_train.model.build import build_model
+    from collage_train.planning.memory_plan import ModelShape
 
     for family in ("gpt", "llama"):
         cfg = make_cfg(f"model={family}_tiny")

@@ -55,7 +55,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.zero]
 RTOL = 1e-3
 
 
-# The module's ZeRO-3 collage_plus run computes the loss in chunks (collage_train.loss),
+# The module's ZeRO-3 collage_plus run computes the loss in chunks (collage_train.model.loss),
 # which ZeRO-3's gathered head weight must see: one launch for both behaviours.
 CHUNKED = "train.loss_chunk_tokens=48"
 
@@ -203,7 +203,7 @@ def test_collage_plus_under_zero_matches_single_process_with_half_the_state(runs
 
 
 def test_chunked_loss_under_zero3_matches_single_process(runs):
-    """The chunked loss (collage_train.loss: blocks of 48 of a micro-batch's 128 tokens) runs
+    """The chunked loss (collage_train.model.loss: blocks of 48 of a micro-batch's 128 tokens) runs
     inside the top-level model call, where ZeRO-3 gathers the head's partitioned weight:
     the ZeRO-3 run equals the single-process one with the same loss (EDQ included:
     test_collage_plus_under_zero_matches_single_process_with_half_the_state[3]) and stays

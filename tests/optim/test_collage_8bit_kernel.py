@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from collage_train.errors import ConfigError
-from collage_train.memory_plan import Setting, step_transient_kind
 from collage_train.metrics.edq import partials_close
 from collage_train.metrics.live_memory import LiveTensorBytes
 from collage_train.optim import blockwise8, rounding_noise
@@ -23,6 +22,7 @@ from collage_train.optim.collage import cpu_kernel, eight_bit_kernel, kernels
 from collage_train.optim.collage.eight_bit import Collage8bitAdamW, sqrt_rn
 from collage_train.optim.collage.kernels import EIGHT_BIT_MODE, choose_kernel
 from collage_train.optim.collage.step_math import step_scalars
+from collage_train.planning.memory_plan import Setting, step_transient_kind
 from collage_train.precision import get_strategy
 
 pytestmark = pytest.mark.skipif(

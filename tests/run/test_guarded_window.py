@@ -1,5 +1,5 @@
 """The guarded step window on its own: counters, held batches, settles and rollbacks, with
-a one-rank stand-in engine and host tensors (the trainer's runs: tests/test_guard.py)."""
+a one-rank stand-in engine and host tensors (the trainer's runs: tests/run/test_guard.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from collage_train.engine.base import StepOutcome
 from collage_train.errors import TrainingDiverged
-from collage_train.guard import GuardSettings
+from collage_train.run.guard import GuardSettings
 from collage_train.run.guarded_window import Action, GuardedWindow
 
 FACTS = SimpleNamespace(tokens_per_step=64)

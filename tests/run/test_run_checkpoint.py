@@ -158,7 +158,7 @@ def test_killed_during_a_background_save_resumes_from_the_previous_checkpoint(ma
         import os, signal, threading
         from omegaconf import OmegaConf
         from collage_train import checkpoint
-        from collage_train.config import register_schemas
+        from collage_train.config.schema import register_schemas
         from collage_train.trainer import Trainer
         register_schemas()
         cfg = OmegaConf.load({str(tmp_path / "cfg.yaml")!r})
@@ -197,10 +197,10 @@ def test_killed_during_a_background_save_resumes_from_the_previous_checkpoint(ma
 @pytest.mark.slow
 def test_the_planned_host_copy_is_what_a_background_save_holds(make_cfg, tmp_path, precision):
     """What the start-up check and ``collage_train.plan`` count for the copy
-    (``memory_plan.checkpoint_copy_bytes``) is what the first background save allocates."""
-    from collage_train.fit_check import planned_setting
-    from collage_train.memory_plan import ModelShape, checkpoint_copy_bytes
+    (``planning.memory_plan.checkpoint_copy_bytes``) is what the first background save allocates."""
     from collage_train.plan import make_plan, render
+    from collage_train.planning.fit_check import planned_setting
+    from collage_train.planning.memory_plan import ModelShape, checkpoint_copy_bytes
 
     cfg = make_cfg(f"precision={precision}")
     trainer = Trainer(cfg, tmp_path / "run")

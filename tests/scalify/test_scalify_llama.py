@@ -10,7 +10,7 @@ import torch
 from tiny_config import assert_same_logits_and_grads, logits_and_grads
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from collage_train.models import build_model
+from collage_train.model.build import build_model
 from collage_train.precision.scalify import scalify_strategy
 from collage_train.scalify import is_power_of_two
 from collage_train.scalify import propagation as scalify_propagation

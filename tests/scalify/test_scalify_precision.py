@@ -9,14 +9,14 @@ import pytest
 import torch
 from tiny_config import compose_tiny, tiny_transformer
 
-from collage_train import report
 from collage_train.checkpoint import load_checkpoint_file
 from collage_train.cli import train
 from collage_train.errors import ConfigError
 from collage_train.metrics import RecordingSink, model_state_bytes
-from collage_train.metrics.step_window import StepRecord
 from collage_train.optim import decay_param_groups
 from collage_train.precision import get_strategy, strategy_for
+from collage_train.run import report
+from collage_train.run.step_window import StepRecord
 from collage_train.scalify import is_power_of_two
 from collage_train.scalify.modules import (
     ScaledLayerNorm,

@@ -16,7 +16,7 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import bench_throughput  # noqa: E402
 
-from collage_train.memory_plan import GIB, ModelShape, Setting, estimate  # noqa: E402
+from collage_train.planning.memory_plan import GIB, ModelShape, Setting, estimate  # noqa: E402
 from collage_train.precision import get_strategy  # noqa: E402
 
 

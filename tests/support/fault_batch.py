@@ -1,4 +1,4 @@
-"""Bad batches at chosen steps, for the step guard's tests (tests/test_guard.py).
+"""Bad batches at chosen steps, for the step guard's tests (tests/run/test_guard.py).
 
 ``inject(trainer_class, kind, steps)`` patches the class, so that runs built afterwards
 (in this process, or in a launched one: ``torchrun ... tests/support/fault_batch.py ARGS`` with

@@ -1,6 +1,6 @@
 """``python -m collage_train`` with rank 1 asleep inside one optimizer step.
 
-For the hang watchdog's test only (tests/test_watchdog.py): run as each rank's entry
+For the hang watchdog's test only (tests/run/test_watchdog.py): run as each rank's entry
 (``cli_runner.run_ranks(..., entry="tests/support/hang_rank.py")``), rank 1 sleeps for
 ten minutes at the start of step ``HANG_STEP + 1`` (in ``_sleep_inside_step``, the frame
 its stack dump must name), as a rank stuck on a file system or a device would; rank 0

@@ -1,7 +1,7 @@
 """One rank of a ZeRO-3 run started from ``model.init_from``: what building its model
 allocates, and the weights the ranks hold together.
 
-Each rank's entry (``cli_runner.run_ranks(..., entry=...)``) for tests/test_init_from.py,
+Each rank's entry (``cli_runner.run_ranks(..., entry=...)``) for tests/model/test_init_from.py,
 with arguments ``CORPUS CACHE OUT DIRECTORY [OVERRIDE ...]``: builds the trainer of the
 tiny configuration in bf16 under ZeRO-3 from ``DIRECTORY``, measuring the bytes
 ``run.model_setup.build_run_model`` allocates at its peak (``allocation_peak``); writes them to

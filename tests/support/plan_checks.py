@@ -1,13 +1,14 @@
 """The planner's optimizer-step row checked against a measured step: the live-tensor peak of
-one tracked step above the state (tests/test_plan.py, tests/scalify/test_scalify_params.py)."""
+one tracked step above the state (tests/planning/test_memory_plan.py,
+tests/scalify/test_scalify_params.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from collage_train.memory_plan import Setting, step_transient
 from collage_train.metrics.live_memory import LiveTensorBytes
+from collage_train.planning.memory_plan import Setting, step_transient
 
 
 def assert_step_temporaries_match_the_table(strategy, params, optimizer, masked=False) -> None:

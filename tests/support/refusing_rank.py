@@ -4,7 +4,7 @@ node, or one that reads other files, would.
 Each rank's entry (``cli_runner.run_ranks(..., entry="tests/support/refusing_rank.py")``)
 for tests/run/test_agreement.py; ``REFUSING_CHECK`` says which check refuses on one rank:
 
-- ``memory``: rank 1's free memory probe reports 1 KiB (``fit_check.available_memory``:
+- ``memory``: rank 1's free memory probe reports 1 KiB (``planning.fit_check.available_memory``:
   its host on a CPU run, its GPU and host on a CUDA run): the start-up state check;
 - ``data``: rank 1's corpus refuses (``build_data`` raises a DataError);
 - ``downstream``: rank 0's in-run downstream evaluation refuses (the harness rejects a
@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import os
 
-from collage_train import downstream, fit_check, trainer
+from collage_train import trainer
 from collage_train.__main__ import main
 from collage_train.data import DataError
 from collage_train.errors import ConfigError
+from collage_train.evaluation import downstream
+from collage_train.planning import fit_check
 
 CHECK = os.environ.get("REFUSING_CHECK")
 RANK = int(os.environ.get("RANK", "0"))

@@ -18,7 +18,7 @@ from suite_device import device_overrides
 from collage_train.cli import config_dir
 from collage_train.data import Tokenizer
 from collage_train.data.tokenizer import TokenizerSettings, train_model, training_sentences
-from collage_train.models import build_model
+from collage_train.model.build import build_model
 
 
 def tiny_model_and_data(corpus: Path, cache: Path, hidden_size: int = 32) -> list[str]:
