@@ -301,7 +301,7 @@ class Trainer:
     def save_checkpoint(self, *, background: bool = False) -> Path:
         """Checkpoint the current step on every rank, refusing to store non-finite weights;
         ``background``: return once the state is copied to the host, the files written while
-        training goes on (``run.checkpointing.CheckpointSaver``)."""
+        training goes on (``run.checkpoint_saver.CheckpointSaver``)."""
         return self.checkpointer.save(self.step, self.state_dict(), background=background)
 
     def resume_from(self, path: Path) -> None:

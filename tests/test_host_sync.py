@@ -221,15 +221,15 @@ def test_a_nan_between_logged_steps_is_caught_before_the_next_checkpoint(
     when the error ends the run (its writer slowed here), lands before fit() raises."""
     import time
 
-    from collage_train.run import checkpointing
+    from collage_train.run import checkpoint_saver
 
-    write = checkpointing._SaveJob.run
+    write = checkpoint_saver._SaveJob.run
 
     def slow_write(job) -> None:
         time.sleep(1.0)
         write(job)
 
-    monkeypatch.setattr(checkpointing._SaveJob, "run", slow_write)
+    monkeypatch.setattr(checkpoint_saver._SaveJob, "run", slow_write)
     cfg = make_cfg(
         *RUN[:-1],
         "train.checkpoint_every=4",

@@ -3,7 +3,7 @@
 ``DeepSpeedEngine.save_checkpoint`` builds each file's state and hands it to its checkpoint
 engine's ``save(state_dict, path)``, which ``torch.save``s it. ``CapturedFiles`` stands in
 for that engine while a checkpoint is taken: it keeps each state under its path relative
-to the checkpoint directory and writes nothing, so that ``run.checkpointing`` writes the
+to the checkpoint directory and writes nothing, so that ``run.checkpoint_saver`` writes the
 files itself (checksummed as they are written, in the background when asked). Everything
 else (loading, ``makedirs``, which data-parallel ranks write) is the original engine's.
 """

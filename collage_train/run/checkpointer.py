@@ -2,8 +2,8 @@
 
 ``Checkpointer`` saves every ``train.checkpoint_every`` steps and at the run's end (a stop
 saves through it too), in the background when ``train.async_checkpoint``, through
-``run.checkpointing.CheckpointSaver``; it restores the newest checkpoint or any other,
-also one written by another engine or number of ranks (``run.checkpointing.restore``).
+``run.checkpoint_saver.CheckpointSaver``; it restores the newest checkpoint or any other,
+also one written by another engine or number of ranks (``run.checkpoint_saver.restore``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 
 from collage_train import checkpoint
 from collage_train.engine.base import Engine
-from collage_train.run import checkpointing
-from collage_train.run.checkpointing import CheckpointSaver
+from collage_train.run import checkpoint_saver
+from collage_train.run.checkpoint_saver import CheckpointSaver
 
 
 class Checkpointer:
@@ -83,7 +83,7 @@ class Checkpointer:
     def restore(self, path: Path, model: torch.nn.Module, param_order: list[str]) -> dict[str, Any]:
         """Model and optimizer state from ``path`` (any engine, any number of ranks);
         returns the client state saved beside them."""
-        return checkpointing.restore(
+        return checkpoint_saver.restore(
             self._engine, model, path, distributed=self._engine.name, param_order=param_order
         )
 

@@ -92,7 +92,7 @@ class RunProgress:
     model state measured on this rank; ``skips`` the first ``SKIPS_KEPT`` refused steps
     (step, reason, z-scores); ``rollbacks`` the guard's; ``downstream`` the last in-loop
     evaluation (None: none ran) and ``downstream_seconds`` the wall time spent in them;
-    ``checkpoint_times`` the saver's (``run.checkpointing``).
+    ``checkpoint_times`` the saver's (``run.checkpoint_saver``).
     """
 
     step: int

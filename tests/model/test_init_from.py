@@ -351,7 +351,7 @@ def test_the_engine_not_the_config_decides_its_own_steps(
     import collage_train.trainer as trainer_module
     from collage_train.engine import SingleProcessEngine, resolve_device
     from collage_train.model import init_from
-    from collage_train.run import checkpointing
+    from collage_train.run import checkpoint_saver
 
     events: list[str] = []
 
@@ -380,7 +380,7 @@ def test_the_engine_not_the_config_decides_its_own_steps(
     monkeypatch.setattr("collage_train.planning.fit_check.check_state_fits", check_state_fits)
     monkeypatch.setattr(init_from, "seed_masters", seeds("client masters seeded"))
     monkeypatch.setattr(init_from, "seed_zero_masters", seeds("engine's masters seeded"))
-    monkeypatch.setattr(checkpointing, "restore", restore)
+    monkeypatch.setattr(checkpoint_saver, "restore", restore)
     directory, _ = exported
     cfg = make_cfg_module(*ONE_BATCH, "precision=mixed_fp32", f"model.init_from={directory}")
     trainer = Trainer(cfg, tmp_path / "run")

@@ -1,4 +1,4 @@
-"""Checkpoints written in the background (collage_train.run.checkpointing.CheckpointSaver):
+"""Checkpoints written in the background (collage_train.run.checkpoint_saver.CheckpointSaver):
 the same files as a foreground save while training goes on, never taken before they are
 complete, failures kept for the loop, and a process killed mid-write that resumes from
 the previous checkpoint."""
