@@ -37,7 +37,12 @@ from collage_train.metrics import ConsoleSink, JsonlSink, Sink, WandbSink
 from collage_train.metrics.sinks import wandb_mode
 from collage_train.run import determinism
 from collage_train.run.directory import write_hydra_record
-from collage_train.run.resume import check_resume, choose_checkpoint, record_changes
+from collage_train.run.resume import (
+    SWITCH_FIELD,
+    check_resume,
+    choose_checkpoint,
+    record_changes,
+)
 
 
 def build_sinks(
@@ -115,21 +120,25 @@ def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> di
         main = trainer.engine.is_main
         if main:
             print(trainer.describe(), flush=True)
+        switch = None
         if existing is not None:
             trainer.resume_from(existing)
+            switch = trainer.checkpointer.switch
+            switch = switch.record() if switch else None
             if main:
                 also = f" with changed settings: {', '.join(changes)}" if changes else ""
                 print(f"resumed from {existing} at step {trainer.step}{also}", flush=True)
-                if changes:
-                    record_changes(run_dir, trainer.step, changes)
+                if changes or switch:
+                    record_changes(run_dir, trainer.step, changes, switch)
         if main:  # the run is accepted: record what it runs
             write_hydra_record(cfg, run_dir)
         sinks: list[Sink] = []
         if main:  # only rank 0 logs
+            config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
             sinks = build_sinks(
                 cfg.logging,
                 run_dir,
-                OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+                {**config, SWITCH_FIELD: switch} if switch else config,
                 max_steps=cfg.train.max_steps,
                 start_step=trainer.step,
                 resume=existing is not None,

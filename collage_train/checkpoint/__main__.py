@@ -1,11 +1,14 @@
-"""``python -m collage_train.checkpoint convert SRC OUT [--to LAYOUT] [--world-size N]``: any
-checkpoint into another layout.
+"""``python -m collage_train.checkpoint convert SRC OUT [--to LAYOUT] [--world-size N]
+[--precision NAME]``: any checkpoint into another layout, or another strategy's state.
 
 ``--to universal`` (the default) writes the rank-independent layout
 (``collage_train.checkpoint.universal``) that every engine resumes from on any number of
 ranks; ``--to zero1|zero2|zero3 --world-size N`` writes DeepSpeed's own ZeRO layout for N
 ranks, and ``--to unsharded`` the one-process layout (``collage_train.checkpoint.native``),
-which those engines load directly, without resharding.
+which those engines load directly, without resharding. ``--precision NAME`` writes the
+state as strategy NAME holds it, in the universal layout (a switch of strategy,
+``collage_train.checkpoint.switch``), and prints one line saying what was converted and
+the largest relative error it measured.
 
 SRC is a ``checkpoints/step-N`` directory or a run directory (its newest checkpoint), in any
 layout; OUT must not exist. SRC is checked against its recorded sizes and CRC-32s and its
@@ -19,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 from collage_train import checkpoint
 from collage_train.checkpoint import native
 from collage_train.checkpoint.full_state import open_full_state
+from collage_train.checkpoint.switch import SWITCHED, check_switch, measure, switched
 from collage_train.checkpoint.universal import UNIVERSAL, write_universal
 from collage_train.errors import (
     BAD_INPUT,
@@ -34,6 +39,7 @@ from collage_train.errors import (
     ConfigError,
     first_line,
 )
+from collage_train.precision import get_strategy
 
 LAYOUTS = (UNIVERSAL, *native.ENGINES)
 
@@ -47,11 +53,25 @@ def _resolve(path: Path) -> Path:
     return latest
 
 
-def convert(source: Path, out: Path, to: str = UNIVERSAL, world_size: int | None = None) -> Path:
+def convert(
+    source: Path,
+    out: Path,
+    to: str = UNIVERSAL,
+    world_size: int | None = None,
+    precision: str | None = None,
+    announce: Callable[[str], None] = print,
+) -> Path:
     """Write checkpoint ``source`` (or a run's newest) into ``out`` in layout ``to``: the
-    universal layout, or ``unsharded``/``zero1..3`` for ``world_size`` ranks."""
+    universal layout, or ``unsharded``/``zero1..3`` for ``world_size`` ranks; with
+    ``precision``, as that strategy's state (universal layout), announcing the switch's
+    line (``checkpoint.switch.Switch.line``)."""
     if to not in LAYOUTS:
         raise ConfigError(f"unknown layout --to {to}; choose one of: {', '.join(LAYOUTS)}")
+    if precision is not None and to != UNIVERSAL:
+        raise ConfigError(
+            "--precision writes the universal layout, which every engine resumes from on any "
+            "number of ranks; leave out --to (or convert its output with --to afterwards)"
+        )
     if to == UNIVERSAL and world_size is not None:
         raise ConfigError(
             "--world-size applies to --to unsharded|zero1|zero2|zero3; the "
@@ -64,11 +84,34 @@ def convert(source: Path, out: Path, to: str = UNIVERSAL, world_size: int | None
     if why:
         raise CheckpointError(f"{source} is damaged: {why}")
     checkpoint.verify_checkpoint_files(source)
-    native.check_reshards(checkpoint.read_meta(source))
+    meta = checkpoint.read_meta(source)
+    if precision is not None:
+        written = str(meta.get("precision"))
+        check_switch(written, str(get_strategy(precision).name))
+        return _write_switched(source, out, written, precision, announce)
+    native.check_reshards(meta)
     if to == UNIVERSAL:
         return write_universal(source, open_full_state(source), out)
     target = native.check_target(checkpoint.read_meta(source), to, world_size)
     return native.write_native(source, open_full_state(source), out, target)
+
+
+def _write_switched(
+    source: Path, out: Path, written: str, precision: str, announce: Callable[[str], None]
+) -> Path:
+    """The universal layout of ``source`` as strategy ``precision`` holds it."""
+    state = open_full_state(source)
+    switch = measure(state, written, precision, int(state.trainer["step"]))
+    target = get_strategy(precision)
+    changes = {
+        "precision": precision,
+        "holds": list(target.checkpoint_holds),
+        "config": {**checkpoint.read_meta(source)["config"], "precision": {"name": precision}},
+        SWITCHED: switch.record(),
+    }
+    written_out = write_universal(source, switched(state, written, precision), out, changes)
+    announce(switch.line())
+    return written_out
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,9 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument(
         "--world-size", type=int, metavar="N", help="ranks to write for (zero1|zero2|zero3)"
     )
+    command.add_argument(
+        "--precision",
+        metavar="NAME",
+        help="write the state as this strategy holds it (switch strategy; universal layout)",
+    )
     args = parser.parse_args(argv)
     try:
-        out = convert(args.source, args.out, args.to, args.world_size)
+        out = convert(args.source, args.out, args.to, args.world_size, args.precision)
     except (CollageError, *WEIGHT_LOAD_ERRORS) as err:
         print(f"error: cannot convert {args.source}: {first_line(err)}", file=sys.stderr)
         return BAD_INPUT

@@ -73,8 +73,11 @@ def _file_name(name: str) -> str:
     return f"params/{name}.safetensors"
 
 
-def write_universal(source: Path, state: FullState, out: Path) -> Path:
-    """Write ``state`` (read from checkpoint ``source``) into directory ``out`` in this layout.
+def write_universal(
+    source: Path, state: FullState, out: Path, meta_changes: dict[str, Any] | None = None
+) -> Path:
+    """Write ``state`` (read from checkpoint ``source``) into directory ``out`` in this layout,
+    with the source's metadata updated by ``meta_changes`` (a switch of strategy).
 
     ``out`` must not exist; an unfinished write leaves only a hidden ``.NAME.tmp``.
     """
@@ -101,5 +104,6 @@ def write_universal(source: Path, state: FullState, out: Path) -> Path:
             "per_rank_rng": state.per_rank_rng,
         },
         "parameters": parameters,
+        **(meta_changes or {}),
     }
     return checkpoint.publish_directory(tmp, out, meta, extra)

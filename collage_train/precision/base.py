@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from collage_train.errors import ConfigError
+from collage_train.precision.state_form import StateForm
 
 OPTIMIZER_KINDS = (
     "adamw", "split_master", "collage", "scaled_adamw", "stochastic_rounding", "kahan",
@@ -103,6 +104,9 @@ class PrecisionStrategy:
         chunked_loss: whether the LM head stays a plain linear layer whose loss
             ``collage_train.model.loss`` may compute a block of tokens at a time
             (``train.loss_chunk_tokens``); False where ``prepare_model`` replaces it.
+        state_form: how its saved per-parameter state maps to the canonical form and back
+            (``precision.state_form``), for switching strategy on resume; None where it
+            cannot be switched to or from yet.
     """
 
     name: str
@@ -118,6 +122,7 @@ class PrecisionStrategy:
     optimizer: OptimizerSpec = OptimizerSpec()
     activation_dtype: torch.dtype | None = None
     chunked_loss: bool = True
+    state_form: StateForm | None = None
 
     def check_engine(self, distributed: str) -> None:
         """Refuse, in one line saying why and what runs instead, an engine this strategy

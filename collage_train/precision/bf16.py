@@ -7,6 +7,7 @@ is lost to rounding, and with beta2 = 0.999 the second moment never decays.
 import torch
 
 from collage_train.precision.base import OptimizerSpec, PrecisionStrategy, register
+from collage_train.precision.state_form import PlainForm
 
 BF16 = register(
     PrecisionStrategy(
@@ -19,5 +20,6 @@ BF16 = register(
         checkpoint_holds=("bf16 weights", "bf16 exp_avg", "bf16 exp_avg_sq"),
         optimizer_state=(("exp_avg", 2), ("exp_avg_sq", 2)),
         optimizer=OptimizerSpec("collage", "none"),
+        state_form=PlainForm(torch.bfloat16, torch.bfloat16),
     )
 )

@@ -9,6 +9,7 @@ exact two-sum (``docs/strategies.md`` compares the two).
 import torch
 
 from collage_train.precision.base import OptimizerSpec, PrecisionStrategy, register
+from collage_train.precision.state_form import CompensatedForm
 
 BF16_KAHAN = register(
     PrecisionStrategy(
@@ -26,5 +27,6 @@ BF16_KAHAN = register(
         ),
         optimizer_state=(("exp_avg", 2), ("exp_avg_sq", 2), ("kahan_comp", 2)),
         optimizer=OptimizerSpec("kahan"),
+        state_form=CompensatedForm("kahan_comp"),
     )
 )

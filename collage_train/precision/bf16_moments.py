@@ -9,6 +9,7 @@ moments are rounded to bf16. 12 bytes per parameter, as ``collage_plus``.
 import torch
 
 from collage_train.precision.base import OptimizerSpec, PrecisionStrategy, register
+from collage_train.precision.state_form import MasterForm
 
 BF16_MOMENTS = register(
     PrecisionStrategy(
@@ -21,5 +22,6 @@ BF16_MOMENTS = register(
         checkpoint_holds=("bf16 weights", "fp32 master", "bf16 exp_avg", "bf16 exp_avg_sq"),
         optimizer_state=(("exp_avg", 2), ("exp_avg_sq", 2)),
         optimizer=OptimizerSpec("adamw", moments="bf16"),
+        state_form=MasterForm(torch.bfloat16),
     )
 )

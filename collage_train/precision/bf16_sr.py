@@ -14,6 +14,7 @@ uninterrupted one.
 import torch
 
 from collage_train.precision.base import OptimizerSpec, PrecisionStrategy, register
+from collage_train.precision.state_form import PlainForm
 
 BF16_SR = register(
     PrecisionStrategy(
@@ -26,5 +27,6 @@ BF16_SR = register(
         checkpoint_holds=("bf16 weights", "bf16 exp_avg", "bf16 exp_avg_sq"),
         optimizer_state=(("exp_avg", 2), ("exp_avg_sq", 2)),
         optimizer=OptimizerSpec("stochastic_rounding"),
+        state_form=PlainForm(torch.bfloat16, torch.bfloat16),
     )
 )

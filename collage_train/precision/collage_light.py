@@ -8,6 +8,7 @@ stays plain bf16; the authors pair light with beta2 = 0.98.
 import torch
 
 from collage_train.precision.base import OptimizerSpec, PrecisionStrategy, register
+from collage_train.precision.state_form import CompensatedForm
 
 COLLAGE_LIGHT = register(
     PrecisionStrategy(
@@ -20,5 +21,6 @@ COLLAGE_LIGHT = register(
         checkpoint_holds=("bf16 weights", "bf16 dtheta", "bf16 exp_avg", "bf16 exp_avg_sq"),
         optimizer_state=(("dtheta", 2), ("exp_avg", 2), ("exp_avg_sq", 2)),
         optimizer=OptimizerSpec("collage", "light"),
+        state_form=CompensatedForm("dtheta"),
     )
 )

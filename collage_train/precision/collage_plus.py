@@ -8,6 +8,7 @@ MCF and multiplying by the MCF (bf16(beta2), beta2 - bf16(beta2)) tracks it to a
 import torch
 
 from collage_train.precision.base import OptimizerSpec, PrecisionStrategy, register
+from collage_train.precision.state_form import CompensatedForm
 
 COLLAGE_PLUS = register(
     PrecisionStrategy(
@@ -26,5 +27,6 @@ COLLAGE_PLUS = register(
         ),
         optimizer_state=(("dtheta", 2), ("exp_avg", 2), ("exp_avg_sq", 2), ("dv", 2)),
         optimizer=OptimizerSpec("collage", "plus"),
+        state_form=CompensatedForm("dtheta", dv=True),
     )
 )

@@ -8,6 +8,7 @@ into the bf16 weight.
 import torch
 
 from collage_train.precision.base import PrecisionStrategy, register
+from collage_train.precision.state_form import MasterForm
 
 MIXED_FP32 = register(
     PrecisionStrategy(
@@ -19,5 +20,6 @@ MIXED_FP32 = register(
         expected_state_bytes_per_param=16,  # theta 2 + grad 2 + master 4 + m 4 + v 4
         checkpoint_holds=("bf16 weights", "fp32 master", "fp32 exp_avg", "fp32 exp_avg_sq"),
         optimizer_state=(("exp_avg", 4), ("exp_avg_sq", 4)),
+        state_form=MasterForm(torch.float32),
     )
 )

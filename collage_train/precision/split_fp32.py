@@ -14,6 +14,7 @@ to 12 bytes too, but then it would no longer be the fp32-master trajectory.
 import torch
 
 from collage_train.precision.base import OptimizerSpec, PrecisionStrategy, register
+from collage_train.precision.state_form import SplitForm
 
 SPLIT_FP32 = register(
     PrecisionStrategy(
@@ -31,5 +32,6 @@ SPLIT_FP32 = register(
         ),
         optimizer_state=(("remainder", 2), ("exp_avg", 4), ("exp_avg_sq", 4)),
         optimizer=OptimizerSpec("split_master"),
+        state_form=SplitForm(),
     )
 )

@@ -33,6 +33,7 @@ import torch
 from collage_train import checkpoint
 from collage_train.checkpoint.full_state import needs_reshard, open_full_state
 from collage_train.checkpoint.staging import HostStaging
+from collage_train.checkpoint.switch import measure, switched
 from collage_train.engine import Engine
 from collage_train.errors import (
     CheckpointError,
@@ -47,6 +48,8 @@ from collage_train.optim.rounding_noise import StreamCounter
 # least this, or ten times what its own part took (the ranks write parts of a size).
 SHARE_WAIT_MIN_SECONDS = 600.0
 _POLL_SECONDS = 0.05
+# Where ``restore`` hands a switch of strategy (``checkpoint.switch.Switch``) to the caller.
+SWITCH_KEY = "precision_switch"
 
 
 def all_weights_finite(engine: Engine) -> bool:
@@ -307,17 +310,24 @@ def restore(
     *,
     distributed: str,
     param_order: list[str],
+    precision: str | None = None,
 ) -> dict[str, Any]:
     """Load model and optimizer state from checkpoint ``path`` into ``engine``; return the
     trainer's client state (step, loader position, RNG).
 
     ``param_order`` names the parameters in the optimizer's order (its parameter
-    groups), which a per-parameter read needs to match state to parameters.
+    groups), which a per-parameter read needs to match state to parameters. ``precision``
+    names this run's strategy: a checkpoint of another is converted to it
+    (``checkpoint.switch``), and the client state then holds the measured ``Switch``
+    under ``SWITCH_KEY`` (None: the checkpoint's own).
     """
     meta = checkpoint.read_meta(path)
+    written = meta.get("precision", precision)
     try:
-        if needs_reshard(meta, distributed, engine.world_size):
-            return _restore_resharded(engine, model, path, distributed, param_order)
+        if written != precision or needs_reshard(meta, distributed, engine.world_size):
+            return _restore_resharded(
+                engine, model, path, distributed, param_order, (written, precision)
+            )
         return engine.load(path)
     except (RuntimeError, ValueError, KeyError) as err:
         raise CheckpointError(
@@ -327,16 +337,31 @@ def restore(
 
 
 def _restore_resharded(
-    engine: Engine, model: torch.nn.Module, path: Path, distributed: str, param_order: list[str]
+    engine: Engine,
+    model: torch.nn.Module,
+    path: Path,
+    distributed: str,
+    param_order: list[str],
+    strategies: tuple[str | None, str | None],
 ) -> dict[str, Any]:
-    """Elastic resume: every rank reads its share of each parameter's state."""
+    """Elastic resume: every rank reads its share of each parameter's state, converted
+    where this run's strategy is another (``strategies``: the writer's, this run's)."""
     named = list(model.named_parameters())
     state = open_full_state(path, param_order)
     state.check_model({n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in named}, path)
+    written, precision = strategies
+    switch = None
+    if written != precision and written is not None and precision is not None:
+        if engine.is_main:  # the cost, measured once
+            switch = measure(state, written, precision, int(state.trainer["step"]))
+            print(switch.line(), flush=True)
+        state = switched(state, written, precision)
     client_state = engine.load_full(state)
+    if switch is not None:
+        client_state[SWITCH_KEY] = switch
     loader = client_state["loader"]  # its position counts samples: rank-independent
     client_state["loader"] = {**loader, "world_size": engine.world_size}
-    if engine.is_main:
+    if engine.is_main and (state.layout, state.world_size) != (distributed, engine.world_size):
         kept = ", ".join(sorted(state.read(named[0][0], 0, 1)))
         lost = []
         if max(state.world_size, engine.world_size) > 1:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from collage_train import checkpoint
+from collage_train.checkpoint.switch import SWITCHED, Switch
 from collage_train.engine.base import Engine
 from collage_train.run import checkpoint_saver
 from collage_train.run.checkpoint_saver import CheckpointSaver
@@ -43,6 +44,7 @@ class Checkpointer:
         self._identity = identity
         self._extra_files = extra_files
         self.saver = CheckpointSaver(engine, run_dir, background=background)
+        self.switch: Switch | None = None  # set by ``restore``
 
     def due(self, step: int) -> bool:
         return step % self._every == 0 or step == self._end
@@ -81,11 +83,20 @@ class Checkpointer:
         return checkpoint.latest_checkpoint(self._run_dir)
 
     def restore(self, path: Path, model: torch.nn.Module, param_order: list[str]) -> dict[str, Any]:
-        """Model and optimizer state from ``path`` (any engine, any number of ranks);
-        returns the client state saved beside them."""
-        return checkpoint_saver.restore(
-            self._engine, model, path, distributed=self._engine.name, param_order=param_order
-        )
+        """Model and optimizer state from ``path`` (any engine, any number of ranks, any
+        strategy: converted to this run's); returns the client state saved beside them.
+        ``switch`` is then the switch of strategy it made, or the one ``convert
+        --precision`` made offline (None: none)."""
+        precision = self._identity()["precision"]
+        client_state = checkpoint_saver.restore(
+            self._engine, model, path, distributed=self._engine.name,
+            param_order=param_order, precision=precision,
+        )  # fmt: skip
+        self.switch = client_state.pop(checkpoint_saver.SWITCH_KEY, None)
+        offline = checkpoint.read_meta(path).get(SWITCHED)
+        if self.switch is None and offline and offline.get("to") == precision:
+            self.switch = Switch.from_record(offline)
+        return client_state
 
     def times(self) -> dict[str, Any]:
         """The saves' blocked and written seconds (``SaveTimes.summary``)."""

@@ -22,7 +22,7 @@ from collage_train.errors import first_line
 from collage_train.export import export_from_engine
 from collage_train.generate import sample_after_training
 from collage_train.metrics import Sink
-from collage_train.run import report
+from collage_train.run import report, resume
 from collage_train.scalify.params import has_scaled_parameters
 
 T = TypeVar("T")
@@ -88,6 +88,9 @@ def record_summary(
     the summary recorded (``with_earlier_launch``'s)."""
     if main:
         summary = with_earlier_launch(summary, run_dir)
+        switches = resume.recorded_switches(run_dir)
+        if switches:
+            summary = {**summary, "precision_switches": switches}
         attempt(
             f"writing {run_dir / 'summary.json'}",
             lambda: report.write_summary(run_dir, summary),

@@ -9,7 +9,9 @@ run changed, the resume is refused in one line and nothing in the run directory 
 Another engine or number of ranks is an elastic resume (the checkpoint is read per
 parameter, ``checkpoint.full_state``), refused only for replicas, whose states are
 their own, for strategies that do not run under ZeRO, and for a world size that does
-not divide the global batch.
+not divide the global batch. Another ``precision`` is a switch of strategy (the state
+converted through the canonical form, ``checkpoint.switch``), refused only for replicas
+and for strategies without a state form.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from collage_train import checkpoint
 from collage_train.checkpoint.full_state import ZERO_ENGINES, layout_of, needs_reshard
+from collage_train.checkpoint.switch import check_switch
 from collage_train.checkpoint.universal import UNIVERSAL
 from collage_train.comm.settings import comm_name, uses_replicas
 from collage_train.config.schema import RENAMED_CHOICES, current_choice
@@ -43,6 +46,9 @@ IDENTITY = ("model.", "precision.", "data.", "train.global_batch_size", "train.s
 NOT_IDENTITY = ("data.cache_dir", "data.num_workers")
 # Not worth reporting: a resume says it resumes.
 UNREPORTED = ("train.resume",)
+RESUMES = "resumes.jsonl"  # in the run directory: one line per resume that changed something
+# The switch of strategy in resumes.jsonl, summary.json (a list) and W&B's config.
+SWITCH_FIELD = "precision_switch"
 
 Gather = Callable[[Any], list[Any]]
 
@@ -162,12 +168,10 @@ def check_resume(path: Path, cfg: DictConfig, world_size: int) -> list[str]:
     anything is written into the run directory.
     """
     meta = checkpoint.read_meta(path)
-    precision = cfg.precision.name
-    if meta.get("precision") != precision:
-        raise ConfigError(
-            f"{path} was written with precision={meta.get('precision')}, this run uses "
-            f"precision={precision}; resume with the same strategy"
-        )
+    written = meta.get("precision")
+    switching = written != cfg.precision.name
+    if switching:
+        _check_switch(path, cfg, written)
     written_comm = current_choice("comm", meta.get("comm", "every_step"))
     if written_comm != comm_name(cfg.comm):
         raise ConfigError(
@@ -179,7 +183,28 @@ def check_resume(path: Path, cfg: DictConfig, world_size: int) -> list[str]:
     if needs_reshard(meta, cfg.distributed.name, world_size):
         _check_reshard(path, cfg, layout, saved_world, world_size)
     current = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    return check_settings(path, meta.get("config", {}), current)
+    saved = meta.get("config", {})
+    if switching:  # the strategy's own options change with it
+        saved = {key: value for key, value in saved.items() if key != "precision"}
+        changes = [f"precision.name {written!r} -> {cfg.precision.name!r}"]
+        return changes + check_settings(path, saved, current)
+    return check_settings(path, saved, current)
+
+
+def _check_switch(path: Path, cfg: DictConfig, written: str | None) -> None:
+    """Refuse, in one line, a switch of strategy that cannot be made."""
+    if written is None:
+        raise ConfigError(f"{path} does not record the strategy that wrote it; resume with it")
+    if uses_replicas(cfg.comm):
+        raise ConfigError(
+            f"{path} was written with precision={written}, this run uses "
+            f"precision={cfg.precision.name}: replicas resume only with the strategy that "
+            "wrote them"
+        )
+    try:
+        check_switch(written, cfg.precision.name)
+    except ConfigError as err:
+        raise ConfigError(f"{path} was written with precision={written}: {err}") from None
 
 
 def _check_reshard(
@@ -210,8 +235,30 @@ def _check_reshard(
         )
 
 
-def record_changes(run_dir: Path, step: int, changes: list[str]) -> None:
-    """Append the settings a resume changed to ``resumes.jsonl`` in the run directory."""
-    entry = {"step": step, "time": time.time(), "changed": changes}
-    with (run_dir / "resumes.jsonl").open("a") as handle:
+def record_changes(
+    run_dir: Path, step: int, changes: list[str], switch: dict[str, Any] | None = None
+) -> None:
+    """Append the settings a resume changed, and its switch of strategy (``Switch.record``)
+    where it made one, to ``resumes.jsonl`` in the run directory."""
+    entry: dict[str, Any] = {"step": step, "time": time.time(), "changed": changes}
+    if switch is not None:
+        entry[SWITCH_FIELD] = switch
+    with (run_dir / RESUMES).open("a") as handle:
         handle.write(json.dumps(entry) + "\n")
+
+
+def recorded_switches(run_dir: Path) -> list[dict[str, Any]]:
+    """Every switch of strategy the run's resumes recorded, oldest first."""
+    try:
+        lines = (run_dir / RESUMES).read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:  # a line cut short by a crash
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get(SWITCH_FIELD), dict):
+            found.append(entry[SWITCH_FIELD])
+    return found

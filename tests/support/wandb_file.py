@@ -107,3 +107,32 @@ def _same(logged: Any, value: Any) -> bool:
     if isinstance(value, float) and math.isnan(value):
         return isinstance(logged, float) and math.isnan(logged)
     return logged == value
+
+
+def _items(updates: Any) -> dict[str, Any]:
+    return {
+        item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in updates
+    }
+
+
+def config(path: Path) -> dict[str, Any]:
+    """The run's config as the run file ``path`` holds it (its run record's, then every
+    config update), each top-level key's value decoded from its JSON."""
+    held: dict[str, Any] = {}
+    for record in records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            held.update(_items(record.run.config.update))
+        elif kind == "config":
+            held.update(_items(record.config.update))
+    return {key: value.get("value", value) if isinstance(value, dict) else value
+            for key, value in held.items()}  # fmt: skip
+
+
+def summary(path: Path) -> dict[str, Any]:
+    """The run's summary as the run file ``path`` holds it (the last value of each key)."""
+    held: dict[str, Any] = {}
+    for record in records(path):
+        if record.WhichOneof("record_type") == "summary":
+            held.update(_items(record.summary.update))
+    return held

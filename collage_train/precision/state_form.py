@@ -1,0 +1,171 @@
+"""How a strategy's saved per-parameter state maps to one canonical form and back.
+
+The canonical form of a range of a parameter is three float64 1-D tensors: ``weight`` (the
+best value the state holds: the fp32 master, Collage's theta + dtheta, the Kahan-compensated
+weight, split_fp32's joined master), ``exp_avg`` and ``exp_avg_sq`` (Collage-plus: v + dv).
+float64 holds every one of these sums exactly. A strategy's ``state_form`` turns the
+components of ``checkpoint.param_state.FullState.read`` into it (``to_canonical``) and
+back (``from_canonical``: the components the strategy's own checkpoint would hold, in its
+dtypes), element by element, so that any range converts on its own. Switching strategy on
+resume (``checkpoint.switch``) is ``target.from_canonical(source.to_canonical(state))``.
+
+``holds`` names each canonical value's format: ``fp32``, ``bf16`` or ``bf16+bf16`` (a
+value and its bf16 low part). A conversion is exact when every format of the source is
+contained in the target's (``contains``); otherwise it rounds, to within ``BOUNDS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+CANONICAL = ("weight", "exp_avg", "exp_avg_sq")
+FORMATS = ("fp32", "bf16", "bf16+bf16")
+# The largest relative error, per element, of rounding a value into each format (normal
+# numbers): bf16 keeps 8 significant bits, fp32 24, bf16+bf16 the value's bf16 rounding
+# and that of the rest (2^-9 of 2^-9 of it).
+BOUNDS = {"bf16": 2.0**-8, "fp32": 2.0**-24, "bf16+bf16": 2.0**-17}
+Components = dict[str, torch.Tensor]
+
+
+def contains(outer: str, inner: str) -> bool:
+    """Whether every value of format ``inner`` is a value of format ``outer``."""
+    return outer == inner or (inner == "bf16" and outer in ("fp32", "bf16+bf16"))
+
+
+def _f64(value: torch.Tensor) -> torch.Tensor:
+    return value.to(torch.float64)
+
+
+def _split(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``value`` -> (its bf16 rounding, the bf16 rounding of the rest)."""
+    high = value.to(torch.bfloat16)
+    return high, (value - _f64(high)).to(torch.bfloat16)
+
+
+class StateForm:
+    """A strategy's per-parameter state <-> the canonical form (module docstring)."""
+
+    holds: Mapping[str, str]
+
+    def to_canonical(self, components: Components) -> Components:
+        """The canonical float64 ``weight``, ``exp_avg``, ``exp_avg_sq`` of ``components``."""
+        raise NotImplementedError
+
+    def from_canonical(self, canonical: Components) -> Components:
+        """This strategy's components (FullState's names and dtypes) of ``canonical``."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """What the weight and moments are held as, for the switch's line."""
+        return ", ".join(f"{key} {self.holds[key]}" for key in CANONICAL)
+
+
+def _moments_in(components: Components) -> Components:
+    return {key: _f64(components[key]) for key in ("exp_avg", "exp_avg_sq")}
+
+
+def _moments_out(canonical: Components, dtype: torch.dtype) -> Components:
+    return {key: canonical[key].to(dtype) for key in ("exp_avg", "exp_avg_sq")}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+
+
+@dataclass(frozen=True)
+class PlainForm(StateForm):
+    """The weight itself and two moments (fp32: all fp32; bf16, bf16_sr: all bf16)."""
+
+    weight: torch.dtype
+    moments: torch.dtype
+
+    @property
+    def holds(self) -> dict[str, str]:  # type: ignore[override]
+        return {"weight": _name(self.weight), "exp_avg": _name(self.moments),
+                "exp_avg_sq": _name(self.moments)}  # fmt: skip
+
+    def to_canonical(self, components: Components) -> Components:
+        return {"weight": _f64(components["weight"]), **_moments_in(components)}
+
+    def from_canonical(self, canonical: Components) -> Components:
+        return {"weight": canonical["weight"].to(self.weight),
+                **_moments_out(canonical, self.moments)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MasterForm(StateForm):
+    """A bf16 weight, the fp32 ``master`` it rounds, and moments (mixed_fp32: fp32;
+    bf16_moments: bf16). A state saved before the first step has no master yet: the
+    weight is it."""
+
+    moments: torch.dtype
+
+    @property
+    def holds(self) -> dict[str, str]:  # type: ignore[override]
+        return {"weight": "fp32", "exp_avg": _name(self.moments),
+                "exp_avg_sq": _name(self.moments)}  # fmt: skip
+
+    def to_canonical(self, components: Components) -> Components:
+        master = components.get("master", components["weight"])
+        return {"weight": _f64(master), **_moments_in(components)}
+
+    def from_canonical(self, canonical: Components) -> Components:
+        master = canonical["weight"].to(torch.float32)
+        return {"weight": master.to(torch.bfloat16), "master": master,
+                **_moments_out(canonical, self.moments)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CompensatedForm(StateForm):
+    """A bf16 weight and its bf16 low part ``low`` (Collage's ``dtheta``, the Kahan
+    compensation ``kahan_comp``): the value is their sum. bf16 moments; with ``dv``
+    (Collage-plus) the second moment is ``exp_avg_sq + dv``."""
+
+    low: str
+    dv: bool = False
+
+    @property
+    def holds(self) -> dict[str, str]:  # type: ignore[override]
+        return {"weight": "bf16+bf16", "exp_avg": "bf16",
+                "exp_avg_sq": "bf16+bf16" if self.dv else "bf16"}  # fmt: skip
+
+    def to_canonical(self, components: Components) -> Components:
+        moments = _moments_in(components)
+        if self.dv:
+            moments["exp_avg_sq"] = moments["exp_avg_sq"] + _f64(components["dv"])
+        weight = _f64(components["weight"]) + _f64(components[self.low])
+        return {"weight": weight, **moments}
+
+    def from_canonical(self, canonical: Components) -> Components:
+        weight, low = _split(canonical["weight"])
+        out = {"weight": weight, self.low: low, "exp_avg": canonical["exp_avg"].to(torch.bfloat16)}
+        if self.dv:
+            out["exp_avg_sq"], out["dv"] = _split(canonical["exp_avg_sq"])
+        else:
+            out["exp_avg_sq"] = canonical["exp_avg_sq"].to(torch.bfloat16)
+        return out
+
+
+@dataclass(frozen=True)
+class SplitForm(StateForm):
+    """split_fp32: the fp32 master as the bf16 weight + an int16 ``remainder`` (and the
+    positions of its ties, ``optim.remainder``); fp32 moments."""
+
+    holds = {"weight": "fp32", "exp_avg": "fp32", "exp_avg_sq": "fp32"}  # noqa: RUF012
+
+    def to_canonical(self, components: Components) -> Components:
+        from collage_train.optim import remainder  # the optimizers load only when used
+
+        ties = components.get("remainder_ties", torch.zeros(0, dtype=torch.int64))
+        master = remainder.join(components["weight"], components["remainder"], ties)
+        return {"weight": _f64(master), **_moments_in(components)}
+
+    def from_canonical(self, canonical: Components) -> Components:
+        from collage_train.optim import remainder
+
+        weight, low, ties = remainder.split(canonical["weight"].to(torch.float32))
+        return {"weight": weight, "remainder": low, "remainder_ties": ties,
+                **_moments_out(canonical, torch.float32)}  # fmt: skip

@@ -1,0 +1,249 @@
+"""Switching precision strategy on resume (``checkpoint.switch``, ``precision.state_form``):
+every ordered pair of strategies with a state form, converted through the canonical form
+(round-trip bounds, exact pairs exact), resumed in-process with the loss of the next
+steps within ``LOSS_BOUND`` of the source strategy's own continuation; the same offline
+(``convert --precision``); refusals in one line. One source checkpoint per strategy is
+shared by the module (``sources``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_config import compose_tiny
+
+from collage_train import checkpoint
+from collage_train.checkpoint.__main__ import main as convert_main
+from collage_train.checkpoint.full_state import open_full_state
+from collage_train.checkpoint.switch import (
+    Switch,
+    exact,
+    form_of,
+    measure,
+    relative_error,
+    switched,
+)
+from collage_train.errors import ConfigError
+from collage_train.precision import available, get_strategy
+from collage_train.precision.state_form import BOUNDS, CANONICAL
+from collage_train.run.resume import check_resume
+from collage_train.trainer import Trainer
+
+SWITCHABLE = [name for name in available() if get_strategy(name).state_form is not None]
+PAIRS = [(a, b) for a in SWITCHABLE for b in SWITCHABLE if a != b]
+SAVED_AT, NEXT = 2, 2  # the source checkpoint's step; steps compared after it
+# The largest difference of a next step's loss from the source strategy's own, relative:
+# the two strategies compute the same model in different formats (fp32 against bf16
+# matmuls, the rounding of the converted state), ~1e-3 on the tiny model.
+LOSS_BOUND = 5e-3
+# One optimizer step per training step (no accumulation) and a higher lr than the default,
+# so that two steps move the weights by more than bf16's rounding.
+RUN = ("train.global_batch_size=4", "train.micro_batch_size=4", "optim.lr=1e-2",
+       "optim.warmup_steps=1", "train.max_steps=8", "train.eval_every=100",
+       "train.checkpoint_every=100")  # fmt: skip
+
+
+@dataclass
+class Source:
+    path: Path  # the checkpoint at step SAVED_AT
+    losses: list[float]  # its own next NEXT losses
+
+
+@pytest.fixture(scope="module")
+def cfg_for(corpus_dir, cache_dir):
+    def _cfg(precision: str, *extra: str):
+        return compose_tiny(corpus_dir, cache_dir, *RUN, f"precision={precision}", *extra)
+
+    return _cfg
+
+
+@pytest.fixture(scope="module")
+def sources(cfg_for, tmp_path_factory) -> dict[str, Source]:
+    """One checkpoint per strategy at step SAVED_AT, and the strategy's own next losses."""
+    root = tmp_path_factory.mktemp("sources")
+    found = {}
+    for name in SWITCHABLE:
+        trainer = Trainer(cfg_for(name), root / name)
+        for _ in range(SAVED_AT):
+            trainer.train_step()
+        path = trainer.save_checkpoint()
+        found[name] = Source(path, [trainer.train_step().loss for _ in range(NEXT)])
+    return found
+
+
+@pytest.fixture(scope="module")
+def targets(cfg_for, tmp_path_factory):
+    """One trainer per strategy, built once, into which every other strategy resumes."""
+    root = tmp_path_factory.mktemp("targets")
+    built: dict[str, Trainer] = {}
+
+    def _target(name: str) -> Trainer:
+        if name not in built:
+            built[name] = Trainer(cfg_for(name), root / name)
+        return built[name]
+
+    return _target
+
+
+@pytest.mark.parametrize(("source", "target"), PAIRS, ids=[f"{a}-{b}" for a, b in PAIRS])
+def test_state_converts_through_the_canonical_form(sources, source, target):
+    """The switched state holds the components the target's own checkpoint holds, in its
+    dtypes; read back to canonical it matches the source's canonical values exactly where
+    the table says the pair is exact, and within the target formats' rounding otherwise."""
+    state = open_full_state(sources[source].path)
+    own = open_full_state(sources[target].path)
+    converted = switched(state, source, target)
+    for name in state.shapes:
+        mine, theirs = converted.read(name), own.read(name)
+        assert {k: v.dtype for k, v in mine.items() if k != "remainder_ties"} == {
+            k: v.dtype for k, v in theirs.items() if k != "remainder_ties"
+        }, name
+    cost = measure(state, source, target, step=SAVED_AT)
+    holds = form_of(target).holds
+    if exact(source, target):
+        assert cost.errors == dict.fromkeys(CANONICAL, 0.0)
+    else:  # rounded where a format does not hold the source's (often exact in practice)
+        for key in CANONICAL:
+            assert cost.errors[key] <= BOUNDS[holds[key]], (key, cost.errors)
+    # the measurement is the float64 comparison, made here independently
+    name = next(iter(state.shapes))
+    before = form_of(source).to_canonical(state.read(name))
+    after = form_of(target).to_canonical(converted.read(name))
+    for key in CANONICAL:
+        assert relative_error(after[key], before[key]) <= cost.errors[key]
+
+
+@pytest.mark.parametrize(("source", "target"), PAIRS, ids=[f"{a}-{b}" for a, b in PAIRS])
+def test_a_resume_with_another_strategy_continues_the_run(
+    sources, targets, cfg_for, source, target, capsys
+):
+    """``train.resume`` with ``precision=target`` on ``source``'s checkpoint: accepted,
+    the switch measured and printed in one line, the step and data position kept, and
+    the next losses within LOSS_BOUND of the source strategy's own."""
+    path = sources[source].path
+    changes = check_resume(path, cfg_for(target), world_size=1)
+    assert f"precision.name {source!r} -> {target!r}" in changes
+    trainer = targets(target)
+    capsys.readouterr()
+    trainer.resume_from(path)
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "switched" in line]
+    assert line.startswith(f"switched precision {source} -> {target} at step {SAVED_AT}:")
+    switch = trainer.checkpointer.switch
+    assert isinstance(switch, Switch) and (switch.source, switch.target) == (source, target)
+    assert switch.exact == exact(source, target)
+    assert trainer.step == SAVED_AT
+    losses = [trainer.train_step().loss for _ in range(NEXT)]
+    own = sources[source].losses
+    gaps = [abs(mine - theirs) / theirs for mine, theirs in zip(losses, own, strict=True)]
+    assert max(gaps) <= LOSS_BOUND, (losses, own)
+
+
+def test_the_same_strategy_resumes_unconverted(sources, targets):
+    trainer = targets("collage_plus")
+    trainer.resume_from(sources["collage_plus"].path)
+    assert trainer.checkpointer.switch is None
+
+
+def test_convert_precision_writes_the_state_an_online_switch_loads(
+    sources, targets, tmp_path, capsys
+):
+    """``convert --precision`` prints the switch's one line, writes the universal layout
+    recording the switch, and resuming it gives bit for bit the state of the online
+    switch."""
+    out = tmp_path / "as_collage_plus"
+    source = sources["mixed_fp32"].path
+    before = {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert convert_main(["convert", str(source), str(out), "--precision", "collage_plus"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("switched precision mixed_fp32 -> collage_plus at step 2:")
+    assert "largest relative error against the source: weight" in lines[0]
+    assert {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()} == before
+    meta = checkpoint.read_meta(out)
+    assert checkpoint.damage(out) is None
+    assert meta["precision"] == "collage_plus" and meta["config"]["precision"] == {
+        "name": "collage_plus"
+    }
+    assert meta["switched"]["from"] == "mixed_fp32" and not meta["switched"]["exact"]
+    trainer = targets("collage_plus")
+    trainer.resume_from(out)
+    assert trainer.checkpointer.switch.record() == meta["switched"]  # the offline one
+    offline = {n: [p.detach().clone(), dict(trainer.optimizer.state[p])]
+               for n, p in trainer.model.named_parameters()}  # fmt: skip
+    trainer.resume_from(source)  # the same switch, online
+    for name, param in trainer.model.named_parameters():
+        weight, state = offline[name]
+        assert torch.equal(param.detach(), weight), name
+        for key, value in trainer.optimizer.state[param].items():
+            if torch.is_tensor(value):
+                assert torch.equal(value, state[key]), (name, key)
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--precision", "adamw_8bit"], "precision=adamw_8bit cannot be switched"),
+        (["--precision", "fp64"], "unknown precision strategy 'fp64'"),
+        (["--precision", "bf16", "--to", "zero1", "--world-size", "2"], "universal layout"),
+    ],
+)
+def test_convert_refuses_a_bad_pair_in_one_line(sources, tmp_path, capsys, extra, says):
+    out = tmp_path / "out"
+    status = convert_main(["convert", str(sources["fp32"].path), str(out), *extra])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert status == 2 and line.startswith("error:") and says in line, line
+    assert not out.exists()
+
+
+def test_convert_refuses_a_damaged_checkpoint_in_one_line(sources, tmp_path, capsys):
+    damaged = tmp_path / "step-2"
+    damaged.mkdir()
+    for file in sources["bf16"].path.iterdir():
+        (damaged / file.name).write_bytes(file.read_bytes())
+    data = bytearray((damaged / "optimizer.pt").read_bytes())
+    data[-100] ^= 0xFF
+    (damaged / "optimizer.pt").write_bytes(bytes(data))
+    status = convert_main(["convert", str(damaged), str(tmp_path / "o"), "--precision", "fp32"])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert status == 2 and line.startswith("error:") and "checksum" in line, line
+
+
+def test_a_resume_switching_to_a_strategy_without_a_form_is_refused_in_one_line(
+    sources, cfg_for
+):
+    with pytest.raises(ConfigError, match="precision=adamw_8bit cannot be switched") as refused:
+        check_resume(sources["mixed_fp32"].path, cfg_for("adamw_8bit"), world_size=1)
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match="written with the values"):
+        check_resume(sources["mixed_fp32"].path, cfg_for("bf16", "train.seed=7"), world_size=1)
+
+
+@pytest.mark.slow
+def test_a_switched_run_keeps_one_wandb_run_and_records_the_switch(
+    in_process, tmp_path, monkeypatch
+):
+    """Through the CLI: the switch's line, resumes.jsonl and summary.json record it, and
+    the W&B run continues (same id) with the switch in its config and summary."""
+    import wandb_file
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    common = ("train.max_steps=4", "train.checkpoint_every=2", "logging.wandb.mode=offline")
+    first = in_process(*common, "precision=mixed_fp32", "train.stop_at_step=2", run_dir=run_dir)
+    assert first.exit_status == 0, first.err
+    run_id = (run_dir / "wandb_run_id").read_text()
+    done = in_process(*common, "precision=collage_plus", "train.resume=true", run_dir=run_dir)
+    assert done.exit_status == 0, done.err
+    assert "switched precision mixed_fp32 -> collage_plus at step 2" in done.out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (recorded,) = summary["precision_switches"]
+    assert recorded["from"] == "mixed_fp32" and recorded["to"] == "collage_plus"
+    assert recorded["step"] == 2 and summary["precision"] == "collage_plus"
+    assert (run_dir / "wandb_run_id").read_text() == run_id  # one W&B run
+    _, after = wandb_file.run_files(run_dir / "wandb", run_id)
+    config = wandb_file.config(after)
+    assert config["precision_switch"]["from"] == "mixed_fp32"
+    assert wandb_file.summary(after)["precision_switches"][0]["to"] == "collage_plus"
