@@ -29,7 +29,13 @@ from typing import NoReturn
 from collage_train import checkpoint
 from collage_train.checkpoint import native
 from collage_train.checkpoint.full_state import open_full_state
-from collage_train.checkpoint.switch import SWITCHED, check_switch, measure, switched
+from collage_train.checkpoint.switch import (
+    SWITCHED,
+    betas_of,
+    check_switch,
+    measure,
+    switched,
+)
 from collage_train.checkpoint.universal import UNIVERSAL, write_universal
 from collage_train.errors import (
     BAD_INPUT,
@@ -101,15 +107,17 @@ def _write_switched(
 ) -> Path:
     """The universal layout of ``source`` as strategy ``precision`` holds it."""
     state = open_full_state(source)
-    switch = measure(state, written, precision, int(state.trainer["step"]))
-    target = get_strategy(precision)
+    config = checkpoint.read_meta(source)["config"]
+    betas = (betas_of(config), betas_of(config))  # the run's betas, unchanged offline
+    switch = measure(state, written, precision, betas)
     changes = {
         "precision": precision,
-        "holds": list(target.checkpoint_holds),
-        "config": {**checkpoint.read_meta(source)["config"], "precision": {"name": precision}},
+        "holds": list(get_strategy(precision).checkpoint_holds),
+        "config": {**config, "precision": {"name": precision}},
         SWITCHED: switch.record(),
     }
-    written_out = write_universal(source, switched(state, written, precision), out, changes)
+    state = switched(state, written, precision, betas)
+    written_out = write_universal(source, state, out, changes)
     announce(switch.line())
     return written_out
 

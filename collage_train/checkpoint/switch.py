@@ -5,7 +5,8 @@ have saved: each range read from ``state`` goes through the canonical form
 (``precision.state_form``: ``target.from_canonical(source.to_canonical(...))``), so every
 engine's elastic resume and every layout writer takes it as it takes any checkpoint. The
 step counts, the trainer's client state (step, data position, lr-schedule position, RNG)
-pass through unchanged. ``measure`` reports what the switch cost, measured: each
+pass through unchanged; ``betas`` (the source run's, this run's) turn moments stored
+bias-corrected into Adam's own and back. ``measure`` reports what the switch cost, measured: each
 parameter converted, read back to canonical and compared with the source's canonical
 values (the largest relative error of an element, per canonical value).
 """
@@ -20,7 +21,7 @@ import torch
 from collage_train.checkpoint.param_state import FullState
 from collage_train.errors import ConfigError
 from collage_train.precision import get_strategy
-from collage_train.precision.state_form import CANONICAL, StateForm, contains
+from collage_train.precision.state_form import CANONICAL, AdamStep, StateForm, contains
 
 # meta.json's record of a switch made offline (``convert --precision``).
 SWITCHED = "switched"
@@ -51,14 +52,25 @@ def exact(source: str, target: str) -> bool:
     return all(contains(holding[key], held[key]) for key in CANONICAL)
 
 
-def switched(state: FullState, source: str, target: str) -> FullState:
+Betas = tuple[tuple[float, float], tuple[float, float]]  # the source run's, the target's
+
+
+def betas_of(config: dict[str, Any]) -> tuple[float, float]:
+    """AdamW's betas in a run's resolved ``config`` (meta.json's)."""
+    first, second = config["optim"]["betas"]
+    return float(first), float(second)
+
+
+def switched(state: FullState, source: str, target: str, betas: Betas) -> FullState:
     """``state`` (written by ``source``) as strategy ``target`` holds it."""
     if source == target:
         return state
     read_from, write_to = form_of(source), form_of(target)
 
     def read(name: str, start: int, stop: int) -> dict[str, torch.Tensor]:
-        return write_to.from_canonical(read_from.to_canonical(state.read(name, start, stop)))
+        step = state.steps[name]
+        canonical = read_from.to_canonical(state.read(name, start, stop), AdamStep(step, betas[0]))
+        return write_to.from_canonical(canonical, AdamStep(step, betas[1]))
 
     return FullState(
         state.layout, state.world_size, state.shapes, state.steps, state.trainer,
@@ -112,14 +124,15 @@ class Switch:
                    dict(record["max_rel_error"]))  # fmt: skip
 
 
-def measure(state: FullState, source: str, target: str, step: int) -> Switch:
+def measure(state: FullState, source: str, target: str, betas: Betas) -> Switch:
     """Convert every parameter of ``state`` from ``source`` to ``target``, read it back to
     canonical and compare with the source's canonical values (one parameter at a time)."""
     read_from, write_to = form_of(source), form_of(target)
     errors = dict.fromkeys(CANONICAL, 0.0)
     for name in state.shapes:
-        before = read_from.to_canonical(state.read(name))
-        after = write_to.to_canonical(write_to.from_canonical(before))
+        there, here = AdamStep(state.steps[name], betas[0]), AdamStep(state.steps[name], betas[1])
+        before = read_from.to_canonical(state.read(name), there)
+        after = write_to.to_canonical(write_to.from_canonical(before, here), here)
         for key in CANONICAL:
             errors[key] = max(errors[key], relative_error(after[key], before[key]))
-    return Switch(source, target, step, errors)
+    return Switch(source, target, int(state.trainer["step"]), errors)

@@ -27,6 +27,6 @@ BF16_KAHAN = register(
         ),
         optimizer_state=(("exp_avg", 2), ("exp_avg_sq", 2), ("kahan_comp", 2)),
         optimizer=OptimizerSpec("kahan"),
-        state_form=CompensatedForm("kahan_comp"),
+        state_form=CompensatedForm("kahan_comp", debiased=True),
     )
 )

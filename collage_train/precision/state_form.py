@@ -9,9 +9,14 @@ back (``from_canonical``: the components the strategy's own checkpoint would hol
 dtypes), element by element, so that any range converts on its own. Switching strategy on
 resume (``checkpoint.switch``) is ``target.from_canonical(source.to_canonical(state))``.
 
-``holds`` names each canonical value's format: ``fp32``, ``bf16`` or ``bf16+bf16`` (a
-value and its bf16 low part). A conversion is exact when every format of the source is
-contained in the target's (``contains``); otherwise it rounds, to within ``BOUNDS``.
+The moments are Adam's own (``m``, ``v`` before bias correction); a state that stores
+them bias-corrected (bf16_kahan, as optimi does) converts with its step count and betas
+(``AdamStep``), which every method is given.
+
+``holds`` names each canonical value's format: ``fp32``, ``bf16``, ``bf16+bf16`` (a
+value and its bf16 low part) or ``bf16/debiased`` (a bias-corrected bf16 moment). A
+conversion is exact when every format of the source is contained in the target's
+(``contains``); otherwise it rounds, to within ``BOUNDS``.
 """
 
 from __future__ import annotations
@@ -22,17 +27,32 @@ from dataclasses import dataclass
 import torch
 
 CANONICAL = ("weight", "exp_avg", "exp_avg_sq")
-FORMATS = ("fp32", "bf16", "bf16+bf16")
+FORMATS = ("fp32", "bf16", "bf16+bf16", "bf16/debiased")
 # The largest relative error, per element, of rounding a value into each format (normal
 # numbers): bf16 keeps 8 significant bits, fp32 24, bf16+bf16 the value's bf16 rounding
 # and that of the rest (2^-9 of 2^-9 of it).
-BOUNDS = {"bf16": 2.0**-8, "fp32": 2.0**-24, "bf16+bf16": 2.0**-17}
+BOUNDS = {"bf16": 2.0**-8, "fp32": 2.0**-24, "bf16+bf16": 2.0**-17, "bf16/debiased": 2.0**-8}
 Components = dict[str, torch.Tensor]
 
 
 def contains(outer: str, inner: str) -> bool:
     """Whether every value of format ``inner`` is a value of format ``outer``."""
     return outer == inner or (inner == "bf16" and outer in ("fp32", "bf16+bf16"))
+
+
+@dataclass(frozen=True)
+class AdamStep:
+    """A parameter's optimizer step count and betas: what turns a bias-corrected moment
+    into Adam's own (``m * (1 - b1^t)``, ``v * (1 - b2^t)``) and back."""
+
+    step: int
+    betas: tuple[float, float]
+
+    def corrections(self) -> tuple[float, float]:
+        """``(1 - b1^t, 1 - b2^t)``; 1 before the first step (the moments are 0)."""
+        if self.step <= 0:
+            return 1.0, 1.0
+        return tuple(1.0 - beta**self.step for beta in self.betas)  # type: ignore[return-value]
 
 
 def _f64(value: torch.Tensor) -> torch.Tensor:
@@ -50,11 +70,11 @@ class StateForm:
 
     holds: Mapping[str, str]
 
-    def to_canonical(self, components: Components) -> Components:
+    def to_canonical(self, components: Components, at: AdamStep) -> Components:
         """The canonical float64 ``weight``, ``exp_avg``, ``exp_avg_sq`` of ``components``."""
         raise NotImplementedError
 
-    def from_canonical(self, canonical: Components) -> Components:
+    def from_canonical(self, canonical: Components, at: AdamStep) -> Components:
         """This strategy's components (FullState's names and dtypes) of ``canonical``."""
         raise NotImplementedError
 
@@ -87,10 +107,10 @@ class PlainForm(StateForm):
         return {"weight": _name(self.weight), "exp_avg": _name(self.moments),
                 "exp_avg_sq": _name(self.moments)}  # fmt: skip
 
-    def to_canonical(self, components: Components) -> Components:
+    def to_canonical(self, components: Components, at: AdamStep) -> Components:
         return {"weight": _f64(components["weight"]), **_moments_in(components)}
 
-    def from_canonical(self, canonical: Components) -> Components:
+    def from_canonical(self, canonical: Components, at: AdamStep) -> Components:
         return {"weight": canonical["weight"].to(self.weight),
                 **_moments_out(canonical, self.moments)}  # fmt: skip
 
@@ -108,11 +128,11 @@ class MasterForm(StateForm):
         return {"weight": "fp32", "exp_avg": _name(self.moments),
                 "exp_avg_sq": _name(self.moments)}  # fmt: skip
 
-    def to_canonical(self, components: Components) -> Components:
+    def to_canonical(self, components: Components, at: AdamStep) -> Components:
         master = components.get("master", components["weight"])
         return {"weight": _f64(master), **_moments_in(components)}
 
-    def from_canonical(self, canonical: Components) -> Components:
+    def from_canonical(self, canonical: Components, at: AdamStep) -> Components:
         master = canonical["weight"].to(torch.float32)
         return {"weight": master.to(torch.bfloat16), "master": master,
                 **_moments_out(canonical, self.moments)}  # fmt: skip
@@ -122,30 +142,40 @@ class MasterForm(StateForm):
 class CompensatedForm(StateForm):
     """A bf16 weight and its bf16 low part ``low`` (Collage's ``dtheta``, the Kahan
     compensation ``kahan_comp``): the value is their sum. bf16 moments; with ``dv``
-    (Collage-plus) the second moment is ``exp_avg_sq + dv``."""
+    (Collage-plus) the second moment is ``exp_avg_sq + dv``; ``debiased`` (bf16_kahan):
+    stored bias-corrected."""
 
     low: str
     dv: bool = False
+    debiased: bool = False
 
     @property
     def holds(self) -> dict[str, str]:  # type: ignore[override]
-        return {"weight": "bf16+bf16", "exp_avg": "bf16",
-                "exp_avg_sq": "bf16+bf16" if self.dv else "bf16"}  # fmt: skip
+        moment = "bf16/debiased" if self.debiased else "bf16"
+        return {"weight": "bf16+bf16", "exp_avg": moment,
+                "exp_avg_sq": "bf16+bf16" if self.dv else moment}  # fmt: skip
 
-    def to_canonical(self, components: Components) -> Components:
+    def to_canonical(self, components: Components, at: AdamStep) -> Components:
         moments = _moments_in(components)
         if self.dv:
             moments["exp_avg_sq"] = moments["exp_avg_sq"] + _f64(components["dv"])
+        if self.debiased:
+            for key, correction in zip(("exp_avg", "exp_avg_sq"), at.corrections(), strict=True):
+                moments[key] = moments[key] * correction
         weight = _f64(components["weight"]) + _f64(components[self.low])
         return {"weight": weight, **moments}
 
-    def from_canonical(self, canonical: Components) -> Components:
+    def from_canonical(self, canonical: Components, at: AdamStep) -> Components:
+        m, v = canonical["exp_avg"], canonical["exp_avg_sq"]
+        if self.debiased:
+            m1, m2 = at.corrections()
+            m, v = m / m1, v / m2
         weight, low = _split(canonical["weight"])
-        out = {"weight": weight, self.low: low, "exp_avg": canonical["exp_avg"].to(torch.bfloat16)}
+        out = {"weight": weight, self.low: low, "exp_avg": m.to(torch.bfloat16)}
         if self.dv:
-            out["exp_avg_sq"], out["dv"] = _split(canonical["exp_avg_sq"])
+            out["exp_avg_sq"], out["dv"] = _split(v)
         else:
-            out["exp_avg_sq"] = canonical["exp_avg_sq"].to(torch.bfloat16)
+            out["exp_avg_sq"] = v.to(torch.bfloat16)
         return out
 
 
@@ -156,14 +186,14 @@ class SplitForm(StateForm):
 
     holds = {"weight": "fp32", "exp_avg": "fp32", "exp_avg_sq": "fp32"}  # noqa: RUF012
 
-    def to_canonical(self, components: Components) -> Components:
+    def to_canonical(self, components: Components, at: AdamStep) -> Components:
         from collage_train.optim import remainder  # the optimizers load only when used
 
         ties = components.get("remainder_ties", torch.zeros(0, dtype=torch.int64))
         master = remainder.join(components["weight"], components["remainder"], ties)
         return {"weight": _f64(master), **_moments_in(components)}
 
-    def from_canonical(self, canonical: Components) -> Components:
+    def from_canonical(self, canonical: Components, at: AdamStep) -> Components:
         from collage_train.optim import remainder
 
         weight, low, ties = remainder.split(canonical["weight"].to(torch.float32))

@@ -26,14 +26,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from collage_train import checkpoint
 from collage_train.checkpoint.full_state import needs_reshard, open_full_state
 from collage_train.checkpoint.staging import HostStaging
-from collage_train.checkpoint.switch import measure, switched
+from collage_train.checkpoint.switch import Betas, betas_of, measure, switched
 from collage_train.engine import Engine
 from collage_train.errors import (
     CheckpointError,
@@ -311,23 +311,26 @@ def restore(
     distributed: str,
     param_order: list[str],
     precision: str | None = None,
+    betas: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     """Load model and optimizer state from checkpoint ``path`` into ``engine``; return the
     trainer's client state (step, loader position, RNG).
 
     ``param_order`` names the parameters in the optimizer's order (its parameter
     groups), which a per-parameter read needs to match state to parameters. ``precision``
-    names this run's strategy: a checkpoint of another is converted to it
-    (``checkpoint.switch``), and the client state then holds the measured ``Switch``
-    under ``SWITCH_KEY`` (None: the checkpoint's own).
+    names this run's strategy (``betas``: its AdamW betas): a checkpoint of another is
+    converted to it (``checkpoint.switch``), and the client state then holds the
+    measured ``Switch`` under ``SWITCH_KEY`` (None: the checkpoint's own).
     """
     meta = checkpoint.read_meta(path)
     written = meta.get("precision", precision)
     try:
         if written != precision or needs_reshard(meta, distributed, engine.world_size):
-            return _restore_resharded(
-                engine, model, path, distributed, param_order, (written, precision)
-            )
+            switch = None
+            if written != precision and precision is not None:
+                there = betas_of(meta["config"])
+                switch = _Switching(written, precision, (there, betas or there))
+            return _restore_resharded(engine, model, path, distributed, param_order, switch)
         return engine.load(path)
     except (RuntimeError, ValueError, KeyError) as err:
         raise CheckpointError(
@@ -336,26 +339,33 @@ def restore(
         ) from None
 
 
+class _Switching(NamedTuple):
+    """A switch of strategy to make on restore (``checkpoint.switch.switched``'s arguments)."""
+
+    source: str
+    target: str
+    betas: Betas
+
+
 def _restore_resharded(
     engine: Engine,
     model: torch.nn.Module,
     path: Path,
     distributed: str,
     param_order: list[str],
-    strategies: tuple[str | None, str | None],
+    switching: _Switching | None,
 ) -> dict[str, Any]:
     """Elastic resume: every rank reads its share of each parameter's state, converted
-    where this run's strategy is another (``strategies``: the writer's, this run's)."""
+    to this run's strategy where ``switching``."""
     named = list(model.named_parameters())
     state = open_full_state(path, param_order)
     state.check_model({n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in named}, path)
-    written, precision = strategies
     switch = None
-    if written != precision and written is not None and precision is not None:
+    if switching is not None:
         if engine.is_main:  # the cost, measured once
-            switch = measure(state, written, precision, int(state.trainer["step"]))
+            switch = measure(state, *switching)
             print(switch.line(), flush=True)
-        state = switched(state, written, precision)
+        state = switched(state, *switching)
     client_state = engine.load_full(state)
     if switch is not None:
         client_state[SWITCH_KEY] = switch

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from collage_train import checkpoint
-from collage_train.checkpoint.switch import SWITCHED, Switch
+from collage_train.checkpoint.switch import SWITCHED, Switch, betas_of
 from collage_train.engine.base import Engine
 from collage_train.run import checkpoint_saver
 from collage_train.run.checkpoint_saver import CheckpointSaver
@@ -87,10 +87,11 @@ class Checkpointer:
         strategy: converted to this run's); returns the client state saved beside them.
         ``switch`` is then the switch of strategy it made, or the one ``convert
         --precision`` made offline (None: none)."""
-        precision = self._identity()["precision"]
+        identity = self._identity()
+        precision = identity["precision"]
         client_state = checkpoint_saver.restore(
-            self._engine, model, path, distributed=self._engine.name,
-            param_order=param_order, precision=precision,
+            self._engine, model, path, distributed=self._engine.name, param_order=param_order,
+            precision=precision, betas=betas_of(identity["config"]),
         )  # fmt: skip
         self.switch = client_state.pop(checkpoint_saver.SWITCH_KEY, None)
         offline = checkpoint.read_meta(path).get(SWITCHED)
