@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,6 +148,35 @@ def test_a_resume_with_another_strategy_continues_the_run(
     own = sources[source].losses
     gaps = [abs(mine - theirs) / theirs for mine, theirs in zip(losses, own, strict=True)]
     assert max(gaps) <= LOSS_BOUND, (losses, own)
+
+
+@pytest.mark.parametrize(("source", "target", "stage"),
+                         [("collage_plus", "mixed_fp32", 2), ("split_fp32", "collage_light", 3)])
+@pytest.mark.slow
+def test_a_switch_under_zero_fills_the_partitions_with_the_converted_state(
+    sources, cfg_for, tmp_path, monkeypatch, source, target, stage
+):
+    """An in-process ZeRO rank resumes a one-process checkpoint of another strategy: its
+    flat master partitions and optimizer state hold the converted state element for
+    element (fp32 masters from Collage's theta + dtheta; bf16 weights and dtheta from
+    split_fp32's weight + remainder)."""
+    from checkpoint_checks import assert_zero_state_matches
+    from zero_rank import one_zero_rank
+
+    state = switched(open_full_state(sources[source].path), source, target, BETAS)
+    expected = {}
+    for name, shape in state.shapes.items():
+        expected[name] = {key: value.view(shape) for key, value in state.read(name).items()}
+        expected[name]["step"] = state.steps[name]
+    one_zero_rank(monkeypatch)
+    zero = Trainer(cfg_for(target, f"distributed=zero{stage}"), tmp_path / "run")
+    try:
+        zero.resume_from(sources[source].path)
+        assert zero.step == SAVED_AT and zero.checkpointer.switch.source == source
+        assert_zero_state_matches(zero, expected)
+        assert math.isfinite(zero.train_step().loss)
+    finally:
+        zero.engine.close()
 
 
 def test_the_same_strategy_resumes_unconverted(sources, targets):
