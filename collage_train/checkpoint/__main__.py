@@ -28,7 +28,7 @@ from typing import NoReturn
 
 from collage_train import checkpoint
 from collage_train.checkpoint import native
-from collage_train.checkpoint.full_state import open_full_state
+from collage_train.checkpoint.full_state import layout_of, open_full_state
 from collage_train.checkpoint.switch import (
     SWITCHED,
     betas_of,
@@ -46,6 +46,7 @@ from collage_train.errors import (
     first_line,
 )
 from collage_train.precision import get_strategy
+from collage_train.precision.base import NOT_RESHARDED
 
 LAYOUTS = (UNIVERSAL, *native.ENGINES)
 
@@ -94,12 +95,29 @@ def convert(
     if precision is not None:
         written = str(meta.get("precision"))
         check_switch(written, str(get_strategy(precision).name))
+        _check_whole_tensors(meta, written, precision)
         return _write_switched(source, out, written, precision, announce)
     native.check_reshards(meta)
     if to == UNIVERSAL:
         return write_universal(source, open_full_state(source), out)
     target = native.check_target(checkpoint.read_meta(source), to, world_size)
     return native.write_native(source, open_full_state(source), out, target)
+
+
+def _check_whole_tensors(meta: dict, written: str, precision: str) -> None:
+    """Refuse, in one line, a conversion the universal layout cannot carry: state cut per
+    tensor the optimizer steps, read from a ZeRO layout or written for a resume."""
+    if not get_strategy(written).reshards and layout_of(meta) != "unsharded":
+        raise ConfigError(
+            f"precision={written} converts only from a one-process checkpoint "
+            f"({NOT_RESHARDED}): not converted"
+        )
+    if not get_strategy(precision).reshards:
+        raise ConfigError(
+            f"precision={precision} resumes only on the engine and processes that wrote its "
+            f"checkpoint, not from the universal layout ({NOT_RESHARDED}); switch to it on "
+            f"resume instead: train.resume=true precision={precision}"
+        )
 
 
 def _write_switched(

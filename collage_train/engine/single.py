@@ -192,8 +192,9 @@ class SingleProcessEngine:
             with torch.no_grad():
                 param.copy_(components.pop("weight").view(param.shape))
             restored: dict[str, Any] = {"step": state.steps[name]}
+            unshaped = (*INDEX_COMPONENTS, *getattr(self.optimizer, "unshaped_state", ()))
             for key, value in components.items():
-                shaped = value if key in INDEX_COMPONENTS else value.view(param.shape)
+                shaped = value if key in unshaped else value.view(param.shape)
                 restored[key] = shaped.to(self.device, copy=True)
             self.optimizer.state[param] = restored
         return state.trainer

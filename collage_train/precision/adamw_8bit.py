@@ -11,6 +11,7 @@ partition, so a checkpoint does not reshard (``docs/strategies.md``).
 import torch
 
 from collage_train.precision.base import OptimizerSpec, PrecisionStrategy, register
+from collage_train.precision.state_form import BlockwiseForm, MasterForm
 
 BLOCK = 256
 SCALE_BYTES = 4 / BLOCK  # one fp32 absmax per block, per moment
@@ -38,5 +39,6 @@ ADAMW_8BIT = register(
         ),
         optimizer=OptimizerSpec("adamw", moments="blockwise8"),
         reshards=False,
+        state_form=BlockwiseForm(MasterForm(torch.float32)),
     )
 )

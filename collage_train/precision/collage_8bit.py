@@ -12,6 +12,7 @@ import torch
 
 from collage_train.precision.adamw_8bit import SCALE_BYTES
 from collage_train.precision.base import OptimizerSpec, PrecisionStrategy, register
+from collage_train.precision.state_form import BlockwiseForm, CompensatedForm
 
 COLLAGE_8BIT = register(
     PrecisionStrategy(
@@ -37,5 +38,6 @@ COLLAGE_8BIT = register(
         ),
         optimizer=OptimizerSpec("collage", "light", moments="blockwise8"),
         reshards=False,
+        state_form=BlockwiseForm(CompensatedForm("dtheta")),
     )
 )

@@ -14,7 +14,8 @@ them bias-corrected (bf16_kahan, as optimi does) converts with its step count an
 (``AdamStep``), which every method is given.
 
 ``holds`` names each canonical value's format: ``fp32``, ``bf16``, ``bf16+bf16`` (a
-value and its bf16 low part) or ``bf16/debiased`` (a bias-corrected bf16 moment). A
+value and its bf16 low part), ``bf16/debiased`` (a bias-corrected bf16 moment) or
+``8bit`` (blockwise 8-bit codes with an fp32 scale per block of 256). A
 conversion is exact when every format of the source is contained in the target's
 (``contains``); otherwise it rounds, to within ``BOUNDS``.
 """
@@ -27,16 +28,21 @@ from dataclasses import dataclass
 import torch
 
 CANONICAL = ("weight", "exp_avg", "exp_avg_sq")
-FORMATS = ("fp32", "bf16", "bf16+bf16", "bf16/debiased")
+FORMATS = ("fp32", "bf16", "bf16+bf16", "bf16/debiased", "8bit")
 # The largest relative error, per element, of rounding a value into each format (normal
 # numbers): bf16 keeps 8 significant bits, fp32 24, bf16+bf16 the value's bf16 rounding
 # and that of the rest (2^-9 of 2^-9 of it).
 BOUNDS = {"bf16": 2.0**-8, "fp32": 2.0**-24, "bf16+bf16": 2.0**-17, "bf16/debiased": 2.0**-8}
+# 8-bit blockwise codes (``8bit``) are bounded against their block's absmax, not per element
+# (an element far below it rounds to 0 or to the map's smallest value):
+BLOCK_BOUND = 2.0**-6  # half the map's widest gap, 0.0070 below -0.99297 (docs/strategies.md)
 Components = dict[str, torch.Tensor]
 
 
 def contains(outer: str, inner: str) -> bool:
     """Whether every value of format ``inner`` is a value of format ``outer``."""
+    if inner == "8bit":  # code x scale: one fp32 product; a requantised block moves
+        return outer == "fp32"
     return outer == inner or (inner == "bf16" and outer in ("fp32", "bf16+bf16"))
 
 
@@ -199,3 +205,46 @@ class SplitForm(StateForm):
         weight, low, ties = remainder.split(canonical["weight"].to(torch.float32))
         return {"weight": weight, "remainder": low, "remainder_ties": ties,
                 **_moments_out(canonical, torch.float32)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BlockwiseForm(StateForm):
+    """8-bit blockwise moments (``optim.blockwise8``: uint8 codes and an fp32 absmax per
+    block of 256 of the flattened parameter, ``exp_avg`` signed, ``exp_avg_sq`` unsigned)
+    beside the weight of ``weights`` (adamw_8bit: ``MasterForm``; collage_8bit:
+    ``CompensatedForm("dtheta")``). The blocks run over the whole tensor the optimizer
+    steps, so only a whole parameter converts (one process: a range is refused). A
+    positive v is never stored as 0 (``keep_nonzero``): beside an m that is not, the step
+    would divide by eps alone."""
+
+    weights: StateForm
+
+    @property
+    def holds(self) -> dict[str, str]:  # type: ignore[override]
+        return {"weight": self.weights.holds["weight"], "exp_avg": "8bit", "exp_avg_sq": "8bit"}
+
+    def to_canonical(self, components: Components, at: AdamStep) -> Components:
+        from collage_train.optim import blockwise8
+
+        plain = dict(components)
+        for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            codes, absmax = components[key], components[f"{key}_absmax"]
+            if absmax.numel() != blockwise8.num_blocks(codes.numel()):
+                raise ValueError(
+                    f"{key} holds {codes.numel()} codes and {absmax.numel()} block scales: "
+                    "8-bit moments convert only as whole tensors"
+                )
+            plain[key] = blockwise8.dequantize(codes, absmax, signed)
+            del plain[f"{key}_absmax"]
+        return self.weights.to_canonical(plain, at)
+
+    def from_canonical(self, canonical: Components, at: AdamStep) -> Components:
+        from collage_train.optim import blockwise8
+
+        out = self.weights.from_canonical(canonical, at)
+        for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            codes, absmax = blockwise8.quantize(
+                canonical[key].to(torch.float32), signed, keep_nonzero=not signed
+            )
+            out[key], out[f"{key}_absmax"] = codes, absmax
+        return out

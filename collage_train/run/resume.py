@@ -32,7 +32,7 @@ from collage_train.comm.settings import comm_name, uses_replicas
 from collage_train.config.schema import RENAMED_CHOICES, current_choice
 from collage_train.errors import CheckpointError, ConfigError
 from collage_train.planning.batch import accumulation_steps
-from collage_train.precision import strategy_for
+from collage_train.precision import get_strategy, strategy_for
 from collage_train.precision.base import NOT_RESHARDED
 
 # Layouts an elastic resume reads per parameter on any engine and number of ranks.
@@ -182,6 +182,12 @@ def check_resume(path: Path, cfg: DictConfig, world_size: int) -> list[str]:
     saved_world = int(meta.get("world_size", 1))
     if needs_reshard(meta, cfg.distributed.name, world_size):
         _check_reshard(path, cfg, layout, saved_world, world_size)
+        if switching and not get_strategy(written).reshards:
+            raise ConfigError(
+                f"{path} was written by precision={written} on distributed={layout}; it "
+                f"switches strategy only with the engine and number of processes that wrote "
+                f"it ({NOT_RESHARDED})"
+            )
     current = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     saved = meta.get("config", {})
     if switching:  # the strategy's own options change with it

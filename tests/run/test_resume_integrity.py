@@ -157,8 +157,8 @@ def test_a_resume_cannot_change_what_defines_the_run(resume, override, monkeypat
     ("override", "message"),
     [
         (  # a switch of strategy (docs/runs.md) to one that cannot be switched to yet
-            "precision=adamw_8bit",
-            "written with precision=mixed_fp32: precision=adamw_8bit cannot be switched",
+            "precision=scalify",
+            "written with precision=mixed_fp32: precision=scalify cannot be switched",
         ),
         ("comm=diloco", "written with comm=every_step, this run uses comm=diloco"),
     ],

@@ -138,6 +138,8 @@ class Collage8bitAdamW(TrackingOptimizer):
             state["dtheta"] = torch.zeros(param.shape, dtype=torch.bfloat16, device=param.device)
             for name, _ in MOMENTS:
                 state.update(QuantizedMoment.new_state(name, param, self.block_size))
+        if "stream" not in state:  # restored from another strategy's state (a switch)
+            state["stream"] = self.streams.next()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
