@@ -30,9 +30,9 @@ import torch
 CANONICAL = ("weight", "exp_avg", "exp_avg_sq")
 FORMATS = ("fp32", "bf16", "bf16+bf16", "bf16/debiased", "8bit")
 # The largest relative error, per element, of rounding a value into each format (normal
-# numbers): bf16 keeps 8 significant bits, fp32 24, bf16+bf16 the value's bf16 rounding
-# and that of the rest (2^-9 of 2^-9 of it).
-BOUNDS = {"bf16": 2.0**-8, "fp32": 2.0**-24, "bf16+bf16": 2.0**-17, "bf16/debiased": 2.0**-8}
+# numbers; the unit roundoff 2^-p of p significant bits): bf16 8 bits, fp32 24, bf16+bf16
+# the value's bf16 rounding and that of the rest (2^-8 of 2^-8 of it).
+BOUNDS = {"bf16": 2.0**-8, "fp32": 2.0**-24, "bf16+bf16": 2.0**-16, "bf16/debiased": 2.0**-8}
 # 8-bit blockwise codes (``8bit``) are bounded against their block's absmax, not per element
 # (an element far below it rounds to 0 or to the map's smallest value):
 BLOCK_BOUND = 2.0**-6  # half the map's widest gap, 0.0070 below -0.99297 (docs/strategies.md)

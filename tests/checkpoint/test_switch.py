@@ -40,8 +40,9 @@ BETAS = ((0.9, 0.95), (0.9, 0.95))  # optim.betas of the source runs and of the 
 SAVED_AT, NEXT = 2, 2  # the source checkpoint's step; steps compared after it
 # The largest difference of a next step's loss from the source strategy's own, relative:
 # the two strategies compute the same model in different formats (fp32 against bf16
-# matmuls, the rounding of the converted state), ~1e-3 on the tiny model.
-LOSS_BOUND = 5e-3
+# matmuls, the rounding of the converted state): at most 1.7e-4 measured over the 110
+# pairs (fp32 -> bf16_sr); bf16_kahan's moments left bias-corrected gave 1e-2.
+LOSS_BOUND = 1e-3
 # One optimizer step per training step (no accumulation) and a higher lr than the default,
 # so that two steps move the weights by more than bf16's rounding.
 RUN = ("train.global_batch_size=4", "train.micro_batch_size=4", "optim.lr=1e-2",
