@@ -254,7 +254,8 @@ def record_changes(
 
 
 def recorded_switches(run_dir: Path) -> list[dict[str, Any]]:
-    """Every switch of strategy the run's resumes recorded, oldest first."""
+    """Every switch of strategy the run's resumes recorded, oldest first; one made again
+    (the same from, to and step: a resume of the same checkpoint after a crash) once."""
     try:
         lines = (run_dir / RESUMES).read_text().splitlines()
     except OSError:
@@ -265,6 +266,10 @@ def recorded_switches(run_dir: Path) -> list[dict[str, Any]]:
             entry = json.loads(line)
         except ValueError:  # a line cut short by a crash
             continue
-        if isinstance(entry, dict) and isinstance(entry.get(SWITCH_FIELD), dict):
-            found.append(entry[SWITCH_FIELD])
+        switch = entry.get(SWITCH_FIELD) if isinstance(entry, dict) else None
+        if isinstance(switch, dict):
+            key = (switch.get("from"), switch.get("to"), switch.get("step"))
+            found = [known for known in found
+                     if (known.get("from"), known.get("to"), known.get("step")) != key]
+            found.append(switch)  # fmt: skip
     return found

@@ -351,3 +351,17 @@ def test_the_docs_table_of_exact_pairs_is_the_codes():
     assert {pair: table[pair] for pair in PAIRS} == {
         pair: "**exact**" if exact(*pair) else "rounded" for pair in PAIRS
     }
+
+
+def test_a_switch_made_again_after_a_crash_is_recorded_once(tmp_path):
+    """resumes.jsonl may hold the same switch twice (the run crashed before its next
+    checkpoint and switched again from the same one): summary.json lists it once."""
+    from collage_train.run.resume import record_changes, recorded_switches
+
+    first = Switch("bf16", "collage_plus", 4, dict.fromkeys(CANONICAL, 0.0)).record()
+    later = Switch("collage_plus", "mixed_fp32", 8, dict.fromkeys(CANONICAL, 0.0)).record()
+    for switch in (first, first, later):
+        record_changes(tmp_path, switch["step"], [], switch)
+    with (tmp_path / "resumes.jsonl").open("a") as handle:
+        handle.write('{"step": 9, "changed": ["train.max_steps 8 -> 9"]}\n{"step": 1')  # torn
+    assert recorded_switches(tmp_path) == [first, later]
