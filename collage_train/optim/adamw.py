@@ -27,7 +27,13 @@ from typing import Any
 
 import torch
 
-from collage_train.optim.base import TrackingOptimizer, bias_corrections, commit_
+from collage_train.optim.base import (
+    TrackingOptimizer,
+    bias_corrections,
+    commit_,
+    flat_view,
+    write_back,
+)
 
 
 class AdamW(TrackingOptimizer):
@@ -144,10 +150,14 @@ class AdamW(TrackingOptimizer):
         """
         mask = self.step_mask
         for param, state, target in zip(params, states, targets, strict=True):
-            grad, m_low, v_low = (
-                x.reshape(-1) for x in (param.grad, state["exp_avg"], state["exp_avg_sq"])
+            pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # non-contiguous tensors
+            grad = param.grad.reshape(-1)
+            m_low, v_low, flat_weight = (
+                flat_view(x, pending)
+                for x in (state["exp_avg"], state["exp_avg_sq"], param.detach())
             )
-            flat_weight, flat_target = param.detach().view(-1), target.detach().view(-1)
+            same = target.data_ptr() == param.data_ptr()
+            flat_target = flat_weight if same else flat_view(target.detach(), pending)
             sums = self._edq_sums(param)
             for start, stop in self._chunks(target.numel()):
                 g = [grad[start:stop].to(target.dtype)]
@@ -160,6 +170,7 @@ class AdamW(TrackingOptimizer):
                 update = adamw_updates(group, [state["step"]], m, v, theta)[0]
                 del g, m, v  # freed before the apply's temporaries
                 self._apply_chunk(flat_weight, flat_target, update, start, sums, mask)
+            write_back(pending)
             self._keep_edq(param, sums)
 
 
