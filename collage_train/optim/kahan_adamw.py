@@ -12,7 +12,7 @@ sum. Each line is the ATen kernel optimi's for-loop path calls: bitwise equal to
 path on the same device.
 
 The step, its caveats and the comparison with Collage: docs/strategies.md,
-'Kahan summation (`bf16_kahan`: `KahanAdamW`, torch-optimi's `kahan_sum=True`)'.
+"Kahan summation (`bf16_kahan`: `KahanAdamW`, torch-optimi's `kahan_sum=True`)".
 """
 
 from __future__ import annotations
