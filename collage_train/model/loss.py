@@ -10,7 +10,7 @@ the loss is bitwise the plain one's when the logits are and the gradients differ
 summation order only; one block covering the micro-batch (``tokens <= chunk_tokens``) runs
 the plain loss unchanged. ``install_chunked_loss`` swaps the output embedding for
 ``ChunkedLossHead`` (the same ``weight`` Parameter: keys and ties stay); the model's
-``forward`` given ``targets=`` runs the base model, then the head; without, transformers'.
+``forward`` given ``targets=`` runs the base model, then the head; without, it is transformers'.
 Arithmetic, tests, memory, why not Liger: docs/design.md, "The chunked loss head".
 """
 

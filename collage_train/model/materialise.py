@@ -2,16 +2,16 @@
 
 A unit is a transformer block (an element of a ``ModuleList``) with everything in it, or
 another module's own parameters and buffers. Each is drawn in fp32 on the host, cast to
-the storage dtype (non-persistent buffers such as Llama's rotary frequencies stay in
-fp32, as transformers keeps them: ``model.cast``), moved to the run's device and handed to ``place``
-(``Engine.place_parameters``; ZeRO-3 keeps this rank's partition) before the next is drawn.
-Contract: no process holds the model in fp32 (under ZeRO-3, not at all): the host holds
-one unit in fp32 beside its cast copy (``largest_unit_numel``). The values follow the
-model class's ``_init_weights``, each module's generator seeded from ``(seed, qualified
-name)``, so one process and ZeRO-1/2/3 on any number of ranks start from the same weights
-bit for bit; the global random state is left as it was; a tied parameter is drawn once
-and stays tied. Given ``load`` (``model.init_from.PretrainedWeights.load``), a unit takes
-the stored values instead of a draw, read, cast and placed the same way.
+the storage dtype (non-persistent buffers such as Llama's rotary frequencies stay in fp32,
+as transformers keeps them: ``model.cast``), moved to the run's device and handed to
+``place`` (``Engine.place_parameters``; ZeRO-3 keeps this rank's partition) before the
+next is drawn. Contract: no process holds the model in fp32 (under ZeRO-3, not at all):
+the host holds one unit in fp32 beside its cast copy (``largest_unit_numel``). The values
+follow the model class's ``_init_weights``, each module's generator seeded from ``(seed,
+qualified name)``, so one process and ZeRO-1/2/3 on any number of ranks start from the
+same weights bit for bit; the global random state is left as it was; a tied parameter is
+drawn once and stays tied. Given ``load`` (``model.init_from.PretrainedWeights.load``), a
+unit takes the stored values instead of a draw, read, cast and placed the same way.
 Details: docs/design.md, "Initialising a model unit by unit".
 """
 
