@@ -1,31 +1,15 @@
 """Any checkpoint written in an engine's own layout: DeepSpeed ZeRO-1/2/3 on N ranks, or one
 process (``unsharded``), as that engine's ``save`` would have written it on that many ranks.
 
-The engine's own loader then reads it (``engine.load``: a plain, non-elastic resume with
-that engine and number of ranks), and so do DeepSpeed's tools (``zero_to_fp32``). Input is
-any checkpoint ``full_state`` reads (one process, ZeRO-k on M ranks, the universal layout).
-The one-process files are ``engine.single``'s (``model.pt``, ``optimizer.pt`` with
-``param_names``, ``trainer.pt``); DeepSpeed's are described in ``zero_layout``.
-
-What the engine would have held is rebuilt from the checkpoint's record of the run: the
-parameter groups are the trainer's (``optim.decay_param_groups`` of the model rebuilt on the
-meta device from ``model_config.json``, which also names tied weights), their hyperparameters
-those of the strategy's optimizer built from the recorded config (the trainer sets the
-learning rate again before every step). ``meta.json`` says that engine on that many ranks
-wrote it (``distributed``, ``world_size``, the config's ``distributed``), so that a resume with
-them takes the engine's own loader; ``converted_from`` names the source. Every rank resumes
-rank 0's trainer state (step, loader position with the new world size, RNG), as DeepSpeed's
-one model-states file gives every rank at stages 1-2. A target the run could not resume on
-(a strategy that does not run under ZeRO, a global batch that does not split over the
-ranks, replicas, DeepSpeed settings that move elements within its partitions) is refused in
-one line before anything is written.
-
-Memory: the source is read one parameter (or one rank's piece of it) at a time; what is held
-is one output file's tensors while they are filled: for ZeRO one rank's flat partitions with
-their optimizer state (the run's state bytes per parameter / N, what that rank holds when it
-trains) and, at stages 1-2, the weights in their own dtype; for one process the whole model
-state, as the one process that resumes it holds. Writes are atomic: a hidden temporary
-directory, ``meta.json`` last (``checkpoint.seal``), then a rename.
+Input is any checkpoint ``full_state`` reads; the engine's own loader then reads the
+output (``engine.load``: a plain, non-elastic resume with that engine and number of
+ranks), and so do DeepSpeed's tools (``zero_to_fp32``). The one-process files are
+``engine.single``'s, DeepSpeed's ``zero_layout``'s. What the engine would have held is
+rebuilt from the checkpoint's record of the run; ``meta.json`` says that engine on that
+many ranks wrote it, ``converted_from`` names the source. A target the run could not
+resume on is refused in one line before anything is written. The source is read one
+parameter (or one rank's piece of it) at a time; writes are atomic (``checkpoint.seal``).
+What is rebuilt from what, and what is held: docs/design.md, "Checkpoint layouts".
 """
 
 from __future__ import annotations

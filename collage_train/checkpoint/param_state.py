@@ -3,9 +3,7 @@
 The one interface between the readers of every layout (``full_state.open_full_state``) and
 what consumes their state: the layout writers (``universal``, ``native``, ``zero_layout``)
 and the engines' elastic resume (``load_full``). ``read(name, start, stop)`` returns, for
-elements ``[start, stop)`` of the flattened parameter ``name``, one 1-D tensor per
-component:
-
+elements ``[start, stop)`` of the flattened parameter ``name``, one 1-D tensor per component:
 - ``weight``: what the model computes with, in the model's dtype;
 - ``master``: the fp32 master, only where the strategy keeps one apart from the weight
   (mixed_fp32: the optimizer's ``master`` in one process, DeepSpeed's fp32 partition

@@ -7,13 +7,11 @@ can be told has one schema per kind of option (Hydra's schema-per-config-file pa
 each ``configs/<group>/<option>.yaml`` names its schema first in its defaults list (e.g.
 ``- /base_llama_model``), so Hydra refuses a setting the chosen option does not have
 (``model.num_kv_heads`` for a GPT model, ``comm.topk`` for DiLoCo). ``SCHEMAS`` lists them.
-
-Each field's default and its documentation (the string under it: an attribute docstring)
-live here; ``python -m collage_train.config.reference`` prints them and docs/config.md is
-generated from them. The YAML files under configs/ hold only what an option changes
+Each field's default and its documentation (the string under it) live here;
+``python -m collage_train.config.reference`` prints them and docs/config.md is generated
+from them. The YAML files under configs/ hold only what an option changes
 (tests/test_config_compose.py refuses a YAML value equal to the default here). Each
-builder receives only its own sub-config (``cfg.model``, ``cfg.data``, ...), never the
-whole tree.
+builder receives only its own sub-config (``cfg.model``, ``cfg.data``, ...), never the whole tree.
 """
 
 from __future__ import annotations
