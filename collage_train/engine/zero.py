@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from collage_train.checkpoint import whole_tensor
 from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState, applied_steps
 from collage_train.checkpoint.pieces import Piece
 from collage_train.engine.base import (
@@ -606,13 +607,15 @@ class ZeroEngine:
                     positions.setdefault(key, []).append(value.to(flat.device) + piece.flat_start)
                     continue
                 if key not in restored:
-                    restored[key] = torch.zeros(flat.numel(), dtype=value.dtype, device=flat.device)
+                    restored[key] = whole_tensor.blank(key, flat.numel(), value.dtype, flat.device)
                 restored[key][piece.flat_start : piece.flat_start + piece.numel].copy_(value)
             step = state.steps[piece.name]
         if step is None:  # only padding here: the optimizer starts this partition afresh
             return
         restored.update({key: torch.cat(parts) for key, parts in positions.items()})
-        self.optimizer.state[flat] = {"step": step, **restored}
+        pieces_of = getattr(self.optimizer, "flat_pieces", {}).get(flat)  # ScaledAdamW's scales
+        lengths = None if pieces_of is None else pieces_of.lengths
+        self.optimizer.state[flat] = {"step": step, **whole_tensor.compact(restored, lengths)}
 
     def run_files(self) -> dict[str, Any]:
         """The DeepSpeed config rendered at ``prepare``, as DeepSpeed was given it."""

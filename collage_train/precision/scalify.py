@@ -272,7 +272,6 @@ def scalify_strategy(
         checkpoint_holds=tuple(holds),
         optimizer_state=(("exp_avg", moment), ("exp_avg_sq", moment)),
         not_under_zero=None if params == "fp32" else SCALED_PARAMS_NOT_UNDER_ZERO,
-        reshards=False,  # the scales of a ZeRO checkpoint are per piece of its partitions
         chunked_loss=False,  # its LM head is a ScaledLinear (fp8/fp16 matmuls)
         matmul=matmul,
         master=master,
