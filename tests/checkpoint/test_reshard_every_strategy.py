@@ -16,13 +16,11 @@ import copy
 
 import pytest
 import torch
-from checkpoint_checks import assert_bitwise, state_of
+from checkpoint_checks import assert_bitwise, assert_carried, state_of
 from zero_rank import one_zero_rank
 
-from collage_train.checkpoint import whole_tensor
 from collage_train.checkpoint.__main__ import convert
 from collage_train.checkpoint.full_state import open_full_state
-from collage_train.checkpoint.param_state import FullState
 from collage_train.errors import ConfigError
 from collage_train.trainer import Trainer
 
@@ -30,35 +28,6 @@ STEPS = ("train.max_steps=6",)
 # Largest relative gap of the loss of steps 3-6 against the straight run. Measured on
 # this tiny model: see LOSS_GAPS in docs/distributed.md ("Elastic resume").
 LOSS_GAP = 2e-5
-# components carried bit for bit through every layout
-EXACT = ("weight", "master", "dtheta", "exp_avg_scale", "exp_avg_sq_scale", "master_scale")
-
-
-def assert_carried(new: FullState, old: FullState) -> dict[str, int]:
-    """Every component of every parameter of ``new`` is ``old``'s: bit for bit, but for
-    8-bit moments re-quantised into another block (within ``REQUANTISE_BOUND`` of the new
-    block's absmax; the same code where the element's block scale is the same). Returns
-    per 8-bit moment how many elements were carried exactly."""
-    assert new.shapes == old.shapes and new.steps == old.steps
-    exact: dict[str, int] = {}
-    for name in old.shapes:
-        mine, theirs = new.read(name), old.read(name)
-        assert mine.keys() == theirs.keys(), name
-        for key in mine.keys() & set(EXACT):
-            assert mine[key].dtype == theirs[key].dtype, (name, key)
-            assert torch.equal(mine[key], theirs[key]), (name, key)
-        ours, others = whole_tensor.values(mine), whole_tensor.values(theirs)
-        for moment, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-            absmax = mine.get(f"{moment}_absmax")
-            if absmax is None:  # Scalify: the data itself, bit for bit
-                assert torch.equal(mine[moment], theirs[moment]), (name, moment)
-                continue
-            same = absmax == theirs[f"{moment}_absmax"]
-            assert torch.equal(mine[moment][same], theirs[moment][same]), (name, moment)
-            gap = (ours[moment] - others[moment]).abs()
-            assert bool((gap <= whole_tensor.REQUANTISE_BOUND[signed] * absmax).all()), name
-            exact[moment] = exact.get(moment, 0) + int(same.sum())
-    return exact
 
 
 def relative_gaps(losses: list[float], straight: list[float]) -> list[float]:
@@ -101,12 +70,8 @@ def test_zero2_on_two_ranks_to_zero3_on_one_to_one_process(
     print(f"{precision}: loss gaps {[f'{g:.1e}' for g in gaps]}, exact 8-bit elements {carried}")
     assert max(gaps) < LOSS_GAP, gaps
     if precision != "scalify_fp32_params":  # some blocks cut where they were, some not
-        numel = sum(one.model.get_parameter(name).numel() for name in one_state_names(one))
+        numel = sum(param.numel() for param in one.model.parameters())
         assert all(0 < n < numel for exact in carried for n in exact.values()), (carried, numel)
-
-
-def one_state_names(trainer: Trainer) -> list[str]:
-    return [name for name, _ in trainer.model.named_parameters()]
 
 
 @pytest.mark.parametrize("precision", ["adamw_8bit", "collage_8bit", "scalify_fp32_params",
