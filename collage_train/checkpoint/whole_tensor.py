@@ -198,11 +198,12 @@ def values(components: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     theta + dtheta and split_fp32's weight + remainder rounded to fp32 otherwise: the
     caller that needs split_fp32's exact master joins it with ``optim.remainder``),
     ``exp_avg`` and ``exp_avg_sq`` (8-bit codes x absmax, scaled data x scale, Collage's
-    v + dv; exact in fp32 but for v + dv). Elements as in ``components``."""
+    v + dv; exact in fp32 but for v + dv), each where ``components`` hold it, their
+    elements as there."""
     out: dict[str, torch.Tensor] = {}
     if "master" in components:
         out["weight"] = _descaled(components, "master", "master_scale")
-    else:
+    elif "weight" in components:
         weight = _descaled(components, "weight", "weight_scale")
         if "dtheta" in components:
             weight = weight + components["dtheta"].float()
