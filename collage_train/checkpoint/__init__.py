@@ -19,9 +19,10 @@ three record classes DeepSpeed writes (``verify_checkpoint_files``).
 
 The rest of the package reads a checkpoint of any layout per parameter for an elastic
 resume (``full_state``, into ``param_state.FullState``, with ``pieces`` saying where each
-parameter's elements lie on each rank) and writes any checkpoint in the rank-independent
-layout (``universal``) or in an engine's own layout (``native``, ``native_spec`` and
-``zero_layout``: DeepSpeed ZeRO-1/2/3 on N ranks, one process), both through
+parameter's elements lie on each rank, and ``whole_tensor`` turning state kept per block
+or per piece into one value per element and back) and writes any checkpoint in the
+rank-independent layout (``universal``) or in an engine's own layout (``native``,
+``native_spec`` and ``zero_layout``: DeepSpeed ZeRO-1/2/3 on N ranks, one process), both through
 ``python -m collage_train.checkpoint convert``.
 """
 

@@ -13,7 +13,11 @@ component:
 - every optimizer-state tensor under its own name (``exp_avg``, ``exp_avg_sq``,
   Collage's ``dtheta`` and ``dv``, split_fp32's ``remainder``), in its saved dtype;
 - ``remainder_ties`` (split_fp32): the tie positions inside the range, as indices from
-  ``start`` (the components named in ``INDEX_COMPONENTS``).
+  ``start`` (the components named in ``INDEX_COMPONENTS``);
+- state kept per block or per piece rather than per element (the 8-bit strategies'
+  ``exp_avg_absmax`` / ``exp_avg_sq_absmax``, Scalify's ``*_scale`` and a ``scalify``
+  weight's ``weight_scale``) as one fp32 value per element: the absmax or scale that
+  element is under (``whole_tensor``, which also rebuilds it for a new layout).
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@ steps, whose step-4 checkpoint one process resumes for two more. At each reshard
 state is compared with the state it came from (``assert_carried``), and the losses of
 steps 3-6 with a straight one-process run's (``LOSS_GAP``). ``scalify`` does not run under
 ZeRO (fp16 parameters DeepSpeed cannot shard): its layouts are one process and the
-universal one, through which it goes bit for bit.
+universal one, through which it goes bit for bit (its refusal for ZeRO:
+test_convert_native.py). Where the 8-bit blocks fall where they were (one process and the
+universal layout, ZeRO-1 <-> ZeRO-2 on as many ranks) every code comes back bit for bit.
+The real 2-rank sources: tests/engine/test_zero.py.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from zero_rank import one_zero_rank
 
 from collage_train.checkpoint.__main__ import convert
 from collage_train.checkpoint.full_state import open_full_state
-from collage_train.errors import ConfigError
 from collage_train.trainer import Trainer
 
 STEPS = ("train.max_steps=6",)
@@ -104,11 +106,23 @@ def test_universal_and_back_to_one_process_is_bit_for_bit(make_cfg, tmp_path, pr
             assert resumed.train_step().loss == next_loss
 
 
-def test_scalify_is_refused_only_where_it_cannot_run(make_cfg, tmp_path):
-    """scalify's fp16 parameters do not run under ZeRO: converting it there is refused in
-    one line (no longer for its scales)."""
-    saved = Trainer(make_cfg("precision=scalify"), tmp_path / "a")
-    saved.train_step()
-    with pytest.raises(ConfigError, match="does not run under DeepSpeed ZeRO") as refused:
-        convert(saved.save_checkpoint(), tmp_path / "out", "zero2", 2)
-    assert "\n" not in str(refused.value) and not (tmp_path / "out").exists()
+
+@pytest.mark.slow
+def test_zero1_to_zero2_on_as_many_ranks_keeps_every_block(make_cfg, tmp_path, monkeypatch):
+    """ZeRO-1 and ZeRO-2 cut the same flat partitions, so the 8-bit blocks fall where
+    they were: an elastic resume between them carries every code and absmax bit for bit."""
+    cfg = make_cfg("precision=adamw_8bit", *STEPS)
+    source = Trainer(cfg, tmp_path / "source")
+    for _ in range(2):
+        source.train_step()
+    zero1 = convert(source.save_checkpoint(), tmp_path / "zero1", "zero1", 1)
+    one_zero_rank(monkeypatch)
+    zero = Trainer(make_cfg("precision=adamw_8bit", "distributed=zero2", *STEPS),
+                   tmp_path / "zero2")  # fmt: skip
+    try:
+        zero.resume_from(zero1)
+        exact = assert_carried(open_full_state(zero.save_checkpoint()), open_full_state(zero1))
+        numel = sum(param.numel() for param in source.model.parameters())
+        assert exact == {"exp_avg": numel, "exp_avg_sq": numel}
+    finally:
+        zero.engine.close()
