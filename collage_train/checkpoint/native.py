@@ -263,10 +263,12 @@ def describe(out: Path) -> str:
     if max(int(source["world_size"]), world) > 1:
         lost.append("per-rank RNG streams (every rank continues from rank 0's generator)")
     precision = meta.get("config", {}).get("precision")
-    if precision and strategy_for(OmegaConf.create(precision)).optimizer.kind == (
-        "stochastic_rounding"
-    ):  # a stream names a tensor of the writer's layout (optim.rounding_noise)
+    spec = strategy_for(OmegaConf.create(precision)).optimizer if precision else None
+    if spec and (spec.kind == "stochastic_rounding" or spec.fused_mode == "light_blockwise8"):
+        # a stream names a tensor of the writer's layout (optim.rounding_noise)
         lost.append("stochastic-rounding streams (each tensor there draws a new one)")
+    if spec and spec.moments == "blockwise8":
+        lost.append(whole_tensor.EIGHT_BIT_RECUT)
     return (
         f"wrote {out} (distributed={engine} on {world} rank(s), the engine's own layout: it "
         f"resumes there without resharding); carried over: {', '.join(meta.get('holds', []))}, "

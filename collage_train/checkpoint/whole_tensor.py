@@ -69,6 +69,13 @@ def _max_half_gap(signed: bool) -> float:
     return float((code[1:] - code[:-1]).max()) / 2
 
 
+# What an elastic resume or conversion of 8-bit moments says it did not carry bit for bit.
+EIGHT_BIT_RECUT = (
+    "the 8-bit codes of blocks cut elsewhere than in the source (re-quantised, each within "
+    "half a step of the map)"
+)
+
+
 # The most a re-quantised element moves, as a fraction of its new block's absmax: half the
 # widest gap of its map (signed: the top decade's 0.0141 / 2; unsigned: 0.0070 / 2).
 REQUANTISE_BOUND = {signed: _max_half_gap(signed) for signed in (True, False)}

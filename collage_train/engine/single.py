@@ -187,7 +187,8 @@ class SingleProcessEngine:
 
     def load_full(self, state: FullState) -> dict[str, Any]:
         """Elastic resume: weights and optimizer state of each parameter from the
-        rank-independent ``state``, bit for bit; returns the client state."""
+        rank-independent ``state``, bit for bit but for 8-bit blocks that the source cut
+        elsewhere (``whole_tensor.compact``); returns the client state."""
         for name, param in self.model.named_parameters():
             components = whole_tensor.compact(state.read(name))  # blocks, scales: per tensor
             with torch.no_grad():

@@ -562,9 +562,10 @@ class ZeroEngine:
 
     def load_full(self, state: FullState) -> dict[str, Any]:
         """Elastic resume: fill this rank's master partitions and optimizer state with its
-        slices of the rank-independent ``state``, then let DeepSpeed set the weights from
-        the masters as after a step (all ranks call this together); DeepSpeed's step
-        counters from the applied steps. Returns the client state."""
+        slices of the rank-independent ``state`` (8-bit blocks and Scalify's per-piece
+        scales rebuilt for its partitions: ``whole_tensor.compact``), then let DeepSpeed set
+        the weights from the masters as after a step (all ranks call this together);
+        DeepSpeed's step counters from the applied steps. Returns the client state."""
         zero = self._zero_optimizer()
         if self.stage == 3:
             zero.checkpoint_event_prologue()  # every parameter partitioned

@@ -39,7 +39,7 @@ def relative_gaps(losses: list[float], straight: list[float]) -> list[float]:
 @pytest.mark.parametrize("precision", ["adamw_8bit", "collage_8bit", "scalify_fp32_params"])
 @pytest.mark.slow
 def test_zero2_on_two_ranks_to_zero3_on_one_to_one_process(
-    make_cfg, tmp_path, monkeypatch, precision
+    make_cfg, tmp_path, monkeypatch, capsys, precision
 ):
     cfg = make_cfg(f"precision={precision}", *STEPS)
     straight = Trainer(cfg, tmp_path / "straight")  # the source, and on to step 6
@@ -63,7 +63,10 @@ def test_zero2_on_two_ranks_to_zero3_on_one_to_one_process(
         zero.engine.close()
 
     one = Trainer(cfg, tmp_path / "one")  # and one process
+    capsys.readouterr()
     one.resume_from(step_4)
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("elastic")]
+    assert ("8-bit codes of blocks cut elsewhere" in line) == ("8bit" in precision), line
     assert one.step == 4
     carried.append(assert_carried(open_full_state(one.save_checkpoint()),
                                   open_full_state(step_4)))  # fmt: skip
