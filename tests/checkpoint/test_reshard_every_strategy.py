@@ -49,6 +49,9 @@ def test_zero2_on_two_ranks_to_zero3_on_one_to_one_process(
     reference = [straight.train_step().loss for _ in range(4)]
     two_ranks = convert(step_2, tmp_path / "zero2x2", "zero2", 2)  # N = 2
     carried = [assert_carried(open_full_state(two_ranks), open_full_state(step_2))]
+    # stage 3's layout too (each parameter's shards, padded: Scalify's pieces and padding)
+    stage_3 = convert(step_2, tmp_path / "zero3x2", "zero3", 2)
+    assert_carried(open_full_state(stage_3), open_full_state(step_2))
 
     one_zero_rank(monkeypatch)  # M = 1, another stage
     zero = Trainer(make_cfg(f"precision={precision}", "distributed=zero3", *STEPS),
