@@ -112,7 +112,6 @@ def test_universal_and_back_to_one_process_is_bit_for_bit(make_cfg, tmp_path, pr
             assert resumed.train_step().loss == next_loss
 
 
-
 @pytest.mark.slow
 def test_zero1_to_zero2_on_as_many_ranks_keeps_every_block(make_cfg, tmp_path, monkeypatch):
     """ZeRO-1 and ZeRO-2 cut the same flat partitions, so the 8-bit blocks fall where
