@@ -10,8 +10,8 @@ rank checksums a share: ``manifest_share``); ``damage`` checks a checkpoint agai
 a resume takes the newest intact one (``collage_train.run.resume``). No checkpoint file is
 unpickled with code execution allowed: every ``.pt`` file, DeepSpeed's shards included, is
 first verified with a restricted unpickler (``verify_checkpoint_files``). ``full_state``
-reads a checkpoint of any layout per parameter; ``universal`` and ``native`` write the
-other layouts (``python -m collage_train.checkpoint convert``).
+reads any layout per parameter (``whole_tensor``: per-block state per element); ``universal``
+and ``native`` write the others (``python -m collage_train.checkpoint convert``).
 The layouts and the conversions: docs/design.md, "Checkpoint layouts".
 """
 

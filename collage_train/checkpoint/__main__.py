@@ -64,7 +64,6 @@ def convert(source: Path, out: Path, to: str = UNIVERSAL, world_size: int | None
     if why:
         raise CheckpointError(f"{source} is damaged: {why}")
     checkpoint.verify_checkpoint_files(source)
-    native.check_reshards(checkpoint.read_meta(source))
     if to == UNIVERSAL:
         return write_universal(source, open_full_state(source), out)
     target = native.check_target(checkpoint.read_meta(source), to, world_size)

@@ -150,3 +150,18 @@ def check_tiling(layout: Iterable[list[Piece]], numels: dict[str, int], where: s
 def overlapping(pieces: list[Piece], name: str, start: int, stop: int) -> list[Piece]:
     """The pieces of ``name`` that hold any element of ``[start, stop)``."""
     return [p for p in pieces if p.name == name and p.param_start < stop and start < p.param_stop]
+
+
+def segment_lengths(pieces: Iterable[Piece], numel: int) -> list[int]:
+    """The lengths of the segments that one flat tensor of ``numel`` elements is cut into:
+    its ``pieces`` in flat order, each run of padding before, between or after them a
+    segment of its own (``optim.base.FlatPieces.lengths``, as ``ZeroEngine.flat_pieces``)."""
+    lengths, position = [], 0
+    for piece in sorted(pieces, key=lambda piece: piece.flat_start):
+        if piece.flat_start > position:
+            lengths.append(piece.flat_start - position)
+        lengths.append(piece.numel)
+        position = piece.flat_start + piece.numel
+    if numel > position:
+        lengths.append(numel - position)
+    return lengths

@@ -28,10 +28,12 @@ from typing import Any
 import torch
 
 from collage_train import checkpoint
+from collage_train.checkpoint import whole_tensor
 from collage_train.checkpoint.native_spec import ModelLayout, Target
 from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState, applied_steps
 from collage_train.checkpoint.pieces import (
     Piece,
+    segment_lengths,
     zero3_rank_pieces,
     zero3_sub_groups,
     zero12_partition_numel,
@@ -80,10 +82,11 @@ class _Partition:
     def __init__(self, numel: int, master_dtype: torch.dtype, template: dict[str, torch.Tensor]):
         self.master = torch.zeros(numel, dtype=master_dtype)
         self.state = {
-            key: torch.zeros(numel, dtype=value.dtype)
+            key: whole_tensor.blank(key, numel, value.dtype)
             for key, value in template.items()
             if key not in INDEX_COMPONENTS
         }
+        self.pieces: list[Piece] = []
         self.positions = {
             key: [value.new_empty(0)] for key, value in template.items() if key in INDEX_COMPONENTS
         }
@@ -98,6 +101,7 @@ class _Partition:
                 f"ZeRO partitions are {self.master.dtype}"
             )
         span = slice(piece.flat_start, piece.flat_start + piece.numel)
+        self.pieces.append(piece)
         self.master[span] = source
         for key, value in components.items():
             if key in self.positions:
@@ -109,11 +113,13 @@ class _Partition:
         return weight
 
     def optimizer_state(self, step: int) -> dict[str, Any] | None:
-        """The client optimizer's state of this flat tensor (None: it has none yet)."""
+        """The client optimizer's state of this flat tensor (None: it has none yet): 8-bit
+        blocks over it, Scalify's scales per piece (``whole_tensor.compact``)."""
         if not self.state and not self.positions:
             return None
         positions = {key: torch.cat(parts) for key, parts in self.positions.items()}
-        return {"step": step, **self.state, **positions}
+        lengths = torch.tensor(segment_lengths(self.pieces, self.master.numel()))
+        return {"step": step, **whole_tensor.compact(self.state, lengths), **positions}
 
 
 def _client_state_dict(

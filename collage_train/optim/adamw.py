@@ -9,7 +9,7 @@ integer step count, in float64 on the host; elementwise work is multi-tensor
 ``torch._foreach_*`` kernels in ``adamw_moments_`` and ``adamw_updates`` (parts of which
 ``BlockwiseAdamW`` shares). The all-bf16 strategies use ``CollageAdamW``.
 
-Details: docs/strategies.md, 'AdamW: master weights and moment dtypes'.
+Details: docs/strategies.md, "AdamW: master weights and moment dtypes".
 """
 
 from __future__ import annotations

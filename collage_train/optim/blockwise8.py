@@ -12,7 +12,7 @@ backend, bit for bit) or, given ``noise``, stochastically between its two neighb
 values (one ``rounding_noise.uniform`` number per element), so that the stored value is
 exact in expectation. A block of zeros quantises to the index of 0 and back to zeros.
 
-The maps, the error bounds and why v needs SR: docs/strategies.md, 'The format'.
+The maps, the error bounds and why v needs SR: docs/strategies.md, "The format".
 """
 
 from __future__ import annotations

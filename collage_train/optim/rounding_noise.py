@@ -8,7 +8,7 @@ and a fused CPU or GPU kernel all draw the very same bits as an uninterrupted,
 whole-tensor eager step. The hash is ``lowbias32`` applied twice with keys derived from
 seed, stream and step on the host; element indices are taken modulo 2^32.
 
-Reasoning and references: docs/strategies.md, 'Counter-based random bits'.
+Reasoning and references: docs/strategies.md, "Counter-based random bits".
 """
 
 from __future__ import annotations

@@ -36,6 +36,5 @@ COLLAGE_8BIT = register(
             ("exp_avg_sq_absmax", SCALE_BYTES),
         ),
         optimizer=OptimizerSpec("collage", "light", moments="blockwise8"),
-        reshards=False,
     )
 )

@@ -11,8 +11,8 @@ both: ``precision.matmul``, ``precision.master``, ``precision.optimizer_state`` 
 ``precision.rescale`` (the dynamic rescale points); the defaults are the paper's full
 low-precision configuration.
 
-Layouts, options, defaults and their numbers: docs/strategies.md, 'Scalify:
-power-of-two scaled low-precision training (`scalify`, `scalify_fp32_params`)'.
+Layouts, options, defaults and their numbers: docs/strategies.md, "Scalify:
+power-of-two scaled low-precision training (`scalify`, `scalify_fp32_params`)".
 """
 
 from __future__ import annotations
@@ -221,7 +221,6 @@ def scalify_strategy(
         checkpoint_holds=tuple(holds),
         optimizer_state=(("exp_avg", moment), ("exp_avg_sq", moment)),
         not_under_zero=None if params == "fp32" else SCALED_PARAMS_NOT_UNDER_ZERO,
-        reshards=False,  # the scales of a ZeRO checkpoint are per piece of its partitions
         chunked_loss=False,  # its LM head is a ScaledLinear (fp8/fp16 matmuls)
         matmul=matmul,
         master=master,

@@ -27,6 +27,7 @@ import torch
 from collage_train import checkpoint
 from collage_train.checkpoint.full_state import needs_reshard, open_full_state
 from collage_train.checkpoint.staging import HostStaging
+from collage_train.checkpoint.whole_tensor import EIGHT_BIT_RECUT
 from collage_train.engine import Engine
 from collage_train.errors import (
     CheckpointError,
@@ -338,6 +339,8 @@ def _restore_resharded(
         if isinstance(getattr(getattr(engine, "optimizer", None), "streams", None), StreamCounter):
             # a stream names a tensor of the writer's layout (optim.rounding_noise)
             lost.append("stochastic-rounding streams (each tensor here draws a new one)")
+        if "exp_avg_absmax" in kept:
+            lost.append(EIGHT_BIT_RECUT)
         print(
             f"elastic resume: {path.name} was written by {state.layout} on "
             f"{state.world_size} rank(s), continuing with distributed={distributed} on "

@@ -29,8 +29,6 @@ from collage_train.comm.settings import comm_name, uses_replicas
 from collage_train.config.schema import RENAMED_CHOICES, current_choice
 from collage_train.errors import CheckpointError, ConfigError
 from collage_train.planning.batch import accumulation_steps
-from collage_train.precision import strategy_for
-from collage_train.precision.base import NOT_RESHARDED
 
 # Layouts an elastic resume reads per parameter on any engine and number of ranks.
 RESHARDABLE = ("unsharded", *ZERO_ENGINES, UNIVERSAL)
@@ -191,12 +189,6 @@ def _check_reshard(
             f"{path} was written by {saved_world} replicas and this run has {world_size}; "
             "each replica's inner state is its own: resume with "
             f"{saved_world} processes (torchrun --nproc_per_node {saved_world})"
-        )
-    if not strategy_for(cfg.precision).reshards:
-        raise ConfigError(
-            f"{path} was written by distributed={layout} on {saved_world} rank(s); "
-            f"precision={cfg.precision.name} resumes only with the engine and number of "
-            f"processes that wrote it ({NOT_RESHARDED})"
         )
     train = cfg.train
     try:

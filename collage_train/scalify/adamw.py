@@ -12,7 +12,7 @@ whole model tensor's, so it stores what an unsharded run does. ``rescale_count``
 ``[1/16, 16]`` RMS. Step counts, bias corrections and weight decay as in
 ``collage_train.optim.adamw.AdamW``.
 
-Details: docs/strategies.md, 'ScaledAdamW: moments and masters as scaled fp16'.
+Details: docs/strategies.md, "ScaledAdamW: moments and masters as scaled fp16".
 """
 
 from __future__ import annotations

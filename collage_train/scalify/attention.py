@@ -9,7 +9,7 @@ Operand scales as for ``ScaledLinear`` (``"propagated"``, ``"dynamic"``, ``"unit
 an attention module of an unknown kind falls back to ``"dynamic"``). With
 ``fmt="fp32"`` this is transformers' eager attention, operation for operation.
 
-Details: docs/strategies.md, 'Scaled attention'.
+Details: docs/strategies.md, "Scaled attention".
 """
 
 from __future__ import annotations

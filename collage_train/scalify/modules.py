@@ -10,7 +10,7 @@ operand's RMS), ``"propagated"`` (Scalify's static rule, ``input_scale_source``)
 ``"unit"``. The output is an fp32 value, so model code needs no change:
 ``scalify_linears(model, fmt)`` swaps the modules in place.
 
-Details: docs/strategies.md, 'Scaled matmuls: ScaledLinear'.
+Details: docs/strategies.md, "Scaled matmuls: ScaledLinear".
 """
 
 from __future__ import annotations

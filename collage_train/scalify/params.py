@@ -11,7 +11,7 @@ backward stores each gradient as scaled fp16 (``param.grad.scalify_scale``).
 ``unscale_weights`` turns a state dict into ordinary weights. Move the model to its
 device before scaling it: ``Module.to`` would replace the scale buffers.
 
-Details: docs/strategies.md, 'Parameters and gradients as scaled fp16'.
+Details: docs/strategies.md, "Parameters and gradients as scaled fp16".
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ it (a norm, attention, a gating activation, SwiGLU, rotary embeddings, the embed
 for the residual stream's entry. Blocks of an unknown kind keep ``input_scale_source``
 unset: their inputs are unscaled, the table's fallback.
 
-The rule for each producer: docs/strategies.md, 'The propagation table'.
+The rule for each producer: docs/strategies.md, "The propagation table".
 """
 
 from __future__ import annotations

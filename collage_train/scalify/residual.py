@@ -9,7 +9,7 @@ activation format, clamped to its range, and read back exactly as ``data * scale
 gradients pass straight through. ``rms_outside_frac`` reports the share of stored
 tensors (last forward pass) whose data RMS lies outside [1/16, 16].
 
-Details: docs/strategies.md, 'The residual stream as a scaled tensor'.
+Details: docs/strategies.md, "The residual stream as a scaled tensor".
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ fp16 ``data`` (``store_scaled``, read back exactly by ``load_scaled``); a parame
 that way (``collage_train.scalify.params``) carries its scale as ``scalify_scale``, and
 ``value_rms_scale`` gives the RMS scale of the value such a tensor stands for.
 
-The rules: docs/strategies.md, 'Scales and the propagation rules'.
+The rules: docs/strategies.md, "Scales and the propagation rules".
 """
 
 from __future__ import annotations

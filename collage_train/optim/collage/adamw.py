@@ -11,7 +11,7 @@ as one fused kernel per tensor (C on CPU, Triton on CUDA), bitwise identical to
 ``optim.kernel=auto`` does (``kernels.choose_kernel``). A drop-in for
 ``torch.optim.AdamW`` on bf16 parameters.
 
-The step per element and its constants: docs/strategies.md, 'The CollageAdamW step'.
+The step per element and its constants: docs/strategies.md, "The CollageAdamW step".
 """
 
 from __future__ import annotations

@@ -104,10 +104,13 @@ class Collage8bitAdamW(TrackingOptimizer):
         state = self.state[param]
         if not state:
             state["step"] = 0
-            state["stream"] = self.streams.next()
             state["dtheta"] = torch.zeros(param.shape, dtype=torch.bfloat16, device=param.device)
             for name, _ in MOMENTS:
                 state.update(QuantizedMoment.new_state(name, param, self.block_size))
+        if "stream" not in state:
+            # New, or restored by an elastic resume, which carries the moments and the step
+            # but not the writer's streams: those named the tensors of its own layout.
+            state["stream"] = self.streams.next()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ under Triton's CPU interpreter, whose casts truncate: ``R``), the same search ta
 (``eight_bit_kernel.search_tables``) and the same 32-bit hash. Checked against the eager
 step in the interpreter (tests/optim/triton_interpreted_8bit.py); not yet run on a GPU.
 
-Details: docs/strategies.md, 'The fused `collage_8bit` step (`optim.kernel`)'.
+Details: docs/strategies.md, "The fused `collage_8bit` step (`optim.kernel`)".
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the build or the launch fails; ``eager`` forces the reference. Strategies withou
 Collage step always run eagerly. The 8-bit-moment step (``EIGHT_BIT_MODE``) has fused
 kernels on CPU and CUDA only: elsewhere ``auto`` runs it eagerly and ``compiled`` refuses.
 
-Details: docs/strategies.md, 'Choosing the step: optim.kernel'.
+Details: docs/strategies.md, "Choosing the step: optim.kernel".
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ conversions to nearest even (on the bits under ``TRITON_INTERPRET=1``, whose cas
 truncate), checked on CPU by tests/optim/triton_interpreted.py and
 tests/optim/test_triton_ptx.py, on a GPU by tests/optim/test_fused_optimizer.py.
 
-Why these choices: docs/strategies.md, 'The fused Collage step: CPU and Triton kernels'.
+Why these choices: docs/strategies.md, "The fused Collage step: CPU and Triton kernels".
 """
 
 from __future__ import annotations
