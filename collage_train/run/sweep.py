@@ -54,7 +54,8 @@ def run_sweep_job(
             where = run_dir / SUMMARY_FILE
             print(f"job {run_dir.name} finished already ({where}): skipped", flush=True)
             return _final_loss(done)
-    if cfg.logging.wandb.group is None:  # the jobs of one sweep: one W&B group
+    # the jobs of one sweep: one W&B group (branches: that of their branch point, run.branch)
+    if cfg.logging.wandb.group is None and cfg.train.branch_from is None:
         with open_dict(cfg):
             cfg.logging.wandb.group = f"sweep-{run_dir.parent.name}"
     try:
