@@ -98,10 +98,6 @@ def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> di
     )
     if cfg.train.resume and existing is None and origin is None:
         print(f"no checkpoint in {run_dir} yet: starting from step 0", flush=True)
-    if origin is not None:  # checked as a resume checks its checkpoint; the parent is read only
-        with agreement():
-            checkpoint.verify_checkpoint_files(origin)
-            changes = check_resume(origin, cfg, launched_world_size())
     if existing is not None:  # before data preparation, and before DeepSpeed opens them
         rank = launched_rank()
         existing = choose_checkpoint(
@@ -111,9 +107,11 @@ def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> di
             gather=gather_objects,
             announce=lambda line: print(line, flush=True) if rank == 0 else None,
         )
+    restored = existing or origin  # a branch is restored, and checked, as a resume is
+    if restored is not None:
         with agreement():
-            checkpoint.verify_checkpoint_files(existing)
-            changes = check_resume(existing, cfg, launched_world_size())
+            checkpoint.verify_checkpoint_files(restored)
+            changes = check_resume(restored, cfg, launched_world_size())
     run_dir.mkdir(parents=True, exist_ok=True)
     # Imported here: ``--help``, ``--cfg job`` and a refused setting need no model code
     # (transformers' model stack takes seconds to import).
@@ -125,8 +123,9 @@ def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> di
         main = trainer.engine.is_main
         if main:
             print(trainer.describe(), flush=True)
-        if origin is not None:  # a branch: the resume's restore, from the parent's checkpoint
-            trainer.resume_from(origin)
+        if restored is not None:
+            trainer.resume_from(restored)
+        if origin is not None:  # a new branch (run.branch): the parent is only read
             started = branch.lineage(origin, cfg, changes)
             line = branch.start(trainer.data.train_loader, run_dir, started, main=main)
             if main:
@@ -134,13 +133,11 @@ def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> di
         lineage = branch.recorded(run_dir)
         if lineage is not None:  # this run is a branch: its summary says of what
             trainer.facts = replace(trainer.facts, branch=lineage.record())
-        if existing is not None:
-            trainer.resume_from(existing)
-            if main:
-                also = f" with changed settings: {', '.join(changes)}" if changes else ""
-                print(f"resumed from {existing} at step {trainer.step}{also}", flush=True)
-                if changes:
-                    record_changes(run_dir, trainer.step, changes)
+        if existing is not None and main:
+            also = f" with changed settings: {', '.join(changes)}" if changes else ""
+            print(f"resumed from {existing} at step {trainer.step}{also}", flush=True)
+            if changes:
+                record_changes(run_dir, trainer.step, changes)
         if main:  # the run is accepted: record what it runs
             write_hydra_record(cfg, run_dir)
         sinks: list[Sink] = []
