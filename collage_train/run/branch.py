@@ -73,6 +73,21 @@ def check_settings(cfg: DictConfig) -> None:
         )
 
 
+def check_directory(cfg: DictConfig, run_dir: Path) -> None:
+    """Refuse a branch whose run directory is its parent's or lies inside it (checked
+    before the directory is created and locked: the parent is never written)."""
+    given = cfg.train.branch_from
+    if given is None or _located(given).parent.name != "checkpoints":  # not RUN/checkpoints/X
+        return
+    parent, here = _located(given).parent.parent, run_dir.absolute()
+    if here == parent or parent in here.parents:
+        raise ConfigError(
+            f"train.branch_from={cfg.train.branch_from}: this run's directory {run_dir} lies "
+            f"in the parent run's {parent}, which a branch never writes; set hydra.run.dir "
+            "(or hydra.sweep.dir) outside it"
+        )
+
+
 def recorded(run_dir: Path) -> Lineage | None:
     """The lineage ``run_dir``'s ``branch.json`` records (None: not a branch)."""
     try:

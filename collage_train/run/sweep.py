@@ -45,6 +45,7 @@ def run_sweep_job(
 ) -> float:
     """One job of a sweep in ``run_dir``; ``run_job`` is ``cli.run_reporting``. Returns the
     final validation loss, NaN when the job failed or stopped early."""
+    from collage_train.run import branch
     from collage_train.run.directory import lock_run_dir
     from collage_train.run.validate import validate
 
@@ -65,6 +66,7 @@ def run_sweep_job(
                 "each multi-GPU job with deepspeed or torchrun on its own"
             )
         validate(cfg)
+        branch.check_directory(cfg, run_dir)  # a branch never writes its parent
         lock_run_dir(run_dir)
     except CollageError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)

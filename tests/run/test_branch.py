@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import wandb_file
-from cli_runner import run_ranks, tiny_overrides
+from cli_runner import rank_threads, run_ranks, tiny_overrides
 from hydra import compose, initialize_config_dir
 
 from collage_train import cli, compare
@@ -29,7 +29,9 @@ BRANCH = ["train.max_steps=6", "train.checkpoint_every=1", "logging.log_every=1"
 
 def _overrides(corpus_dir: Path, cache_dir: Path, run_dir: Path, *extra: str) -> list[str]:
     quiet = ["logging.console=none", "train.export_hf=false", "train.eval_every=100"]
-    return [*tiny_overrides(corpus_dir, cache_dir, run_dir), *quiet, *extra]
+    # one GEMM choice in every process (auto times both at start-up, which load can sway)
+    gemm = "train.cpu_bf16_gemm=fp32"
+    return [*tiny_overrides(corpus_dir, cache_dir, run_dir), *quiet, gemm, *extra]
 
 
 def _launch(overrides: list[str], run_dir: Path, capsys) -> tuple[int, str, str]:
@@ -150,9 +152,14 @@ def test_each_branchs_first_step_is_bitwise_a_resume_with_the_same_settings(
     shutil.copytree(parent, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "step-8")
     overrides = _overrides(corpus_dir, cache_dir, run_dir, *BRANCH, f"optim.lr={LRS[job]}")
-    status, out, err = _launch(
-        [*overrides, "train.resume=true", "train.stop_at_step=5"], run_dir, capsys
-    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(rank_threads(1))  # the branch's: the thread count sways GEMM rounding
+    try:
+        status, out, err = _launch(
+            [*overrides, "train.resume=true", "train.stop_at_step=5"], run_dir, capsys
+        )
+    finally:
+        torch.set_num_threads(threads)
     assert status == 0, err
     assert "resumed from" in out
     branched = sweep / str(job)
@@ -233,13 +240,16 @@ def test_compare_pairs_the_branches_of_a_parent(parent, branches, tmp_path, caps
             "holds the checkpoints of another run",
         ),
         (None, ["train.branch_data_seed=3"], "set train.branch_from=RUN/checkpoints/step-N too"),
+        ("{parent}/checkpoints/step-4", ["inside"], "lies in the parent run's"),
     ],
-    ids=["missing", "not-a-checkpoint", "resume-into-a-run", "seed-without-branch"],
+    ids=["missing", "not-a-checkpoint", "resume-into-a-run", "seed-without-branch", "inside"],
 )
 def test_bad_branches_end_in_one_error_line(
     parent, corpus_dir, cache_dir, tmp_path, capsys, branch_from, extra, expected
 ):
     run_dir = tmp_path / "run"
+    if extra == ["inside"]:  # the branch's directory in its parent's
+        run_dir, extra = parent / "branches" / "b", []
     if "train.resume=true" in extra:  # a run of its own already there
         shutil.copytree(parent, run_dir)
     before_run, before_parent = _snapshot(run_dir) if run_dir.exists() else {}, _snapshot(parent)
