@@ -347,6 +347,14 @@ class TrainConfig:
     the disk."""
     resume: bool = False
     """Continue from the newest checkpoint in hydra.run.dir."""
+    branch_from: str | None = None
+    """A checkpoint of another run (RUN/checkpoints/step-N) that this new run starts from,
+    restored as a resume restores it, with any settings that do not define the run changed
+    (optim.*, train.max_steps, train.branch_data_seed...); its parent and step are recorded
+    in branch.json, summary.json and W&B (docs/runs.md, "Branching a run")."""
+    branch_data_seed: int | None = None
+    """With branch_from: a seed that reorders the data after the branch point (the parent's
+    unseen samples of the current epoch, then every later epoch). null: the parent's order."""
     export_hf: bool = True
     """Write hf/ (transformers format + tokenizer) at the end."""
     compile: bool = False

@@ -121,6 +121,7 @@ class RunDirectoryCallback(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from collage_train.engine.launch import launched_rank, launched_world_size
+        from collage_train.run import branch
         from collage_train.run.validate import validate
 
         rank = launched_rank()
@@ -131,6 +132,7 @@ class RunDirectoryCallback(Callback):
             # Resolved once: ${now:...} must not name another directory when Hydra reads it.
             with read_write(config.hydra.run), open_dict(config.hydra.run):
                 config.hydra.run.dir = str(run_dir)
+            branch.check_directory(config, run_dir)  # a branch never writes its parent
             if rank == 0:
                 lock_run_dir(run_dir)
         except CollageError as err:

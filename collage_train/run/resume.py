@@ -39,8 +39,8 @@ IDENTITY = ("model.", "precision.", "data.", "train.global_batch_size", "train.s
 # ... except where the data is cached and how many processes prepare it, which do not
 # change what is read.
 NOT_IDENTITY = ("data.cache_dir", "data.num_workers")
-# Not worth reporting: a resume says it resumes.
-UNREPORTED = ("train.resume",)
+# Not worth reporting: a resume says it resumes, a branch records its origin (run.branch).
+UNREPORTED = ("train.resume", "train.branch_from", "train.branch_data_seed")
 
 Gather = Callable[[Any], list[Any]]
 

@@ -39,6 +39,7 @@ def run_sweep_job(
 ) -> float:
     """One job of a sweep in ``run_dir``; ``run_job`` is ``cli.run_reporting``. Returns the
     final validation loss, NaN when the job failed or stopped early."""
+    from collage_train.run import branch
     from collage_train.run.directory import lock_run_dir
     from collage_train.run.validate import validate
 
@@ -48,7 +49,8 @@ def run_sweep_job(
             where = run_dir / SUMMARY_FILE
             print(f"job {run_dir.name} finished already ({where}): skipped", flush=True)
             return _final_loss(done)
-    if cfg.logging.wandb.group is None:  # the jobs of one sweep: one W&B group
+    # the jobs of one sweep: one W&B group (branches: that of their branch point, run.branch)
+    if cfg.logging.wandb.group is None and cfg.train.branch_from is None:
         with open_dict(cfg):
             cfg.logging.wandb.group = f"sweep-{run_dir.parent.name}"
     try:
@@ -58,6 +60,7 @@ def run_sweep_job(
                 "each multi-GPU job with deepspeed or torchrun on its own"
             )
         validate(cfg)
+        branch.check_directory(cfg, run_dir)  # a branch never writes its parent
         lock_run_dir(run_dir)
     except CollageError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)

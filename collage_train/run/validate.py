@@ -34,6 +34,7 @@ from collage_train.metrics.sinks import wandb_mode
 from collage_train.model.build import check_model_extra
 from collage_train.model.loss_settings import resolve_chunk_tokens
 from collage_train.precision import get_strategy
+from collage_train.run import branch
 from collage_train.run.determinism import check_cublas_config
 from collage_train.run.vocabulary import check_vocabulary
 
@@ -43,6 +44,7 @@ def validate(cfg: DictConfig) -> None:
     check_known_keys(cfg)
     check_optim(cfg.optim)
     check_train(cfg.train)
+    branch.check_settings(cfg)
     check_loss_chunk(cfg)
     check_positive("logging.log_every", cfg.logging.log_every, "step")
     if cfg.logging.sample_tokens < 0:
