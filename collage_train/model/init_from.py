@@ -27,7 +27,6 @@ from transformers.utils import logging as hf_logging
 
 from collage_train.errors import WEIGHT_LOAD_ERRORS, ConfigError, first_line
 from collage_train.model.cast import cast_model
-from collage_train.model.hf_modeling import AutoModelForCausalLM
 from collage_train.model.hf_weights import WEIGHT_FILES, WeightFiles
 from collage_train.model.materialise import Load
 
@@ -109,6 +108,8 @@ def embedding_rows(init_from: str) -> int:
 def _from_pretrained(path: str, **kwargs: Any) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` of a local directory, fp32, quietly (no
     progress bar, no load report: what matters is checked and refused in one line)."""
+    from collage_train.model.hf_modeling import AutoModelForCausalLM  # seconds: when used
+
     shown, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
