@@ -10,6 +10,7 @@ and locked the run directory against a second launch.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -35,7 +36,7 @@ from collage_train.errors import (
 )
 from collage_train.metrics import ConsoleSink, JsonlSink, Sink, WandbSink
 from collage_train.metrics.sinks import wandb_mode
-from collage_train.run import determinism
+from collage_train.run import branch, determinism
 from collage_train.run.directory import write_hydra_record
 from collage_train.run.resume import (
     SWITCH_FIELD,
@@ -95,7 +96,12 @@ def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> di
         f"the newest checkpoint in {run_dir}",
         "hydra.run.dir must be a directory every rank shares",
     )
-    if cfg.train.resume and existing is None:
+    origin = the_same(  # the checkpoint a new branch starts from (run.branch)
+        gathered(lambda: branch.source(cfg, run_dir, existing)),
+        "the checkpoint of train.branch_from",
+        "train.branch_from must name a checkpoint every rank shares",
+    )
+    if cfg.train.resume and existing is None and origin is None:
         print(f"no checkpoint in {run_dir} yet: starting from step 0", flush=True)
     if existing is not None:  # before data preparation, and before DeepSpeed opens them
         rank = launched_rank()
@@ -106,9 +112,11 @@ def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> di
             gather=gather_objects,
             announce=lambda line: print(line, flush=True) if rank == 0 else None,
         )
+    restored = existing or origin  # a branch is restored, and checked, as a resume is
+    if restored is not None:
         with agreement():
-            checkpoint.verify_checkpoint_files(existing)
-            changes = check_resume(existing, cfg, launched_world_size())
+            checkpoint.verify_checkpoint_files(restored)
+            changes = check_resume(restored, cfg, launched_world_size())
     run_dir.mkdir(parents=True, exist_ok=True)
     # Imported here: ``--help``, ``--cfg job`` and a refused setting need no model code
     # (transformers' model stack takes seconds to import).
@@ -121,24 +129,38 @@ def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> di
         if main:
             print(trainer.describe(), flush=True)
         switch = None
-        if existing is not None:
-            trainer.resume_from(existing)
-            switch = trainer.checkpointer.switch
+        if restored is not None:
+            trainer.resume_from(restored)
+            switch = trainer.checkpointer.switch  # another strategy's state, converted
             switch = switch.record() if switch else None
+        if origin is not None:  # a new branch (run.branch): the parent is only read
+            started = branch.lineage(origin, cfg, changes)
+            line = branch.start(trainer.data.train_loader, run_dir, started, main=main)
             if main:
-                also = f" with changed settings: {', '.join(changes)}" if changes else ""
-                print(f"resumed from {existing} at step {trainer.step}{also}", flush=True)
-                if changes or switch:
-                    record_changes(run_dir, trainer.step, changes, switch)
+                print(line, flush=True)
+        lineage = branch.recorded(run_dir)
+        if lineage is not None:  # this run is a branch: its summary says of what
+            trainer.facts = replace(trainer.facts, branch=lineage.record())
+        if main and switch is not None and existing is None:  # a branch that switched
+            record_changes(run_dir, trainer.step, [], switch)
+        if existing is not None and main:
+            also = f" with changed settings: {', '.join(changes)}" if changes else ""
+            print(f"resumed from {existing} at step {trainer.step}{also}", flush=True)
+            if changes or switch:
+                record_changes(run_dir, trainer.step, changes, switch)
         if main:  # the run is accepted: record what it runs
             write_hydra_record(cfg, run_dir)
         sinks: list[Sink] = []
         if main:  # only rank 0 logs
             config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+            if lineage is not None:
+                config["branch"] = lineage.record()  # W&B's config, and its group
+            if switch is not None:
+                config[SWITCH_FIELD] = switch  # W&B's config: the switch, in one run
             sinks = build_sinks(
                 cfg.logging,
                 run_dir,
-                {**config, SWITCH_FIELD: switch} if switch else config,
+                config,
                 max_steps=cfg.train.max_steps,
                 start_step=trainer.step,
                 resume=existing is not None,

@@ -1,26 +1,16 @@
 """bf16 matrix products as fp32 GEMMs on CPUs whose native bf16 GEMM is slow.
 
-Without AVX512-BF16 or AMX (an AVX2-only CPU: AMD before Zen 4, Intel before Cooper
-Lake), torch's CPU build runs a bf16 GEMM on a slow path: about 2.5 GFLOP/s against 150
-for fp32 on the same cores, which makes a bf16 training step 13x slower than an fp32 one.
-A bf16 GEMM on a GPU (or with AMX) multiplies the bf16 operands exactly, accumulates
-in fp32 and rounds the result to bf16 once. The same arithmetic is an fp32 GEMM on the
-exactly up-cast operands followed by one round-to-nearest-even cast: that is what
-``Bf16GemmsAsFp32`` does, below autograd, so forward and backward products are both
-covered and the model code is untouched. It covers the ops the models' matmuls
-dispatch to (``mm``, ``addmm``, ``bmm``, ``baddbmm``: linear layers, GPT-2's Conv1D,
-the output layer, eager attention's two products) and the CPU flash attention
-forward and backward that ``scaled_dot_product_attention`` runs (computed in fp32 on
-the up-cast inputs, outputs rounded to bf16, the log-sum-exp kept in fp32 as the
-native kernel does). Only the accumulation order differs from a native bf16 GEMM, so
-results agree to fp32 accumulation error before the final rounding.
-
-``train.cpu_bf16_gemm``: ``native`` keeps torch's kernels, ``fp32`` emulates, ``auto``
-times one bf16 GEMM against its emulation at start-up (a few milliseconds) and takes
-the faster. CUDA runs and runs without bf16 compute are never affected. The dispatch
-mode stops Dynamo from tracing, so a compiled model (``train.compile=true``) gets the
-same arithmetic from decompositions given to TorchInductor instead
-(``compile_backend``).
+A bf16 GEMM on a GPU (or with AMX) multiplies the bf16 operands exactly, accumulates in
+fp32 and rounds the result to bf16 once: the same arithmetic is an fp32 GEMM on the
+exactly up-cast operands followed by one round-to-nearest-even cast. ``Bf16GemmsAsFp32``
+does that below autograd (forward and backward products; model code untouched) for
+``mm``, ``addmm``, ``bmm``, ``baddbmm`` and the CPU flash attention forward and backward;
+only the accumulation order differs from a native bf16 GEMM. ``train.cpu_bf16_gemm``:
+``native`` keeps torch's kernels, ``fp32`` emulates, ``auto`` times one bf16 GEMM against
+its emulation at start-up and takes the faster. CUDA runs and runs without bf16 compute
+are never affected; a compiled model (``train.compile=true``) gets the same arithmetic
+from decompositions given to TorchInductor (``compile_backend``).
+Why, which CPUs, what it costs: docs/design.md, "bf16 products on CPUs without fast bf16".
 """
 
 from __future__ import annotations

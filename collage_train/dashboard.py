@@ -1,20 +1,14 @@
 """A W&B workspace for a study: ``python -m collage_train.dashboard --entity E --project P``.
 
 Builds, with W&B's own ``wandb-workspaces`` library, a saved workspace whose sections
-answer a precision study's questions, the runs grouped by strategy
-(``precision.name``) and, with ``--group``, kept to those W&B groups (a sweep's, say):
-
-- loss: training and validation loss and validation bits per byte against tokens;
-- descent quality: EDQ (normalised) and the lost-update fraction, the whole model and
-  each layer group (Collage paper, section 4; docs/strategies.md);
-- memory: the step's peak memory, and the optimizer-state bytes per parameter;
-- throughput: tokens/s and MFU;
-- stability: the gradient norm and the skipped steps.
-
-Every metric name is the one ``metrics.sinks.WandbSink`` logs (``metrics.sinks.wandb_key``).
-``--dry-run FILE`` writes the workspace definition as JSON and contacts no host; without
-it the workspace is saved to W&B (``wandb login`` first), or with ``--url`` the saved
-workspace at that address is updated in place.
+answer a precision study's questions (loss; descent quality, EDQ and the lost-update
+fraction per layer group, Collage paper section 4; memory; throughput; stability), the
+runs grouped by strategy (``precision.name``) and, with ``--group``, kept to those W&B
+groups. Every metric name is the one ``metrics.sinks.WandbSink`` logs
+(``metrics.sinks.wandb_key``). ``--dry-run FILE`` writes the workspace definition as JSON
+and contacts no host; without it the workspace is saved to W&B (``wandb login`` first), or
+with ``--url`` the saved workspace at that address is updated in place.
+Each section's panels: docs/wandb.md, "A workspace for a study".
 """
 
 from __future__ import annotations

@@ -106,3 +106,51 @@ def test_wandb_runs_group_and_overlay_by_strategy(tmp_path, monkeypatch):
         assert set(sink.run.tags) == {"mine", "collage_plus", "gpt_tiny", "zero2"}
     finally:
         sink.close()
+
+
+def _branch_dir(root, name, parent, lr, losses, val):
+    """A branch's records as a run writes them (metrics.jsonl, summary.json with its
+    lineage, .hydra/config.yaml), from step 4 of ``parent``."""
+    run = root / name
+    (run / ".hydra").mkdir(parents=True)
+    lines = [json.dumps({"step": step, "loss": loss}) for step, loss in losses.items()]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    lineage = {"parent_run_dir": str(parent), "checkpoint": f"{parent}/checkpoints/step-4",
+               "step": 4, "data_seed": None, "changed": [], "group": "g"}  # fmt: skip
+    summary = {"precision": "mixed_fp32", "final_val_loss": val, "branch": lineage}
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "branch.json").write_text(json.dumps(lineage))
+    (run / ".hydra" / "config.yaml").write_text(
+        f"optim:\n  lr: {lr}\nprecision:\n  name: mixed_fp32\n"
+    )
+    return run
+
+
+def test_branches_are_paired_against_the_reference_at_the_same_steps(tmp_path, capsys):
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    (parent / "metrics.jsonl").write_text(
+        "\n".join(json.dumps({"step": s, "loss": 6.0 - 0.1 * s}) for s in range(1, 9)) + "\n"
+    )
+    a = _branch_dir(tmp_path, "a", parent, 0.001, {5: 5.50, 6: 5.25, 7: 5.0}, 5.1)
+    b = _branch_dir(tmp_path, "b", parent, 0.003, {5: 5.25, 6: 5.5, 8: 4.0}, 5.4)
+    _branch_dir(tmp_path, "c", parent, 0.01, {5: 6.0, 6: 6.0, 7: 6.0}, 6.5)
+    out = tmp_path / "cmp"
+    assert compare.main([str(parent), "--search", str(tmp_path), "--out", str(out),
+                         "--reference", "lr=0.003"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    rows = [r.split("|")[1:-1] for r in (out / "paired.md").read_text().splitlines()[2:]]
+    assert [[cell.strip() for cell in row] for row in rows] == [
+        # a - b at steps 5 and 6 (float64): +0.25 and -0.25
+        [f"{parent} @ 4", "mixed_fp32, lr=0.001", "mixed_fp32, lr=0.003", "5-6",
+         "-0.2500", "+0.0000", "-0.3000"],
+        [f"{parent} @ 4", "mixed_fp32, lr=0.01", "mixed_fp32, lr=0.003", "5-6",
+         "+0.5000", "+0.6250", "+1.1000"],
+    ]  # fmt: skip
+    assert "| branch point | branch | reference |" in printed
+    assert (out / "paired.png").is_file()
+    assert printed.count("| 1: ") == 1 and "| 4: " in printed  # the parent and its 3 branches
+    capsys.readouterr()
+    assert compare.main([str(a), str(b), "--out", str(out), "--reference", "lr=9"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: --reference 'lr=9' names no branch of")

@@ -4,6 +4,7 @@ shared helpers in tests/support/ (docs/development.md, "Development")."""
 from __future__ import annotations
 
 import ast
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 PACKAGE = TESTS.parent / "collage_train"
+DOCS = TESTS.parent / "docs"
 OWN_FOLDERS = {"scripts", "support"}
 
 
@@ -45,3 +47,49 @@ MAX_TOP_LEVEL_MODULES = 16
 def test_the_package_top_level_holds_at_most_16_modules():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+
+
+# A module docstring says what the module is for and its contract; the reasoning,
+# measurements and alternatives weighed live in docs/, under a heading the docstring names
+# (docs/development.md, "Development").
+MAX_MODULE_DOCSTRING_LINES = 15
+# docs/design.md, "The chunked loss head": a page and one of its headings, in double quotes
+CITED_HEADING = re.compile(r'docs/([\w-]+\.md),\s+"([^"]+)"')
+
+
+def test_every_module_docstring_is_at_most_15_lines():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        if len(doc.splitlines()) > MAX_MODULE_DOCSTRING_LINES:
+            offenders.append(f"{path.relative_to(PACKAGE.parent)} ({len(doc.splitlines())})")
+    assert not offenders, (
+        f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (move the reasoning to"
+        f" docs/ and name its heading): {', '.join(offenders)}"
+    )
+
+
+def heading_text(text: str) -> str:
+    """A heading or a citation of it, compared without backticks and line breaks."""
+    return " ".join(text.replace("`", "").split())
+
+
+def headings(page: Path) -> set[str]:
+    if not page.exists():
+        return set()
+    return {
+        heading_text(line.lstrip("#"))
+        for line in page.read_text().splitlines()
+        if line.startswith("#")
+    }
+
+
+def test_cited_doc_headings_exist():
+    """Each ``docs/PAGE.md, "Heading"`` in the package's sources names a heading there."""
+    missing = [
+        f'{path.relative_to(PACKAGE.parent)}: docs/{page}, "{cited}"'
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for page, cited in CITED_HEADING.findall(path.read_text())
+        if heading_text(cited) not in headings(DOCS / page)
+    ]
+    assert not missing, missing

@@ -5,24 +5,14 @@ flushed to disk, and renamed into place in one step: a crash mid-write leaves on
 hidden ``.step-N.tmp`` directory, never a ``step-N`` that looks complete. Only
 directories holding ``meta.json`` (written last) count as checkpoints.
 
-``meta.json`` lists every other file of the checkpoint with its size and CRC-32
-(``files``), computed after the files were written (under ZeRO each rank checksums a
-share of the files: ``manifest_share``). ``damage`` checks a checkpoint against that
-list, so that a resume can tell a complete checkpoint from one truncated or altered
-since, and take the newest intact one (``collage_train.run.resume``).
-
-No checkpoint file is ever unpickled with code execution allowed: our own files load
-with ``weights_only=True``, and every ``.pt`` file of a checkpoint, DeepSpeed's shards
-included (DeepSpeed 0.19.8 opens them with ``weights_only=False``), is first verified
-with the same restricted unpickler, which admits tensors, plain containers and only the
-three record classes DeepSpeed writes (``verify_checkpoint_files``).
-
-The rest of the package reads a checkpoint of any layout per parameter for an elastic
-resume (``full_state``, into ``param_state.FullState``, with ``pieces`` saying where each
-parameter's elements lie on each rank) and writes any checkpoint in the rank-independent
-layout (``universal``) or in an engine's own layout (``native``, ``native_spec`` and
-``zero_layout``: DeepSpeed ZeRO-1/2/3 on N ranks, one process), both through
-``python -m collage_train.checkpoint convert``.
+``meta.json`` lists every other file with its size and CRC-32 (``files``; under ZeRO each
+rank checksums a share: ``manifest_share``); ``damage`` checks a checkpoint against it, so
+a resume takes the newest intact one (``collage_train.run.resume``). No checkpoint file is
+unpickled with code execution allowed: every ``.pt`` file, DeepSpeed's shards included, is
+first verified with a restricted unpickler (``verify_checkpoint_files``). ``full_state``
+reads any layout per parameter (``whole_tensor``: per-block state per element); ``universal``
+and ``native`` write the others (``python -m collage_train.checkpoint convert``).
+The layouts and the conversions: docs/design.md, "Checkpoint layouts".
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
 """``python -m collage_train.checkpoint convert SRC OUT [--to LAYOUT] [--world-size N]
 [--precision NAME]``: any checkpoint into another layout, or another strategy's state.
 
-``--to universal`` (the default) writes the rank-independent layout
-(``collage_train.checkpoint.universal``) that every engine resumes from on any number of
-ranks; ``--to zero1|zero2|zero3 --world-size N`` writes DeepSpeed's own ZeRO layout for N
-ranks, and ``--to unsharded`` the one-process layout (``collage_train.checkpoint.native``),
-which those engines load directly, without resharding. ``--precision NAME`` writes the
-state as strategy NAME holds it, in the universal layout (a switch of strategy,
-``collage_train.checkpoint.switch``), and prints one line saying what was converted and
-the largest relative error it measured.
+``--to universal`` (the default) writes the rank-independent layout (``universal``) that
+every engine resumes from on any number of ranks; ``--to zero1|zero2|zero3 --world-size N``
+and ``--to unsharded`` write an engine's own layout (``native``), loaded without
+resharding. ``--precision NAME`` writes the state as strategy NAME holds it, universal
+layout, and prints the switch's one line (``switch``; docs/runs.md, "Switching strategy
+on resume").
 
-SRC is a ``checkpoints/step-N`` directory or a run directory (its newest checkpoint), in any
-layout; OUT must not exist. SRC is checked against its recorded sizes and CRC-32s and its
-pickled files against the restricted unpickler before anything is read, and is never
-changed. At most one parameter's state is read into memory at a time (the ZeRO and
-one-process writers hold the output file being filled; ``native`` bounds it). Bad input
-ends in one ``error:`` line and exit status 2.
+SRC is a ``checkpoints/step-N`` directory or a run directory (its newest checkpoint); OUT
+must not exist. SRC is checked against its CRC-32s and the restricted unpickler first and
+never changed; at most one parameter's state is in memory at a time. Bad input ends in one
+``error:`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from typing import NoReturn
 
 from collage_train import checkpoint
 from collage_train.checkpoint import native
-from collage_train.checkpoint.full_state import layout_of, open_full_state
+from collage_train.checkpoint.full_state import open_full_state
 from collage_train.checkpoint.switch import (
     SWITCHED,
     betas_of,
@@ -46,7 +42,6 @@ from collage_train.errors import (
     first_line,
 )
 from collage_train.precision import get_strategy
-from collage_train.precision.base import NOT_RESHARDED
 
 LAYOUTS = (UNIVERSAL, *native.ENGINES)
 
@@ -91,33 +86,14 @@ def convert(
     if why:
         raise CheckpointError(f"{source} is damaged: {why}")
     checkpoint.verify_checkpoint_files(source)
-    meta = checkpoint.read_meta(source)
     if precision is not None:
-        written = str(meta.get("precision"))
+        written = str(checkpoint.read_meta(source).get("precision"))
         check_switch(written, str(get_strategy(precision).name))
-        _check_whole_tensors(meta, written, precision)
         return _write_switched(source, out, written, precision, announce)
-    native.check_reshards(meta)
     if to == UNIVERSAL:
         return write_universal(source, open_full_state(source), out)
     target = native.check_target(checkpoint.read_meta(source), to, world_size)
     return native.write_native(source, open_full_state(source), out, target)
-
-
-def _check_whole_tensors(meta: dict, written: str, precision: str) -> None:
-    """Refuse, in one line, a conversion the universal layout cannot carry: state cut per
-    tensor the optimizer steps, read from a ZeRO layout or written for a resume."""
-    if not get_strategy(written).reshards and layout_of(meta) != "unsharded":
-        raise ConfigError(
-            f"precision={written} converts only from a one-process checkpoint "
-            f"({NOT_RESHARDED}): not converted"
-        )
-    if not get_strategy(precision).reshards:
-        raise ConfigError(
-            f"precision={precision} resumes only on the engine and processes that wrote its "
-            f"checkpoint, not from the universal layout ({NOT_RESHARDED}); switch to it on "
-            f"resume instead: train.resume=true precision={precision}"
-        )
 
 
 def _write_switched(

@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from collage_train import checkpoint
+from collage_train.checkpoint import whole_tensor
 from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState
 from collage_train.checkpoint.pieces import (
     Piece,
@@ -36,6 +37,7 @@ from collage_train.checkpoint.pieces import (
 from collage_train.checkpoint.universal import UNIVERSAL, read_trainer_state
 from collage_train.config.schema import current_choice
 from collage_train.errors import CheckpointError
+from collage_train.scalify.params import SCALE_SUFFIX
 
 ZERO_ENGINES = ("zero1", "zero2", "zero3")
 
@@ -78,11 +80,14 @@ def _single(path: Path, names_by_index: list[str] | None) -> FullState:
 
     def read(name: str, start: int, stop: int) -> dict[str, torch.Tensor]:
         out = {"weight": model[name].reshape(-1)[start:stop].clone()}
-        for key, value in state_of[name].items():
-            if key in INDEX_COMPONENTS:
-                out[key] = _slice_index(value, start, stop, 0)
-            elif torch.is_tensor(value) and value.dim() > 0:
-                out[key] = value.reshape(-1)[start:stop].clone()
+        scale = model.get(name + SCALE_SUFFIX)  # a scalify parameter's scale buffer
+        if scale is not None:
+            out["weight_scale"] = whole_tensor.scale_buffer(scale, stop - start)
+        state = state_of[name]
+        out.update(whole_tensor.element_range(state, start, stop))
+        for key in INDEX_COMPONENTS:
+            if key in state:
+                out[key] = _slice_index(state[key], start, stop, 0)
         return out
 
     steps = {name: int(state.get("step", 0)) for name, state in state_of.items()}
@@ -136,13 +141,13 @@ def _zero(path: Path, stage: int, world_size: int) -> FullState:
             flat_hi = flat_lo + hi - lo
             group = states[rank][piece.group]
             parts.setdefault("master", []).append(masters[rank][piece.group][flat_lo:flat_hi])
-            for key, value in group.items():
-                if key in INDEX_COMPONENTS:
+            for key, value in whole_tensor.element_range(group, flat_lo, flat_hi).items():
+                parts.setdefault(key, []).append(value)
+            for key in INDEX_COMPONENTS:
+                if key in group:
                     parts.setdefault(key, []).append(
-                        _slice_index(value, flat_lo, flat_hi, lo - start)
+                        _slice_index(group[key], flat_lo, flat_hi, lo - start)
                     )
-                elif torch.is_tensor(value) and value.dim() > 0:
-                    parts.setdefault(key, []).append(value[flat_lo:flat_hi])
         out = {key: torch.cat(values) for key, values in parts.items()}
         _weight_and_master(out, weight_dtype)
         return out

@@ -1,31 +1,15 @@
 """Any checkpoint written in an engine's own layout: DeepSpeed ZeRO-1/2/3 on N ranks, or one
 process (``unsharded``), as that engine's ``save`` would have written it on that many ranks.
 
-The engine's own loader then reads it (``engine.load``: a plain, non-elastic resume with
-that engine and number of ranks), and so do DeepSpeed's tools (``zero_to_fp32``). Input is
-any checkpoint ``full_state`` reads (one process, ZeRO-k on M ranks, the universal layout).
-The one-process files are ``engine.single``'s (``model.pt``, ``optimizer.pt`` with
-``param_names``, ``trainer.pt``); DeepSpeed's are described in ``zero_layout``.
-
-What the engine would have held is rebuilt from the checkpoint's record of the run: the
-parameter groups are the trainer's (``optim.decay_param_groups`` of the model rebuilt on the
-meta device from ``model_config.json``, which also names tied weights), their hyperparameters
-those of the strategy's optimizer built from the recorded config (the trainer sets the
-learning rate again before every step). ``meta.json`` says that engine on that many ranks
-wrote it (``distributed``, ``world_size``, the config's ``distributed``), so that a resume with
-them takes the engine's own loader; ``converted_from`` names the source. Every rank resumes
-rank 0's trainer state (step, loader position with the new world size, RNG), as DeepSpeed's
-one model-states file gives every rank at stages 1-2. A target the run could not resume on
-(a strategy that does not run under ZeRO, a global batch that does not split over the
-ranks, replicas, DeepSpeed settings that move elements within its partitions) is refused in
-one line before anything is written.
-
-Memory: the source is read one parameter (or one rank's piece of it) at a time; what is held
-is one output file's tensors while they are filled: for ZeRO one rank's flat partitions with
-their optimizer state (the run's state bytes per parameter / N, what that rank holds when it
-trains) and, at stages 1-2, the weights in their own dtype; for one process the whole model
-state, as the one process that resumes it holds. Writes are atomic: a hidden temporary
-directory, ``meta.json`` last (``checkpoint.seal``), then a rename.
+Input is any checkpoint ``full_state`` reads; the engine's own loader then reads the
+output (``engine.load``: a plain, non-elastic resume with that engine and number of
+ranks), and so do DeepSpeed's tools (``zero_to_fp32``). The one-process files are
+``engine.single``'s, DeepSpeed's ``zero_layout``'s. What the engine would have held is
+rebuilt from the checkpoint's record of the run; ``meta.json`` says that engine on that
+many ranks wrote it, ``converted_from`` names the source. A target the run could not
+resume on is refused in one line before anything is written. The source is read one
+parameter (or one rank's piece of it) at a time; writes are atomic (``checkpoint.seal``).
+What is rebuilt from what, and what is held: docs/design.md, "Checkpoint layouts".
 """
 
 from __future__ import annotations
@@ -41,6 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from collage_train import checkpoint
+from collage_train.checkpoint import whole_tensor
 from collage_train.checkpoint.full_state import ZERO_ENGINES
 from collage_train.checkpoint.native_spec import ModelLayout, Target
 from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState
@@ -50,25 +35,11 @@ from collage_train.config.schema import current_choice
 from collage_train.errors import CheckpointError, ConfigError
 from collage_train.optim.param_groups import decay_param_groups
 from collage_train.precision import PrecisionStrategy, strategy_for
-from collage_train.precision.base import NOT_RESHARDED
+from collage_train.scalify.params import SCALE_SUFFIX
 
 ENGINES = ("unsharded", *ZERO_ENGINES)
 # zero_optimization settings that put elements elsewhere in DeepSpeed's flat partitions
 MOVES_ELEMENTS = ("round_robin_gradients", "parameter_alignment")
-
-
-def check_reshards(meta: dict[str, Any]) -> None:
-    """Refuse, in one line, to convert a checkpoint whose strategy does not reshard (its
-    optimizer state is cut by the writer's layout); run/resume.py refuses to reshard it too."""
-    config = meta.get("config")
-    if not isinstance(config, dict) or "precision" not in config:
-        return  # nothing says which strategy wrote it: read per element as before
-    strategy = strategy_for(OmegaConf.create(config["precision"]))
-    if not strategy.reshards:
-        raise ConfigError(
-            f"precision={strategy.name} resumes only on the engine and processes that wrote "
-            f"it ({NOT_RESHARDED}): not converted"
-        )
 
 
 def check_target(meta: dict[str, Any], engine: str, world_size: int | None) -> Target:
@@ -95,7 +66,8 @@ def check_target(meta: dict[str, Any], engine: str, world_size: int | None) -> T
             f"the checkpoint was written by comm={comm} replicas, each with a state of its own; "
             "it resumes only with the replicas that wrote it"
         )
-    check_reshards(meta)
+    if engine in ZERO_ENGINES:  # e.g. scalify: fp16 parameters DeepSpeed cannot shard
+        strategy_for(OmegaConf.create(config["precision"])).check_engine(engine)
     global_batch = int(config["train"]["global_batch_size"])
     micro_batch = int(config["train"]["micro_batch_size"])
     if global_batch % (micro_batch * world_size):
@@ -177,19 +149,36 @@ def _trainer_state(state: FullState, target: Target) -> dict[str, Any]:
     return trainer
 
 
+def _module_state(
+    layout: ModelLayout, weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]
+) -> OrderedDict[str, torch.Tensor]:
+    """The module's state dict: each weight under every name of it, and after it the scale
+    buffer of a ``scalify`` parameter (``scalify.params``: one per holding module)."""
+    module: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for key in layout.keys:
+        name = layout.aliases.get(key, key)
+        module[key] = weights[name]
+        if name in scales:
+            module[key + SCALE_SUFFIX] = scales[name]
+    return module
+
+
 def _write_unsharded(
     tmp: Path, state: FullState, layout: ModelLayout, trainer: dict[str, Any]
 ) -> None:
     """``model.pt``, ``optimizer.pt`` and ``trainer.pt`` as ``engine.single`` saves them."""
-    weights, entries = {}, {}
+    weights, scales, entries = {}, {}, {}
     names = [name for group in layout.groups for name in group]
     for index, name in enumerate(names):
-        components, shape = state.read(name), layout.shapes[name]
+        components, shape = whole_tensor.compact(state.read(name)), layout.shapes[name]
         weights[name] = components.pop("weight").view(shape)
+        if "weight_scale" in components:  # a scalify parameter's scale: a model buffer
+            scales[name] = components.pop("weight_scale")
         if components:
             entry: dict[str, Any] = {"step": state.steps[name]}
             for key, value in components.items():
-                entry[key] = value if key in INDEX_COMPONENTS else value.view(shape)
+                kept = key in INDEX_COMPONENTS or key in whole_tensor.LAYOUT_KEYS
+                entry[key] = value if kept else value.view(shape)
             entries[index] = entry
     starts = [sum(len(group) for group in layout.groups[:g]) for g in range(len(layout.groups))]
     groups = [
@@ -199,9 +188,7 @@ def _write_unsharded(
     checkpoint.write_tensors(
         tmp,
         {
-            "model": OrderedDict(
-                (key, weights[layout.aliases.get(key, key)]) for key in layout.keys
-            ),
+            "model": _module_state(layout, weights, scales),
             "optimizer": {"state": entries, "param_groups": groups, "param_names": names},
             "trainer": trainer,
         },
@@ -260,10 +247,12 @@ def describe(out: Path) -> str:
     if max(int(source["world_size"]), world) > 1:
         lost.append("per-rank RNG streams (every rank continues from rank 0's generator)")
     precision = meta.get("config", {}).get("precision")
-    if precision and strategy_for(OmegaConf.create(precision)).optimizer.kind == (
-        "stochastic_rounding"
-    ):  # a stream names a tensor of the writer's layout (optim.rounding_noise)
+    spec = strategy_for(OmegaConf.create(precision)).optimizer if precision else None
+    if spec and (spec.kind == "stochastic_rounding" or spec.fused_mode == "light_blockwise8"):
+        # a stream names a tensor of the writer's layout (optim.rounding_noise)
         lost.append("stochastic-rounding streams (each tensor there draws a new one)")
+    if spec and spec.moments == "blockwise8":
+        lost.append(whole_tensor.EIGHT_BIT_RECUT)
     return (
         f"wrote {out} (distributed={engine} on {world} rank(s), the engine's own layout: it "
         f"resumes there without resharding); carried over: {', '.join(meta.get('holds', []))}, "

@@ -1,19 +1,14 @@
 """``FullState``: a checkpoint's state of each parameter, whatever layout wrote it.
 
 The one interface between the readers of every layout (``full_state.open_full_state``) and
-what consumes their state: the layout writers (``universal``, ``native``, ``zero_layout``)
-and the engines' elastic resume (``load_full``). ``read(name, start, stop)`` returns, for
-elements ``[start, stop)`` of the flattened parameter ``name``, one 1-D tensor per
-component:
-
-- ``weight``: what the model computes with, in the model's dtype;
-- ``master``: the fp32 master, only where the strategy keeps one apart from the weight
-  (mixed_fp32: the optimizer's ``master`` in one process, DeepSpeed's fp32 partition
-  under ZeRO);
-- every optimizer-state tensor under its own name (``exp_avg``, ``exp_avg_sq``,
-  Collage's ``dtheta`` and ``dv``, split_fp32's ``remainder``), in its saved dtype;
-- ``remainder_ties`` (split_fp32): the tie positions inside the range, as indices from
-  ``start`` (the components named in ``INDEX_COMPONENTS``).
+its consumers: the layout writers (``universal``, ``native``, ``zero_layout``) and the
+engines' elastic resume (``load_full``). ``read(name, start, stop)`` returns, for elements
+``[start, stop)`` of the flattened parameter ``name``, one 1-D tensor per component:
+``weight`` (the model's dtype); ``master`` where the strategy keeps an fp32 master apart
+from the weight; every optimizer-state tensor under its own name, in its saved dtype;
+``remainder_ties`` (split_fp32: tie positions as indices from ``start``, the components of
+``INDEX_COMPONENTS``); and state kept per block or per piece as one fp32 value per element
+(``whole_tensor``).
 """
 
 from __future__ import annotations

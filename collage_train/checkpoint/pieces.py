@@ -1,28 +1,17 @@
 """Where each parameter's elements lie in the flat tensors an optimizer updates.
 
-A ``Piece`` says that elements ``[param_start, param_start + numel)`` of the flattened
-parameter ``name`` sit at ``[flat_start, flat_start + numel)`` of flat tensor ``group`` of
-one rank. Every layout is a list of pieces per rank:
-
-- one process: each parameter is its own flat tensor, one piece covering it whole;
-- ZeRO stages 1 and 2: each parameter group is concatenated, padded at its end to a
-  multiple of 2 x N elements (DeepSpeed's 4-byte alignment of 16-bit elements, times the
-  N ranks) and cut into N equal partitions, so a parameter may be split between ranks;
-  DeepSpeed records each rank's fragments (``param_slice_mappings``: start in the rank's
-  partition and length) in flat order, and a parameter's fragments over the ranks, in
-  rank order, tile it;
-- ZeRO stage 3: each parameter is cut into ``ceil(numel / N)``-element shards (the last
-  one padded), and rank ``r``'s flat tensor concatenates shard ``r`` of each parameter of
-  the group, in the order of DeepSpeed's ``param_shapes``. DeepSpeed cuts a group into
-  sub-groups (each its own flat tensor) once its running partition size reaches
-  ``zero_optimization.sub_group_size`` (``zero3_sub_groups``).
-
-The ``*_rank_pieces`` functions compute where DeepSpeed puts each element for a given
-number of ranks, for writing a checkpoint in its layout (``checkpoint.native``).
-
 Invariant: over all ranks of a layout, the pieces of a parameter tile ``[0, numel)``
 exactly once; padding belongs to no piece. ``check_tiling`` refuses a layout that breaks
 this, so a checkpoint that does not describe this model is never silently misread.
+
+A ``Piece`` says that elements ``[param_start, param_start + numel)`` of the flattened
+parameter ``name`` sit at ``[flat_start, flat_start + numel)`` of flat tensor ``group`` of
+one rank. Every layout is a list of pieces per rank: one process (a piece per parameter),
+ZeRO stages 1-2 (DeepSpeed's ``param_slice_mappings``) and stage 3 (``ceil(numel / N)``
+shards per parameter, in sub-groups: ``zero3_sub_groups``). The ``*_rank_pieces``
+functions compute where DeepSpeed puts each element for a given number of ranks, for
+writing a checkpoint in its layout (``checkpoint.native``).
+Each layout's arithmetic: docs/design.md, "Checkpoint layouts".
 """
 
 from __future__ import annotations
@@ -161,3 +150,18 @@ def check_tiling(layout: Iterable[list[Piece]], numels: dict[str, int], where: s
 def overlapping(pieces: list[Piece], name: str, start: int, stop: int) -> list[Piece]:
     """The pieces of ``name`` that hold any element of ``[start, stop)``."""
     return [p for p in pieces if p.name == name and p.param_start < stop and start < p.param_stop]
+
+
+def segment_lengths(pieces: Iterable[Piece], numel: int) -> list[int]:
+    """The lengths of the segments that one flat tensor of ``numel`` elements is cut into:
+    its ``pieces`` in flat order, each run of padding before, between or after them a
+    segment of its own (``optim.base.FlatPieces.lengths``, as ``ZeroEngine.flat_pieces``)."""
+    lengths, position = [], 0
+    for piece in sorted(pieces, key=lambda piece: piece.flat_start):
+        if piece.flat_start > position:
+            lengths.append(piece.flat_start - position)
+        lengths.append(piece.numel)
+        position = piece.flat_start + piece.numel
+    if numel > position:
+        lengths.append(numel - position)
+    return lengths

@@ -1,23 +1,17 @@
 """The rank-independent checkpoint layout: one safetensors file of full tensors per parameter.
 
-A directory in this layout holds:
-
-- ``params/NAME.safetensors``: parameter ``NAME``'s components (``weight``, ``master``
-  where kept, every optimizer-state tensor, split_fp32's ``remainder_ties``), each the
-  full tensor flattened to 1-D in its saved dtype;
-- ``trainer.json`` and ``trainer.safetensors``: the trainer's client state (step, data
-  position, RNG), its tensors in the safetensors file;
-- ``model_config.json`` and ``tokenizer.model``, copied from the source;
-- ``meta.json``, written last: the source's metadata with ``layout: universal``,
-  ``converted_from`` (engine and ranks of the source), ``parameters`` (shape, optimizer
-  step and file of each) and ``files`` (size and CRC-32 of every file).
-
-Invariants: nothing in it is pickled, so reading it can run no code; it is written
-into a hidden temporary directory next to its final place and renamed into place after
+Invariants: nothing in it is pickled, so reading it can run no code; it is written into
+a hidden temporary directory next to its final place and renamed into place after
 ``meta.json`` (``checkpoint.seal``), as every checkpoint; the writer holds one
-parameter's state in memory at a time. Any engine resumes from it on any number of
-ranks (``collage_train.checkpoint.full_state``); its next checkpoint is again in that
-engine's own layout.
+parameter's state in memory at a time.
+
+A directory holds ``params/NAME.safetensors`` (each component of parameter ``NAME``, the
+full tensor flattened to 1-D in its saved dtype), ``trainer.json`` and
+``trainer.safetensors`` (the trainer's client state), ``model_config.json`` and
+``tokenizer.model`` copied from the source, and ``meta.json`` (``layout: universal``,
+``converted_from``, ``parameters``, ``files``). Any engine resumes from it on any number
+of ranks (``collage_train.checkpoint.full_state``); its next checkpoint is again in that
+engine's own layout. Every file: docs/distributed.md, "The rank-independent layout".
 """
 
 from __future__ import annotations

@@ -1,42 +1,16 @@
 """DeepSpeed's ZeRO checkpoint files for N ranks, written from per-parameter state.
 
-What DeepSpeed 0.19's ``save_checkpoint`` writes (``engine._save_checkpoint``,
-``_save_zero_checkpoint``; the optimizers' ``state_dict``), and so what this module writes:
-
-- stages 1-2, per rank R: ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` (``bf16_``
-  when bf16 is on) holding ``optimizer_state_dict``: ``loss_scaler`` (a static
-  ``LossScaler``, scale 1), ``dynamic_loss_scale``, ``overflow``, ``clip_grad``,
-  ``base_optimizer_state`` (the client optimizer's ``state_dict``: one flat tensor per
-  parameter group, its state tensors the whole partition, end padding included),
-  ``single_partition_of_fp32_groups`` (the partition's master, whatever its dtype, without
-  the group's end padding), ``zero_stage`` (``ZeroStageEnum``), ``group_paddings`` (the
-  rank's share of the end padding), ``param_alignment_paddings`` (zeros),
-  ``partition_count``, ``ds_version``, ``param_slice_mappings`` (per group, each parameter
-  on the rank -> ``fragment_address(numel, start in the partition)``); beside it
-  ``ds_config`` and ``ds_version``. One ``mp_rank_00_model_states.pt`` (rank 0): the
-  module's state dict (the weights; tied names too), ``buffer_names``, ``param_shapes``
-  (per group, in flat order), ``frozen_param_*`` (empty from stage 2 on, None at 1),
-  ``shared_params`` (tied name -> the parameter's name), DeepSpeed's counters
-  (``global_steps``, ``global_samples``, ``skipped_steps``: applied steps only, as the
-  engine keeps them, ``engine.zero``), ``dp_world_size``, the
-  parallel dimensions, ``ds_config``, ``ds_version``, and the client state
-  (``trainer``);
-- stage 3, per rank R: the optimizer file with ``zero_stage``, ``loss_scaler``,
-  ``dynamic_loss_scale``, ``overflow``, ``partition_count`` (a number),
-  ``optimizer_state_dict`` (the client optimizer's, one flat tensor per sub-group) and
-  ``fp32_flat_groups`` (the masters, shard R of each parameter, padded); and
-  ``zero_pp_rank_R_mp_rank_00_model_states.pt`` with the module's tensors empty (as
-  DeepSpeed saves partitioned weights), ``param_shapes`` per sub-group and
-  ``shared_params`` on rank 0 only.
-
-Where each element lies is ``pieces``' arithmetic. Checked against DeepSpeed itself: the
-files equal what it saves after loading them (1 rank, stages 1-3) and what a 2-rank ZeRO-2
-run saved (tests/checkpoint/test_convert_native.py, tests/engine/test_zero.py).
-
-Memory: each rank's flat partitions with their optimizer state are held while they are
-filled (the run's state bytes per parameter / N: what that rank holds when it trains), one
-rank at a time, from reads of one parameter's piece each; at stages 1-2 the weights in
-their own dtype too, as the one model-states file holds them all.
+Writes what DeepSpeed 0.19's ``save_checkpoint`` writes (``engine._save_checkpoint``,
+``_save_zero_checkpoint``; the optimizers' ``state_dict``): at stages 1-2, per rank R,
+``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` and one ``mp_rank_00_model_states.pt``
+(rank 0); at stage 3, per rank R, the optimizer file and
+``zero_pp_rank_R_mp_rank_00_model_states.pt``. Where each element lies is ``pieces``'
+arithmetic. Contract, checked against DeepSpeed itself: the files equal what it saves after
+loading them (1 rank, stages 1-3) and what a 2-rank ZeRO-2 run saved
+(tests/checkpoint/test_convert_native.py, tests/engine/test_zero.py). Memory: one rank's
+flat partitions with their optimizer state at a time (at stages 1-2 the weights in their
+own dtype too), filled from reads of one parameter's piece each.
+Every key of every file: docs/design.md, "Checkpoint layouts".
 """
 
 from __future__ import annotations
@@ -54,10 +28,12 @@ from typing import Any
 import torch
 
 from collage_train import checkpoint
+from collage_train.checkpoint import whole_tensor
 from collage_train.checkpoint.native_spec import ModelLayout, Target
 from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState, applied_steps
 from collage_train.checkpoint.pieces import (
     Piece,
+    segment_lengths,
     zero3_rank_pieces,
     zero3_sub_groups,
     zero12_partition_numel,
@@ -106,10 +82,11 @@ class _Partition:
     def __init__(self, numel: int, master_dtype: torch.dtype, template: dict[str, torch.Tensor]):
         self.master = torch.zeros(numel, dtype=master_dtype)
         self.state = {
-            key: torch.zeros(numel, dtype=value.dtype)
+            key: whole_tensor.blank(key, numel, value.dtype)
             for key, value in template.items()
             if key not in INDEX_COMPONENTS
         }
+        self.pieces: list[Piece] = []
         self.positions = {
             key: [value.new_empty(0)] for key, value in template.items() if key in INDEX_COMPONENTS
         }
@@ -124,6 +101,7 @@ class _Partition:
                 f"ZeRO partitions are {self.master.dtype}"
             )
         span = slice(piece.flat_start, piece.flat_start + piece.numel)
+        self.pieces.append(piece)
         self.master[span] = source
         for key, value in components.items():
             if key in self.positions:
@@ -135,11 +113,13 @@ class _Partition:
         return weight
 
     def optimizer_state(self, step: int) -> dict[str, Any] | None:
-        """The client optimizer's state of this flat tensor (None: it has none yet)."""
+        """The client optimizer's state of this flat tensor (None: it has none yet): 8-bit
+        blocks over it, Scalify's scales per piece (``whole_tensor.compact``)."""
         if not self.state and not self.positions:
             return None
         positions = {key: torch.cat(parts) for key, parts in self.positions.items()}
-        return {"step": step, **self.state, **positions}
+        lengths = torch.tensor(segment_lengths(self.pieces, self.master.numel()))
+        return {"step": step, **whole_tensor.compact(self.state, lengths), **positions}
 
 
 def _client_state_dict(

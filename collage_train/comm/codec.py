@@ -1,25 +1,15 @@
 """SparseLoCo codec: chunked top-k with 2-bit quantization, packed into one uint8 payload.
 
-Each tensor is flattened to fp32, zero-padded to a multiple of ``chunk`` and viewed as
-``[n_chunks, chunk]``. Per chunk the ``k`` entries of largest ``|value|`` are kept, in
-ascending index order. The tensor's kept values are quantized together: with
-``sigma = sqrt(mean(v**2))`` (float64), ``2**bits`` equal-width bins span
-``[-3 sigma, 3 sigma]`` (values outside fall in the end bins), and a value decodes to
-the mean of the kept values in its bin (an empty bin to its centre; 0 if sigma is 0).
-
-Wire format: the tensors' sections back to back, in order; a tensor with no elements
-has an empty section. A section is, each part padded to a whole byte:
-
-    indices  n_chunks*k within-chunk indices, index_bits = max(1, ceil(log2(chunk))) each
-    codes    n_chunks*k bin numbers, ``bits`` each
-    means    2**bits bin means, fp32 little-endian
-
-``bits=32`` switches quantization off: the codes part then holds the kept values
-themselves as fp32 (little-endian) and there are no means. With ``k == chunk`` as well
-the codec is lossless, which is how SparseLoCo reduces exactly to dense DiLoCo in tests.
-
-Integers are packed little-endian bit first (``pack_bits``). Encoding and decoding are
-deterministic: the same input gives the same bytes and the same decoded tensors.
+Each tensor is flattened to fp32 and zero-padded to a multiple of ``chunk``; per chunk the
+``k`` entries of largest ``|value|`` are kept, in ascending index order. A tensor's kept
+values are quantized together into ``2**bits`` equal-width bins over
+``[-3 sigma, 3 sigma]`` (``sigma`` their float64 RMS), a value decoding to its bin's mean.
+``bits=32`` sends the kept values as fp32; with ``k == chunk`` too the codec is lossless
+(SparseLoCo then reduces exactly to dense DiLoCo). The payload is the tensors' sections
+back to back: indices, codes and bin means, each part padded to a whole byte, integers
+packed little-endian bit first (``pack_bits``). Contract: deterministic, the same input
+gives the same bytes and the same decoded tensors.
+The wire format, part by part: docs/distributed.md, "The outer step and its payload".
 """
 
 from __future__ import annotations

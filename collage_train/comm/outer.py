@@ -1,23 +1,17 @@
 """The outer step of DiLoCo and SparseLoCo as pure functions on lists of fp32 tensors.
 
-One outer step of replica r of R (DiLoCo: Douillard et al., 2023; SparseLoCo: its
-top-k, 2-bit error-feedback variant; docs/distributed.md), after its H inner steps:
-
-1. pseudo-gradient ``D_r = x - x_r``: ``x`` the shared weights, ``x_r`` the replica's
-   full-precision weights now (``pseudo_gradients``);
-2. the replica's payload (``make_payload``): DiLoCo sends ``D_r`` as dense fp32 bytes;
-   SparseLoCo folds it into its error feedback, ``acc = beta * e_r + D_r``, sends the
-   codec's chunked top-k, quantized ``acc`` and keeps ``e_r = acc - decoded``;
-3. every replica decodes all R payloads in rank order, sums them in that order and
-   divides by R (``mean_in_rank_order``);
-4. outer SGD on the shared weights (``outer_sgd_``): with momentum ``mu`` a buffer
-   ``b = mu * b + avg`` and the step ``avg + mu * b`` (Nesterov) or ``b``; without
-   momentum the step is ``avg``; ``x <- x - lr * step``.
-
-Every replica runs the same operations on the same bytes in the same order, so the
-shared weights (and the momentum) stay bit-identical; ``checksum`` is a cheap summary
-to compare across replicas. The functions know nothing of processes: the replica
-engine feeds them gathered payloads, a single-process simulation feeds them a list.
+After its H inner steps, replica r of R takes its pseudo-gradient ``D_r = x - x_r``
+(``pseudo_gradients``) and makes its payload (``make_payload``: DiLoCo the dense fp32
+``D_r``, SparseLoCo the codec's top-k of ``beta * e_r + D_r``, keeping the error feedback
+``e_r``); every replica decodes all R payloads and averages them in rank order
+(``mean_in_rank_order``), then steps the shared weights ``x`` by outer SGD
+(``outer_sgd_``, with or without Nesterov momentum). Contract: every replica runs the
+same operations on the same bytes in the same order, so the shared weights (and the
+momentum) stay bit-identical; ``checksum`` is a cheap summary to compare across replicas.
+The functions know nothing of processes: the replica engine feeds them gathered
+payloads, a single-process simulation feeds them a list.
+Each step's formula (DiLoCo: Douillard et al., 2023; SparseLoCo): docs/distributed.md,
+"The outer step and its payload".
 """
 
 from __future__ import annotations

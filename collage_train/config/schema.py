@@ -7,13 +7,11 @@ can be told has one schema per kind of option (Hydra's schema-per-config-file pa
 each ``configs/<group>/<option>.yaml`` names its schema first in its defaults list (e.g.
 ``- /base_llama_model``), so Hydra refuses a setting the chosen option does not have
 (``model.num_kv_heads`` for a GPT model, ``comm.topk`` for DiLoCo). ``SCHEMAS`` lists them.
-
-Each field's default and its documentation (the string under it: an attribute docstring)
-live here; ``python -m collage_train.config.reference`` prints them and docs/config.md is
-generated from them. The YAML files under configs/ hold only what an option changes
+Each field's default and its documentation (the string under it) live here;
+``python -m collage_train.config.reference`` prints them and docs/config.md is generated
+from them. The YAML files under configs/ hold only what an option changes
 (tests/test_config_compose.py refuses a YAML value equal to the default here). Each
-builder receives only its own sub-config (``cfg.model``, ``cfg.data``, ...), never the
-whole tree.
+builder receives only its own sub-config (``cfg.model``, ``cfg.data``, ...), never the whole tree.
 """
 
 from __future__ import annotations
@@ -349,6 +347,14 @@ class TrainConfig:
     the disk."""
     resume: bool = False
     """Continue from the newest checkpoint in hydra.run.dir."""
+    branch_from: str | None = None
+    """A checkpoint of another run (RUN/checkpoints/step-N) that this new run starts from,
+    restored as a resume restores it, with any settings that do not define the run changed
+    (optim.*, train.max_steps, train.branch_data_seed...); its parent and step are recorded
+    in branch.json, summary.json and W&B (docs/runs.md, "Branching a run")."""
+    branch_data_seed: int | None = None
+    """With branch_from: a seed that reorders the data after the branch point (the parent's
+    unseen samples of the current epoch, then every later epoch). null: the parent's order."""
     export_hf: bool = True
     """Write hf/ (transformers format + tokenizer) at the end."""
     compile: bool = False

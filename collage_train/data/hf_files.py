@@ -4,16 +4,15 @@ transformers guesses wrong from a bare SentencePiece ``tokenizer.model``: it bui
 style tokenizer that drops whitespace and appends a new end-of-text token. So every export
 carries an explicit ``tokenizer.json`` (a Hugging Face ``tokenizers`` pipeline) and a
 ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast``, which loads that pipeline as is
-(``save_tokenizer`` writes them next to the tokenizer's own file).
-
-For a SentencePiece BPE model the pipeline is built here from the model's pieces: the
-spaces become ``▁`` (with a prefix ``▁`` only if the model adds one; our trained model does
-not), the model's own normalization map and whitespace collapsing are kept, the BPE model
-holds every piece with one merge per way of splitting it into two pieces, ranked by the
-piece's score (SentencePiece merges the highest-scoring adjacent pair first), unknown
-characters fall back to byte pieces, user-defined pieces (``"\\n"``) are atomic added
-tokens, and the control pieces (``<unk>``, ``<s>``, ``</s>``) are special tokens that
-literal text never produces (``split_special_tokens``), as in SentencePiece.
+(``save_tokenizer`` writes them next to the tokenizer's own file). For a SentencePiece BPE
+model the pipeline is built here from the model's pieces: the spaces become ``▁`` (with a
+prefix ``▁`` only if the model adds one; our trained model does not), the model's own
+normalization map and whitespace collapsing are kept, the BPE model holds every piece with
+one merge per way of splitting it into two pieces, ranked by the piece's score
+(SentencePiece merges the highest-scoring adjacent pair first), unknown characters fall
+back to byte pieces, user-defined pieces (``"\\n"``) are atomic added tokens, and the
+control pieces (``<unk>``, ``<s>``, ``</s>``) are special tokens that literal text never
+produces (``split_special_tokens``), as in SentencePiece.
 """
 
 from __future__ import annotations

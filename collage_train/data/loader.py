@@ -61,14 +61,42 @@ class SampleOrder:
 
     def __getitem__(self, index: slice) -> np.ndarray:
         start, stop, _ = index.indices(self.count)
+        return self.at(np.arange(start, stop, dtype=np.int64))
+
+    def at(self, indices: np.ndarray) -> np.ndarray:
+        """``order[i]`` for each ``i`` of ``indices`` (int64, each in ``[0, count)``)."""
         if not self.shuffle:
-            return np.arange(start, stop, dtype=np.int64)
-        values = self._encrypt(np.arange(start, stop, dtype=np.uint64))
+            return indices.astype(np.int64)
+        values = self._encrypt(indices.astype(np.uint64))
         outside = values >= self.count
         while outside.any():
             values[outside] = self._encrypt(values[outside])
             outside = values >= self.count
         return values.astype(np.int64)
+
+
+class ReorderedTail:
+    """``base`` with the entries in ``[start, end)`` visited in another seeded order: a run
+    branched mid-epoch with a data-order seed sees the parent's unseen samples of that epoch
+    (``end``: the epoch's served entries), each once, in the order of
+    ``SampleOrder(end - start, seed, epoch, salt=(start,))``."""
+
+    def __init__(
+        self, base: SampleOrder | ReorderedTail, start: int, end: int, seed: int, epoch: int
+    ) -> None:
+        self.base, self.start, self.end, self.count = base, start, end, base.count
+        self.tail = SampleOrder(end - start, seed, epoch, salt=(start,))
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        start, stop, _ = index.indices(self.count)
+        return self.at(np.arange(start, stop, dtype=np.int64))
+
+    def at(self, indices: np.ndarray) -> np.ndarray:
+        moved = (indices >= self.start) & (indices < self.end)
+        source = indices.astype(np.int64)
+        if moved.any():
+            source[moved] = self.start + self.tail.at(indices[moved] - self.start)
+        return self.base.at(source)
 
 
 def check_loader_shape(
@@ -129,6 +157,8 @@ class TokenLoader:
             )
         self._epoch = 0
         self._position = 0
+        # data-order seeds of branches (run.branch): {seed, epoch, position} each, oldest first
+        self._reorders: list[dict[str, int]] = []
         self._order = self._permutation(0)
 
     @property
@@ -146,9 +176,27 @@ class TokenLoader:
         """Samples this rank receives per epoch (the dropped incomplete batch excluded)."""
         return self.batches_per_epoch * self.batch_size
 
-    def _permutation(self, epoch: int) -> SampleOrder:
-        """Return the sample order of ``epoch`` (sliceable; nothing stored per sample)."""
-        return SampleOrder(self.num_samples, self.seed, epoch, shuffle=self.shuffle)
+    def _permutation(self, epoch: int) -> SampleOrder | ReorderedTail:
+        """Return the sample order of ``epoch`` (sliceable; nothing stored per sample): keyed
+        by ``(seed, epoch)`` and the data-order seeds of branches made in earlier epochs,
+        its tail reordered by those made within it (``reorder``)."""
+        earlier = tuple(r["seed"] for r in self._reorders if r["epoch"] < epoch)
+        order: SampleOrder | ReorderedTail = SampleOrder(
+            self.num_samples, self.seed, epoch, shuffle=self.shuffle, salt=earlier
+        )
+        for reorder in (r for r in self._reorders if r["epoch"] == epoch):
+            served = self.batches_per_epoch * self.global_batch_size
+            order = ReorderedTail(order, reorder["position"], served, reorder["seed"], epoch)
+        return order
+
+    def reorder(self, seed: int) -> None:
+        """From the next batch on, visit the samples in an order keyed by ``seed`` too: the
+        unseen samples of this epoch (each once), then every later epoch. Kept in the state,
+        so a resumed run continues in the new order."""
+        if seed < 0:
+            raise DataError(f"a data-order seed must be non-negative, got {seed}")
+        self._reorders.append({"seed": seed, "epoch": self._epoch, "position": self._position})
+        self._order = self._permutation(self._epoch)
 
     def next_batch(self) -> torch.Tensor:
         """Return this rank's next ``[batch_size, seq_len + 1]`` int64 batch and advance."""
@@ -183,6 +231,7 @@ class TokenLoader:
             "num_samples": self.num_samples,
             "seq_len": self.seq_len,
             "world_size": self.world_size,
+            **({"reorders": [dict(r) for r in self._reorders]} if self._reorders else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -204,6 +253,10 @@ class TokenLoader:
             )
         self._epoch = epoch
         self._position = position
+        self._reorders = [
+            {key: int(r[key]) for key in ("seed", "epoch", "position")}
+            for r in state.get("reorders", [])
+        ]
         self._order = self._permutation(epoch)
         self._roll_epoch_if_done()
 

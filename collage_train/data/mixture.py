@@ -5,15 +5,13 @@ optional ``label``), e.g. ``[{label: web, weight: 3, paths: [/data/web]}, {label
 weight: 1, paths: [/data/code]}]``; every other data setting (tokenizer, ``seq_len``,
 ``shard_tokens``, ``cache_dir``...) is shared. Each source is prepared into its own cache
 entry with the same tokenizer: ``data.tokenizer``, or one trained on the sources'
-documents interleaved by weight.
-
-``MixtureLoader`` draws sample ``g`` of the run (counted over the whole run, across
-epochs) from source ``i`` with probability ``weight_i / sum(weights)``, decided by a keyed
-hash of ``(seed, g)``: no stored schedule, the same on every rank, and rank-independent.
-The ``j``-th sample drawn from a source is that source's ``j mod n``-th sample in the
-order of its epoch ``j div n`` (``SampleOrder``, salted by the source's index). The state
-is the run position and the number of samples drawn from each source, so a resume
-continues bit for bit; ``tokens_per_source`` reports what each source has supplied.
+documents interleaved by weight. ``MixtureLoader`` draws sample ``g`` of the run (counted
+over the whole run, across epochs) from source ``i`` with probability ``weight_i /
+sum(weights)``, decided by a keyed hash of ``(seed, g)``: no stored schedule, the same on
+every rank, and rank-independent. The ``j``-th sample drawn from a source is its
+``j mod n``-th sample in the order of its epoch ``j div n`` (``SampleOrder``, salted by
+the source's index). The state is the run position and the samples drawn per source, so
+a resume continues bit for bit; ``tokens_per_source`` reports what each source supplied.
 """
 
 from __future__ import annotations

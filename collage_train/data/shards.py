@@ -6,14 +6,12 @@ every core by default) encode batches of documents; the main process appends the
 each document followed by the end-of-text id, to ``shards/NNNNNN.bin`` files of exactly
 ``data.shard_tokens`` tokens (the last one shorter). A shard is written under a temporary
 name and renamed, then its record ``NNNNNN.json`` (token count, first and next document
-position, document ends in ``NNNNNN.ends``) is written the same way: a shard counts only once
-its record exists. After a crash a new preparation keeps the complete shards and restarts
-from the position the last record names, so ``kill -9`` loses at most the shard in flight.
-``manifest.json`` is written last and atomically: its presence means the corpus is ready.
-
-One process prepares a given entry at a time (an ``flock`` on ``.lock``); a process that
-finds the entry locked, and the launched ranks that do not prepare, wait for the manifest
-while printing the preparer's progress (``collage_train.data.progress``).
+position, document ends in ``NNNNNN.ends``) the same way: a shard counts only once its
+record exists, so ``kill -9`` loses at most the shard in flight and a new preparation
+restarts from the position the last record names. ``manifest.json`` is written last and
+atomically: its presence means the corpus is ready. One process prepares an entry at a
+time (an ``flock`` on ``.lock``); the others, and the launched ranks that do not prepare,
+wait for the manifest while printing the preparer's progress (``collage_train.data.progress``).
 """
 
 from __future__ import annotations

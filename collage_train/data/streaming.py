@@ -1,22 +1,16 @@
 """Training batches read, tokenized and packed from a document stream on the fly.
 
-``data.streaming=true`` (with ``data=hf``) trains without preparing the stream into shards.
-Documents are numbered in stream order after the ``skip`` held out for validation at its
-head; rank ``r`` of ``W`` takes the documents ``i`` with ``i % W == r`` (its *share*; the
-shares are disjoint and together are the stream). Each document is encoded as the
-preparation encodes it (``shards.encode_task``: its tokens, then the end-of-text id) and
-appended to the rank's token stream, which is cut like ``TokenLoader`` cuts a prepared one:
-windows of ``seq_len + 1`` tokens at a stride of ``seq_len`` (consecutive windows share one
-token). A micro-batch is the rank's next ``batch_size`` windows, in stream order (no
-shuffling). When the share is exhausted its epoch ends and it is read again from the start;
-packing carries on across the boundary.
-
-The position is the first token of the next window, ``(epoch, document, offset)``: the
-document's number in the rank's share and the tokens of it already used. A resume reads past
-``document`` documents without tokenizing them, encodes the one it stops at and drops
-``offset`` tokens, so the batches that follow are bitwise those of an uninterrupted run.
-``state_dict`` holds every rank's position, gathered with one ``all_gather_object`` when a
-process group is up (DeepSpeed keeps only rank 0's trainer state); its call is collective.
+``data.streaming=true`` (with ``data=hf``) trains without preparing shards. After the
+``skip`` documents held out for validation, rank ``r`` of ``W`` takes the documents ``i``
+with ``i % W == r`` (its share), encodes each as the preparation does
+(``shards.encode_task``) and cuts its token stream as ``TokenLoader`` cuts a prepared one:
+windows of ``seq_len + 1`` tokens at a stride of ``seq_len``, in stream order; an
+exhausted share starts its next epoch, packing across the boundary. The position is
+``(epoch, document, offset)``; a resume reads past documents without tokenizing them, so
+the batches that follow are bitwise those of an uninterrupted run. ``state_dict`` holds
+every rank's position, gathered with one ``all_gather_object`` when a process group is up
+(DeepSpeed keeps only rank 0's trainer state): its call is collective.
+How and why: docs/design.md, "Data"; what a user sees: docs/data.md.
 """
 
 from __future__ import annotations

@@ -10,10 +10,9 @@ reads, giving the same ids.
 SentencePiece normally collapses whitespace and treats its input as single lines. For the
 trained model the normalizer is the identity, whitespace-only pieces are allowed (so
 indentation becomes a few ``▁▁▁▁`` pieces), unknown characters fall back to bytes, and
-``"\\n"`` is a user-defined symbol: it is always its own token (id 3) and the trainer sees
-the corpus one line at a time.
-Any text then decodes back exactly, except that U+2581 (``▁``, SentencePiece's own space
-marker) decodes to an ordinary space.
+``"\\n"`` is a user-defined symbol: it is always its own token (id 3) and the trainer
+sees the corpus one line at a time. Any text then decodes back exactly, except that
+U+2581 (``▁``, SentencePiece's own space marker) decodes to an ordinary space.
 """
 
 from __future__ import annotations

@@ -1,34 +1,17 @@
 """Which held-out windows a validation pass evaluates, and how the ranks share them.
 
-A validation pass evaluates the first ``windows`` windows (``seq_len + 1`` tokens at stride
-``seq_len``, unshuffled) of the held-out split, cut into micro-batches of ``batch_size``
-windows that the ranks take in turn. The policy (``plan_validation``), in this order:
-
-1. The windows depend on the settings and the split only, never on the world size, so
-   validation losses of runs on 1 and on 32 ranks compare:
-   ``train.eval_batches x train.micro_batch_size`` windows when the split holds them; else
-   as many whole training micro-batches as it holds (fewer validation batches); else, when
-   it holds fewer windows than one micro-batch, all of them.
-2. The validation micro-batch is the largest that is at most ``train.micro_batch_size``
-   (so it fits where training fits), divides the windows into whole micro-batches (of one
-   size, so the mean of their losses is the mean over the windows) and leaves at least one
-   per rank; with fewer windows than ranks, one window per micro-batch. It is the training
-   micro-batch whenever that already works.
-3. Rank ``r`` of ``W`` takes micro-batches ``r, r + W, r + 2W, ...``. Every rank runs the
-   same number of forwards (ZeRO-3 gathers parameters in a collective during each one), so
-   a rank whose turn finds no micro-batch left runs the first one again and does not count
-   it: ``+experiment=gpt_6.7b`` (micro-batch 2) on the embedded corpus, whose held-out
-   split holds 18 windows of 2048 tokens, evaluates the same 16 windows on 1 rank (8
-   micro-batches of 2), 16 ranks (one window each) and 32 ranks (16 of them padding).
-4. The held-out share (``data.val_fraction``, ``data.val_documents``) is never changed,
-   not even for the embedded corpus: the training split would then depend on the world
-   size, and an elastic resume on another number of ranks would find another training
-   split. Only a split without a single window is refused, in one line that computes the
-   ``data.val_fraction`` that would hold one (``no_window_error``).
-
-Whenever the pass differs from ``train.eval_batches`` micro-batches of
-``train.micro_batch_size`` windows shared evenly, ``ValidationPlan.note`` says how, in one
-line that the trainer prints on rank 0 at start-up.
+A pass evaluates the first ``windows`` windows (``seq_len + 1`` tokens at stride
+``seq_len``, unshuffled) of the held-out split, in micro-batches of ``batch_size``
+windows that the ranks take in turn (rank ``r`` of ``W``: ``r, r + W, r + 2W, ...``).
+``plan_validation``'s contract: the windows depend on the settings and the split only,
+never on the world size (``train.eval_batches x train.micro_batch_size`` when the split
+holds them, else fewer whole micro-batches, else all); the validation micro-batch is at
+most ``train.micro_batch_size`` and divides the windows evenly; every rank runs the same
+number of forwards (a rank whose turn finds none left repeats the first, uncounted). The
+held-out share is never changed; a split without a window is refused in one line
+(``no_window_error``). ``ValidationPlan.note`` says in one start-up line how a pass
+differs from ``train.eval_batches`` micro-batches of ``train.micro_batch_size`` windows.
+The policy step by step, with an example: docs/data.md, "The validation windows".
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """Refusals every rank agrees on: no rank stops alone while the others wait in a collective.
 
-A check that reads this rank's own state (its free memory, its node's files, its view of a
-directory) can refuse on one rank only. Raised there alone, the other ranks go on into the
-next collective and wait for the stopped rank until ``distributed.timeout_minutes`` runs
-out. ``agreement()`` wraps such a section, which must hold no collective itself: at its end
-every rank gathers every rank's verdict (one object all-gather over the launch's ranks;
-nothing outside a multi-rank launch), and if any rank refused, every rank raises the same
-error with the same one line, so every rank exits with the same status at once.
-
-- A refusal is a ``CollageError``. The agreed one is the lowest rank's (a refusal before
-  any other failure); its line gains ``[rank R] `` unless every rank refused with the same
-  line. The raised error has ``agreed`` set: the same on every rank, rank 0 reports it.
-- Any other exception (a bug, an I/O error) is re-raised on its own rank as it is; the
-  other ranks raise ``OtherRankFailed``, which prints nothing (the failed rank reports).
-
-``gathered(check)`` is the same agreement returning every rank's result, in rank order
-(the start-up memory checks take every rank's free memory from it); ``the_same`` refuses,
-alike on every rank, results that differ between ranks where they must not (the newest
-checkpoint of a run directory every rank must share).
+``agreement()`` wraps a section that reads this rank's own state (its free memory, its
+node's files) and holds no collective itself; at its end every rank gathers every rank's
+verdict (one object all-gather; nothing outside a multi-rank launch), and if any refused,
+every rank raises the same error with the same one line and exits with the same status.
+The agreed refusal (a ``CollageError``) is the lowest rank's, its line prefixed
+``[rank R] `` unless every rank refused alike, with ``agreed`` set (rank 0 reports it).
+Any other exception is re-raised on its own rank; the others raise ``OtherRankFailed``,
+which prints nothing. ``gathered(check)`` is the same agreement returning every rank's
+result, in rank order; ``the_same`` refuses, alike on every rank, results that differ
+between ranks where they must not (the newest checkpoint of a shared run directory).
+Which checks are agreed: docs/distributed.md, "A rank that refuses alone: agreed checks".
 """
 
 from __future__ import annotations

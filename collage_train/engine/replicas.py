@@ -1,27 +1,18 @@
 """DiLoCo and SparseLoCo: one whole model per process, merged every ``comm.sync_every`` steps.
 
-Each process (a rank of a ``torchrun`` or ``deepspeed`` launch, or a lone process: one
-replica) trains its own copy of the model with the precision strategy's own optimizer
-on its shard of every global batch and exchanges nothing about the weights between
-outer steps. Every H inner steps the replicas take one outer step together
-(``collage_train.comm.outer``):
+Invariant: the same bytes and the same operations on every rank keep the shared weights
+bit-identical; every ``comm.checksum_every`` outer steps (and once before training) the
+replicas compare a float64 checksum of the shared weights and of what their optimizer
+holds, and stop with ``ReplicasDiverged`` when any rank differs.
 
-1. each reads its full-precision weights (``optimizer.full_precision_weights``: the fp32
-   master, the joined remainder, theta + dtheta, or the weight) and makes its payload
-   from the pseudo-gradient against the shared weights: one fixed-size uint8 tensor;
-2. one ``all_gather`` (gloo on CPU, NCCL on GPU) hands every replica all payloads;
-3. every replica decodes them in rank order, averages and takes the outer SGD step on
-   its copy of the shared weights, then writes them back into its optimizer's
-   representation (``optimizer.load_full_precision_weights``).
-
-The same bytes and the same operations on every rank keep the shared weights
-bit-identical. Every ``comm.checksum_every`` outer steps (and once before training)
-the replicas compare a float64 checksum of the shared weights and of what their
-optimizer holds, and stop with ``ReplicasDiverged`` when any rank differs.
-
-Checkpoints may fall anywhere (replicas differ between outer steps): every rank writes
-its own ``replica-R/`` directory holding its model, inner optimizer, trainer state and
-outer state (shared weights, error feedback, outer momentum, counters).
+Each process trains its own copy with the strategy's own optimizer on its shard of every
+global batch. Every H inner steps the replicas take one outer step together
+(``collage_train.comm.outer``): each makes its payload from its full-precision weights
+(``optimizer.full_precision_weights``), one ``all_gather`` hands every replica all
+payloads, and each decodes them in rank order, steps its copy of the shared weights and
+writes them back (``optimizer.load_full_precision_weights``). Every rank checkpoints its
+own ``replica-R/`` directory (model, inner optimizer, trainer state, outer state).
+The outer step in full: docs/distributed.md, "The outer step and its payload".
 """
 
 from __future__ import annotations

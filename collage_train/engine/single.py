@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from collage_train import checkpoint
+from collage_train.checkpoint import whole_tensor
 from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState
 from collage_train.engine.base import (
     CompileBackend,
@@ -186,15 +187,17 @@ class SingleProcessEngine:
 
     def load_full(self, state: FullState) -> dict[str, Any]:
         """Elastic resume: weights and optimizer state of each parameter from the
-        rank-independent ``state``, bit for bit; returns the client state."""
+        rank-independent ``state``, bit for bit but for 8-bit blocks that the source cut
+        elsewhere (``whole_tensor.compact``); returns the client state."""
         for name, param in self.model.named_parameters():
-            components = state.read(name)
+            components = whole_tensor.compact(state.read(name))  # blocks, scales: per tensor
             with torch.no_grad():
                 param.copy_(components.pop("weight").view(param.shape))
+            whole_tensor.set_weight_scale(param, components.pop("weight_scale", None))
             restored: dict[str, Any] = {"step": state.steps[name]}
-            unshaped = (*INDEX_COMPONENTS, *getattr(self.optimizer, "unshaped_state", ()))
             for key, value in components.items():
-                shaped = value if key in unshaped else value.view(param.shape)
+                per_element = key not in INDEX_COMPONENTS and key not in whole_tensor.LAYOUT_KEYS
+                shaped = value.view(param.shape) if per_element else value
                 restored[key] = shaped.to(self.device, copy=True)
             self.optimizer.state[param] = restored
         return state.trainer

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from collage_train.checkpoint import whole_tensor
 from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState, applied_steps
 from collage_train.checkpoint.pieces import Piece
 from collage_train.engine.base import (
@@ -561,9 +562,10 @@ class ZeroEngine:
 
     def load_full(self, state: FullState) -> dict[str, Any]:
         """Elastic resume: fill this rank's master partitions and optimizer state with its
-        slices of the rank-independent ``state``, then let DeepSpeed set the weights from
-        the masters as after a step (all ranks call this together); DeepSpeed's step
-        counters from the applied steps. Returns the client state."""
+        slices of the rank-independent ``state`` (8-bit blocks and Scalify's per-piece
+        scales rebuilt for its partitions: ``whole_tensor.compact``), then let DeepSpeed set
+        the weights from the masters as after a step (all ranks call this together);
+        DeepSpeed's step counters from the applied steps. Returns the client state."""
         zero = self._zero_optimizer()
         if self.stage == 3:
             zero.checkpoint_event_prologue()  # every parameter partitioned
@@ -606,13 +608,15 @@ class ZeroEngine:
                     positions.setdefault(key, []).append(value.to(flat.device) + piece.flat_start)
                     continue
                 if key not in restored:
-                    restored[key] = torch.zeros(flat.numel(), dtype=value.dtype, device=flat.device)
+                    restored[key] = whole_tensor.blank(key, flat.numel(), value.dtype, flat.device)
                 restored[key][piece.flat_start : piece.flat_start + piece.numel].copy_(value)
             step = state.steps[piece.name]
         if step is None:  # only padding here: the optimizer starts this partition afresh
             return
         restored.update({key: torch.cat(parts) for key, parts in positions.items()})
-        self.optimizer.state[flat] = {"step": step, **restored}
+        pieces_of = getattr(self.optimizer, "flat_pieces", {}).get(flat)  # ScaledAdamW's scales
+        lengths = None if pieces_of is None else pieces_of.lengths
+        self.optimizer.state[flat] = {"step": step, **whole_tensor.compact(restored, lengths)}
 
     def run_files(self) -> dict[str, Any]:
         """The DeepSpeed config rendered at ``prepare``, as DeepSpeed was given it."""

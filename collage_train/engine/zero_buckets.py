@@ -1,39 +1,17 @@
 """DeepSpeed ZeRO's communication buckets, sized from the model, and the bytes they hold.
 
-DeepSpeed 0.19.8 leaves throughput to its config: ``overlap_comm`` is off at stages 1-2
-(on at stage 3), and its buckets are fixed element counts whatever the model
-(``reduce_bucket_size`` and ``allgather_bucket_size`` 5e8, ``stage3_prefetch_bucket_size``
-5e7, ``stage3_param_persistence_threshold`` 1e5, ``stage3_max_live_parameters`` and
-``stage3_max_reuse_distance`` 1e9; DeepSpeed's config-json documentation and
-``deepspeed.runtime.zero.config``). ``zero_tuning`` derives them from the model instead:
-
-- ``overlap_comm`` at every stage: gradients are reduced bucket by bucket on a side
-  stream while backward goes on. At stages 1-2 DeepSpeed then double-buffers the reduce
-  bucket (two buckets instead of one).
-- ``contiguous_gradients`` (DeepSpeed's default, made explicit): gradients are copied
-  into the bucket as they arrive, so the reduction reads one flat buffer.
-- ``reduce_bucket_size`` = hidden^2, the rule of Hugging Face transformers' DeepSpeed
-  integration for its ``"auto"`` value (docs: transformers "DeepSpeed" guide, ZeRO-3
-  ``auto`` values, and ``HfTrainerDeepSpeedConfig.trainer_config_finalize``), at most the
-  parameter count: DeepSpeed allocates the whole bucket up front (``torch.empty`` of
-  ``reduce_bucket_size`` elements), so a bucket larger than the model only wastes memory.
-  With hidden 2048 that is 4.2M elements (8 MB in bf16) against 5e8 (1 GB, 2 GB double
-  buffered) by default.
-- ``allgather_bucket_size``: the same (even: DeepSpeed asserts a multiple of 2). DeepSpeed
-  0.19.8 uses it only where torch lacks ``all_gather_into_tensor``; the gather lands in the
-  weights themselves, so it holds no memory of its own.
-- Stage 3, the same integration's rules: ``stage3_prefetch_bucket_size`` = 0.9 hidden^2,
-  ``stage3_param_persistence_threshold`` = 10 hidden (biases and norm weights stay whole on
-  every rank, the matrices are partitioned). ``stage3_max_live_parameters`` and
-  ``stage3_max_reuse_distance`` = two transformer blocks' parameters: prefetching stops
-  once that much is gathered, and a module's weights stay gathered after its use only
-  when it is used again within that many parameters of the trace; the planner counts two
-  blocks gathered. With DeepSpeed's 1e9 for both, a block whose backward comes within 1e9
-  parameters of its forward stays gathered in between: gpt_1.3b's last ten blocks.
-
+DeepSpeed 0.19.8 leaves ``overlap_comm`` off at stages 1-2 and fixes its buckets whatever
+the model (``reduce_bucket_size`` 5e8 elements, allocated whole). ``zero_tuning`` derives
+them from the model instead, by Hugging Face transformers' rules for DeepSpeed's
+``"auto"`` values: ``overlap_comm`` and ``contiguous_gradients`` at every stage,
+``reduce_bucket_size`` = hidden^2 (at most the parameter count) and
+``allgather_bucket_size`` the same (even); at stage 3 ``stage3_prefetch_bucket_size`` =
+0.9 hidden^2, ``stage3_param_persistence_threshold`` = 10 hidden, and
+``stage3_max_live_parameters`` = ``stage3_max_reuse_distance`` = two blocks' parameters.
 ``distributed.deepspeed.zero_optimization`` overrides any of these (a user value wins),
 and ``zero_buffers`` reads the merged section, so ``memory_plan`` counts the buffers the
 engine allocates: the trainer and the planner call the same two functions.
+Each value's reason: docs/distributed.md, "Buckets and overlap, sized from the model".
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """Analytic model-state bytes per parameter per rank under DeepSpeed ZeRO.
 
 What one rank of N holds, per parameter, for a precision strategy (DeepSpeed 0.19.8):
-
-| component                           | stage 1 | stage 2 | stage 3         |
-|-------------------------------------|---------|---------|-----------------|
-| weights (param dtype)               | full    | full    | 1/N             |
-| gradients at the step (accum dtype) | full    | 1/N     | 1/N             |
-| master partition (master dtype)     | 1/N*    | 1/N*    | 1/N*            |
-| optimizer state (its components)    | 1/N     | 1/N     | 1/N             |
-
-(*) Only where the master dtype differs from the weights' (mixed_fp32's fp32 masters),
-or with offload. Where they match (bf16, collage_light, collage_plus and split_fp32 with
-bf16 masters; fp32), DeepSpeed 0.19.8 would keep a copy of this rank's weight partition
-as the master partition (stages 1-2 clone it; stage 3 means not to, but compares a
-``torch.device`` with a device-name string, which is never equal), and
+the weights whole at stages 1-2 and 1/N at stage 3; the gradients at the step whole at
+stage 1 and 1/N at stages 2-3, in ``distributed.grad_accum_dtype`` (the weights' dtype
+when it is not given); the optimizer state 1/N; a master partition 1/N only where the
+master dtype differs from the weights' (mixed_fp32) or with offload: elsewhere
 ``engine.zero.share_weight_partitions`` has the optimizer step the weight partition
-itself and frees that copy: the master costs nothing beyond the weights. With
-``offload`` (``distributed.offload_optimizer`` or ``offload_param``) the copy stays:
-the master then lives apart from the weights. Measured by scripts/bench_zero_memory.py.
-
-Gradients are held in ``distributed.grad_accum_dtype`` (DeepSpeed's fp32 gradient
-partition at stages 2 and 3, its ``grad_accum`` copies at stage 1 with offload), in the
-weights' dtype when it is not given.
-
-``persistent`` (weights + master + optimizer state) is what survives between steps
-and what ``ZeroEngine.state_bytes`` measures; gradients live only during a step.
+itself, and the master costs nothing beyond the weights. ``persistent`` (weights +
+master + optimizer state) is what survives between steps and what
+``ZeroEngine.state_bytes`` measures; gradients live only during a step. Measured by
+scripts/bench_zero_memory.py.
+The table, and DeepSpeed's behaviour behind the master's row: docs/distributed.md,
+"Choosing a ZeRO stage".
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """Downstream evaluation through lm-evaluation-harness (``lm-eval``).
 
 The harness's own ``HFLM`` runs over a transformers model already in memory, with the
-transformers tokenizer that the export writes (``hf_files.save_tokenizer``: the same ids as
-training's tokenizer), so the numbers are the harness's by construction. Tasks come from
-the harness's registry (the network or its cache) or from local task definitions in
-``include_path`` (a YAML file per task, its data in local files: no network). Results
-are flattened to ``{"<task>/<metric>": value}`` (the harness's ``acc,none`` becomes
-``acc``; standard errors are left out).
-
-Each task runs in a call of its own, seeded as the harness seeds a run of it alone (its
-default seeds, few-shot examples included), inside ``evaluation.generators.preserved()``: an
-evaluation in the training loop leaves every global generator as it found it. A task the
-harness fails on (a task file it refuses, a continuation that tokenizes to nothing, ...)
-is named with what the harness said, in one line (``TaskRejected``).
-A model whose embedding is padded past its tokenizer (``model.vocab_size``) scores
-loglikelihoods over all its rows, as training's loss does, and generates
-(``generate_until`` tasks) only ids the tokenizer can decode (``collage_train.model.decodable``).
+tokenizer the export writes (``hf_files.save_tokenizer``: training's ids), so the numbers
+are the harness's by construction. Tasks come from the harness's registry (the network or
+its cache) or from local task definitions in ``include_path``; results are flattened to
+``{"<task>/<metric>": value}`` (``acc,none`` becomes ``acc``; no standard errors). Each
+task runs in a call of its own, seeded as the harness seeds a run of it alone, inside
+``evaluation.generators.preserved()``: every global generator is left as found. A task
+the harness fails on is named with what the harness said, in one line (``TaskRejected``).
+A model whose embedding is padded past its tokenizer scores loglikelihoods over all its
+rows and generates only ids the tokenizer can decode (``collage_train.model.decodable``).
+What a user sees: docs/wandb.md, "Downstream tasks".
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ import matplotlib.pyplot as plt
 from omegaconf import OmegaConf
 
 # Config keys that differ between runs without describing what was trained.
-_IGNORED_KEYS = ("hydra.", "data.cache_dir", "logging.", "train.resume", "train.stop_at_step")
+_IGNORED_KEYS = ("hydra.", "data.cache_dir", "logging.", "train.resume", "train.stop_at_step",
+                 "train.branch_from")  # fmt: skip
 
 
 class CompareError(ValueError):
@@ -37,6 +38,7 @@ class Run:
     summary: dict[str, Any]
     config: dict[str, Any] = field(default_factory=dict)
     label: str = ""
+    branch: dict[str, Any] | None = None  # a branch's lineage (collage_train.run.branch)
 
     @property
     def train(self) -> list[dict[str, Any]]:
@@ -77,11 +79,17 @@ def load_run(path: Path) -> Run:
     config = {}
     if config_file.is_file():
         config = _flatten(OmegaConf.to_container(OmegaConf.load(config_file), resolve=False))
-    return Run(path, records, summary, config)
+    return Run(path, records, summary, config, branch=summary.get("branch"))
 
 
 def label_runs(runs: list[Run]) -> None:
     """Label each run by its strategy and the config values that set it apart."""
+    for run, label in zip(runs, labels_for(runs), strict=True):
+        run.label = label
+
+
+def labels_for(runs: list[Run]) -> list[str]:
+    """Each run's strategy and the config values that set it apart from the others."""
     keys = sorted({k for run in runs for k in run.config})
     differing = [
         key
@@ -96,6 +104,7 @@ def label_runs(runs: list[Run]) -> None:
         for key in differing
         if key.endswith(".name") or key.rsplit(".", 1)[0] not in named_groups
     ]
+    labels = []
     for run in runs:
         precision = run.summary.get("precision") or run.config.get("precision.name", "?")
         extras = [
@@ -104,13 +113,14 @@ def label_runs(runs: list[Run]) -> None:
             else f"{key.split('.')[-1]}={run.config.get(key)}"
             for key in shown[:4]
         ]
-        run.label = ", ".join([str(precision), *extras])
+        labels.append(", ".join([str(precision), *extras]))
     seen: dict[str, int] = {}
-    for run in runs:  # identical labels: tell them apart by directory
-        seen[run.label] = seen.get(run.label, 0) + 1
-    for run in runs:
-        if seen[run.label] > 1:
-            run.label = f"{run.label} ({run.path.name})"
+    for label in labels:  # identical labels: tell them apart by directory
+        seen[label] = seen.get(label, 0) + 1
+    return [
+        f"{label} ({run.path.name})" if seen[label] > 1 else label
+        for run, label in zip(runs, labels, strict=True)
+    ]
 
 
 def _common_metrics(runs: list[Run]) -> set[str]:

@@ -286,6 +286,7 @@ class WandbSink:
         precision = config.get("precision", {}).get("name", "run")
         model = config.get("model", {}).get("name", "model")
         distributed = config.get("distributed", {}).get("name", "unsharded")
+        branch_group = config.get("branch", {}).get("group")  # a branch's (run.branch)
         chosen = {
             "project": cfg.project or os.environ.get("WANDB_PROJECT") or "collage_train",
             "entity": cfg.entity,  # None: WANDB_ENTITY or the account's default
@@ -299,7 +300,7 @@ class WandbSink:
             self.run = wandb.init(
                 mode=mode,
                 name=cfg.name or f"{precision}-{run_dir.name}",
-                group=cfg.group or f"{model}-{precision}",
+                group=cfg.group or branch_group or f"{model}-{precision}",
                 job_type=precision,
                 tags=sorted({*cfg.tags, precision, model, distributed}),
                 config=config,

@@ -19,7 +19,6 @@ import torch
 from transformers import GPT2Config, LlamaConfig, OPTConfig, PretrainedConfig
 
 from collage_train.errors import ConfigError
-from collage_train.model.hf_modeling import AutoModelForCausalLM
 from collage_train.model.materialise import materialise
 from collage_train.model.shapes import full_numel
 
@@ -187,6 +186,10 @@ def build_meta_model(cfg: Any, *, vocab_size: int, seq_len: int, eot_id: int) ->
     """The causal LM the ``model`` sub-config describes, on the meta device (no memory, no
     values): ``model.materialise.materialise`` draws its weights where and in what dtype a run
     stores them."""
+    # here, not at the top: start-up validation imports this module, and transformers'
+    # modeling stack (TorchDynamo with it) takes seconds (tests/model/test_loss_settings.py)
+    from collage_train.model.hf_modeling import AutoModelForCausalLM
+
     hf_config = build_hf_config(cfg, vocab_size=vocab_size, seq_len=seq_len, eot_id=eot_id)
     with torch.device("meta"):
         # A plain str: the config's Choice member (a str subclass) reached Dynamo as an

@@ -1,32 +1,17 @@
 """``model.init_from=PATH``: start a new run from a local Hugging Face model directory.
 
 The directory is our own ``hf/`` export or any local GPT-2, OPT or Llama directory
-written by ``save_pretrained`` (``config.json`` plus ``model.safetensors`` or
-``pytorch_model.bin``, sharded or not). Nothing is downloaded: transformers is told to
-read local files only.
-
-- The architecture is the directory's ``config.json``; the ``model.*`` shape fields are
-  not used. ``model.dropout`` and ``model.attn_implementation`` still apply.
-- The weights are read unit by unit into the model built on the meta device, as a random
-  initialisation draws them (``PretrainedWeights``, given to ``model.materialise.materialise``):
-  each value read in fp32 and cast once to the storage dtype, each unit handed to the
-  engine's placement (ZeRO-3 keeps only this rank's partition) before the next is read, so
-  no rank holds the whole model, in fp32 or at all (``collage_train.model.hf_weights`` maps the
-  files and copies nothing). The values are those of ``load_pretrained`` (transformers'
-  ``from_pretrained`` in fp32) cast to the storage dtype, bit for bit. Strategies that keep
-  a higher-precision master (mixed_fp32's fp32 master, split_fp32's remainder) take it
-  from the fp32 values, a tensor at a time: ``seed_masters`` on the single engine
-  (replicas included, before their outer state is taken), ``seed_zero_masters`` under ZeRO
-  1-3 (each rank's slices of DeepSpeed's flat master partitions, after DeepSpeed built
-  them from the cast weights). AdamW's moments, Collage's dtheta and dv start from zero,
-  as in any new run: only the weights carry over.
-- The tokenizer is the directory's unless ``data.tokenizer`` names another
-  (``data_config``); its vocabulary must fit the model's embedding.
-
-Bad input (no such directory, no weights, an architecture other than these, a tokenizer
-larger than the embedding, a sequence longer than learned positions, weights that do not
-load, lack a tensor the model needs or have another shape) raises ConfigError: one
-``error:`` line and a non-zero exit, before any weight is read.
+written by ``save_pretrained``; nothing is downloaded. Its ``config.json`` is the
+architecture (``model.dropout`` and ``model.attn_implementation`` still apply), its
+tokenizer the run's unless ``data.tokenizer`` names another (``data_config``).
+Contract: the weights are read unit by unit into the model built on the meta device
+(``PretrainedWeights``, given to ``model.materialise.materialise``), so no rank holds the
+whole model; the values are ``load_pretrained``'s (``from_pretrained`` in fp32) cast to
+the storage dtype, bit for bit; a higher-precision master is seeded from the fp32 values
+(``seed_masters``, ``seed_zero_masters``); the optimizer state starts from zero. Bad input
+raises ConfigError (one ``error:`` line) before any weight is read.
+What is read when, and which input is refused: docs/design.md, "Starting from a Hugging
+Face directory".
 """
 
 from __future__ import annotations
@@ -42,7 +27,6 @@ from transformers.utils import logging as hf_logging
 
 from collage_train.errors import WEIGHT_LOAD_ERRORS, ConfigError, first_line
 from collage_train.model.cast import cast_model
-from collage_train.model.hf_modeling import AutoModelForCausalLM
 from collage_train.model.hf_weights import WEIGHT_FILES, WeightFiles
 from collage_train.model.materialise import Load
 
@@ -124,6 +108,8 @@ def embedding_rows(init_from: str) -> int:
 def _from_pretrained(path: str, **kwargs: Any) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` of a local directory, fp32, quietly (no
     progress bar, no load report: what matters is checked and refused in one line)."""
+    from collage_train.model.hf_modeling import AutoModelForCausalLM  # seconds: when used
+
     shown, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()

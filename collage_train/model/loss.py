@@ -1,93 +1,17 @@
 """The language-model loss a block of tokens at a time: output projection and fp32
 cross-entropy fused, so that no step holds the whole micro-batch's logits.
 
-The plain loss computes ``logits = hidden @ W^T`` for every token (bf16 under autocast or
-bf16 parameters), up-casts them to fp32 and takes the cross-entropy: for a 128256-token
-vocabulary at sequence 2048 that is 1 GiB of fp32 logits per sequence, 1 GiB more for
-the fp32 log-softmax autograd keeps and 2 GiB of fp32 gradients in backward, which caps
-the micro-batch of Llama 3-sized vocabularies. ``chunked_cross_entropy`` walks the
-tokens in blocks of ``chunk_tokens`` instead and, when gradients are wanted, computes
-them in the same pass (as Liger Kernel's fused linear cross-entropy does, Hsu et al.
-2024, arXiv:2410.10989): per block, the logits, their fp32 log-softmax, the summed loss
-and the block's gradients of the hidden states and of ``W``; backward then only scales
-what the forward stored by the gradient of the loss. The head's GEMM is not recomputed
-(three GEMMs of the head per step, as in the plain loss) and the peak holds one block's
-logits plus the head's weight gradient in fp32.
-
-Arithmetic, per block, exactly as the plain loss's (``F.cross_entropy(logits.float())``
-under autocast or bf16 parameters): logits from the compute-dtype GEMM rounded once;
-the fp32 ``log_softmax``; the loss as ``nll_loss``'s mean over the per-token values
-(the same reduction over the whole micro-batch, so the loss is bitwise the plain one
-when the logits are); the logits' gradient ``(softmax - onehot) * g / tokens`` in fp32,
-formed as ``nll_loss``'s and ``log_softmax``'s backward form it, rounded once to the
-compute dtype; the hidden states' gradient as one compute-dtype GEMM over the
-vocabulary (fp32 accumulation, rounded once). ``g`` is the gradient the loss will
-receive, 1 / accumulation steps (the engines divide the loss by them): the trainer
-announces it (``grad_scale``) so that it enters before the roundings, as in the plain
-loss, and backward multiplies by received / announced, exactly 1 when they agree (a
-different gradient is still applied, after the roundings: one more rounding). What
-may differ from the plain loss:
-
-- the head weight's gradient is a sum over tokens that the plain loss does in one GEMM
-  (fp32 accumulation, one rounding); here each block adds its GEMM to an fp32
-  accumulator (on CUDA ``torch.addmm(..., out_dtype=torch.float32)`` on the bf16
-  operands; on CPU the up-cast operands in an fp32 GEMM, what ``collage_train.cpu_bf16``
-  does) and the sum is rounded once at the end: the same value up to fp32 summation
-  order, so an element may differ by 1 unit in the last place of the compute dtype where
-  the fp32 sum lies next to a rounding boundary;
-- the other GEMMs run on a block's rows instead of the micro-batch's, and a BLAS may
-  sum a row's products in another order for another row count: again an fp32-order
-  difference, again visible only where it crosses a rounding boundary;
-- in fp32 (no autocast, fp32 parameters) nothing is rounded to a narrower dtype, so the
-  fp32-order differences show in every element, at fp32 rounding level.
-
-tests/model/test_loss.py checks this against the plain loss for GPT-2, OPT and Llama (tied
-and untied heads), with bf16 parameters and under autocast (with the CPU's emulation of
-the GPU's bf16 GEMMs: the loss equal, at most 1% of any gradient's elements differing,
-by at most one bf16 rounding step; bitwise on most tensors), for the head weight's
-gradient against the float64 sum of the same rounded logit gradients (at most one bf16
-step from it, equal on 99% of its elements), and in fp32 against a float64 run (as
-close to it as the plain loss is).
-
-When one block covers the micro-batch (``tokens <= chunk_tokens``) the plain loss runs
-unchanged, bit for bit.
-
-Memory: one block's logits in fp32 and their fp32 log-softmax (8 bytes x block tokens
-x vocabulary at the peak), the fp32 weight-gradient accumulator (4 bytes x vocabulary x
-hidden; with bf16 parameters also, for a moment, the bf16 gradient rounded from it) and,
-under autocast, the weight's bf16 copy, whatever the micro-batch; the plain loss holds
-12 bytes x micro-batch tokens x vocabulary at the start of backward, plus the gradient.
-For llama_8b (128256 x 4096 head) at sequence 2048 the blocks save 1 GiB at one
-sequence per micro-batch (the accumulator weighs what the plain loss's backward
-temporaries do) and 3 GiB more with every further sequence. The memory
-planner (``collage_train.planning.memory_plan``) models both.
-
-Why not Liger Kernel's ``LigerFusedLinearCrossEntropyLoss`` (the same design, whose
-chunking by tokens and gradients-in-forward this module follows) on CUDA: its loss and
-logit gradients come from its own Triton cross-entropy kernel, written over the
-bf16 logits block, not from the ``log_softmax`` arithmetic of the plain loss; by
-default it accumulates the weight gradient in the weight's dtype (bf16: one rounding
-per block; fp32 on request, with the same fp32-output ``addmm`` as here); it applies
-the loss's gradient after the roundings; and it makes the host wait twice a step (a
-``.item()`` count of the targets, a ``torch.equal`` test of the loss's gradient
-against 1). It is Triton, CUDA only: the CPU runs that are this project's test target
-would take another path, and the CUDA one, an optional dependency to pin, would go
-untested here. This module is ordinary torch ops on every device, so
-``collage_train.cpu_bf16``'s dispatch mode still turns its bf16 GEMMs into rounded
-fp32 ones, autocast and DeepSpeed see ordinary tensors, and ``train.compile`` traces
-it. Its GEMMs are the ones Liger also issues through torch; the elementwise passes
-over a block's logits (up-cast, ``log_softmax``, ``exp``, the rounding) are memory-bound
-either way, a few passes more than Liger's one fused kernel (on CPU the step time is
-unchanged: docs/RESULTS.md, "The LM loss a block of tokens at a time"; on CUDA not
-measured here: ``scripts/gpu_check.sh`` runs ``scripts/bench_loss.py``).
-
-The model keeps its modules, names and state-dict keys: ``install_chunked_loss`` swaps
-the output embedding for ``ChunkedLossHead``, an ``nn.Linear`` holding the same
-``weight`` Parameter (ties stay), and gives the model instance a ``forward`` that, when
-called with ``targets=``, runs the base model for the final hidden states and then the
-head with the targets; without ``targets`` it is the transformers forward (logits,
-generation, export). Both calls go through ``Module.__call__`` inside the top-level
-model call, so DeepSpeed ZeRO-3 gathers the head's weight when it is used.
+``chunked_cross_entropy`` walks the tokens in blocks of ``chunk_tokens`` and, when
+gradients are wanted, computes them in the same pass: per block the logits, their fp32
+log-softmax, the summed loss and the block's gradients of the hidden states and of ``W``
+(summed in fp32 across blocks, rounded once); backward only scales what the forward stored.
+Contract: per block, the plain loss's arithmetic (``F.cross_entropy(logits.float())``), so
+the loss is bitwise the plain one's when the logits are and the gradients differ by fp32
+summation order only; one block covering the micro-batch (``tokens <= chunk_tokens``) runs
+the plain loss unchanged. ``install_chunked_loss`` swaps the output embedding for
+``ChunkedLossHead`` (the same ``weight`` Parameter: keys and ties stay); the model's
+``forward`` given ``targets=`` runs the base model, then the head; without, it is transformers'.
+Arithmetic, tests, memory, why not Liger: docs/design.md, "The chunked loss head".
 """
 
 from __future__ import annotations

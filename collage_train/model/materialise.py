@@ -1,35 +1,18 @@
 """Random initialisation of a model built on the meta device, one unit at a time.
 
-A model is built on the meta device (no memory) and materialised in units: each
-transformer block (an element of a ``ModuleList``) with everything in it, and each other
-module's own parameters and buffers (embeddings, final norm, output layer, rotary
-tables). A unit is drawn in fp32 on the host, cast to the storage dtype (but for the
-tables the model class computes, its non-persistent buffers such as Llama's rotary
-frequencies, which stay in fp32 as transformers keeps them: ``model.cast``), moved to the
-run's device and handed to ``place`` (``Engine.place_parameters``: DeepSpeed ZeRO-3
-keeps only this rank's partition of it) before the next unit is drawn. So at no moment
-does a process hold the model in fp32, or, under ZeRO-3, the whole model at all: the
-host holds one unit in fp32 beside its cast copy (``largest_unit_numel``).
-
-The values follow the model class's own rules (transformers' ``_init_weights``: normal
-with the configured std for linear and embedding weights, GPT-2's residual projections
-scaled by 1/sqrt(2 x layers), ones and zeros for norms, zero biases, the rotary
-frequencies), applied children first as transformers applies them. Before each module
-is initialised, the host generator is seeded from ``(seed, the module's qualified
-name)``: the weights depend on the seed and the names alone, not on the order units are
-drawn in, the device, the engine or the number of ranks, so a one-process run and a
-ZeRO-1/2/3 run on any number of ranks start from the same weights bit for bit (the
-cast to the storage dtype is the same round-to-nearest everywhere). The global random
-state is left as it was.
-
-A parameter shared by two modules (a tied input and output embedding) is materialised
-once, by the first unit that holds it; ``torch.utils.swap_tensors`` keeps its identity, so
-the tie survives.
-
-Given ``load`` (``model.init_from``: ``model.init_from.PretrainedWeights.load``), a unit's
-parameters and persistent buffers take the stored values instead of a draw, read into the
-same fp32 host tensors and cast and placed the same way; what the files do not hold
-(non-persistent buffers: the rotary tables) is still computed by the model class's rules.
+A unit is a transformer block (an element of a ``ModuleList``) with everything in it, or
+another module's own parameters and buffers. Each is drawn in fp32 on the host, cast to
+the storage dtype (non-persistent buffers such as Llama's rotary frequencies stay in fp32,
+as transformers keeps them: ``model.cast``), moved to the run's device and handed to
+``place`` (``Engine.place_parameters``; ZeRO-3 keeps this rank's partition) before the
+next is drawn. Contract: no process holds the model in fp32 (under ZeRO-3, not at all):
+the host holds one unit in fp32 beside its cast copy (``largest_unit_numel``). The values
+follow the model class's ``_init_weights``, each module's generator seeded from ``(seed,
+qualified name)``, so one process and ZeRO-1/2/3 on any number of ranks start from the
+same weights bit for bit; the global random state is left as it was; a tied parameter is
+drawn once and stays tied. Given ``load`` (``model.init_from.PretrainedWeights.load``), a
+unit takes the stored values instead of a draw, read, cast and placed the same way.
+Details: docs/design.md, "Initialising a model unit by unit".
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """AdamW with decoupled weight decay, integer step counts and optional master weights.
 
-Serves the fp32 and mixed_fp32 strategies:
+Serves the fp32, mixed_fp32 and bf16_moments strategies: ``master_dtype=None`` updates
+the parameters themselves, with moments in their dtype; ``master_dtype=torch.float32``
+on bf16 parameters keeps an fp32 master and fp32 moments and rounds the result into the
+parameter; ``moment_dtype=torch.bfloat16`` stores the moments in bf16, rounded to
+nearest after an update computed from their fp32 values. Bias corrections come from an
+integer step count, in float64 on the host; elementwise work is multi-tensor
+``torch._foreach_*`` kernels in ``adamw_moments_`` and ``adamw_updates`` (parts of which
+``BlockwiseAdamW`` shares). The all-bf16 strategies use ``CollageAdamW``.
 
-- ``master_dtype=None``: the update is applied to the parameters themselves and the
-  moments have the parameters' dtype (fp32 AdamW for fp32 params).
-- ``master_dtype=torch.float32`` on bf16 parameters: the optimizer keeps an fp32
-  master copy and fp32 moments, applies the update there and rounds the result into
-  the bf16 parameter (the usual mixed-precision baseline).
-- ``moment_dtype=torch.bfloat16`` beside an fp32 master (or fp32 parameters): the moments
-  are stored in bf16, rounded to nearest after each update, while the update itself is
-  computed from their fp32 values before that rounding (the ``bf16_moments`` strategy:
-  bf16 optimizer states as in DeepSpeed's ``bf16_optimizer_states`` and Transformer
-  Engine's ``FusedAdam(exp_avg_dtype=torch.bfloat16)``). It steps one tensor a chunk at
-  a time, so the fp32 copies of the moments exist for one chunk only.
-
-Bias corrections come from an integer step count and are computed on the host in
-float64; all elementwise work uses multi-tensor ``torch._foreach_*`` kernels, in
-``adamw_moments_`` and ``adamw_updates`` (whose parts ``BlockwiseAdamW`` shares where its
-arithmetic is AdamW's). The all-bf16 strategies use ``CollageAdamW``.
+Details: docs/strategies.md, "AdamW: master weights and moment dtypes".
 """
 
 from __future__ import annotations
@@ -27,7 +19,13 @@ from typing import Any
 
 import torch
 
-from collage_train.optim.base import TrackingOptimizer, bias_corrections, commit_
+from collage_train.optim.base import (
+    TrackingOptimizer,
+    bias_corrections,
+    commit_,
+    flat_view,
+    write_back,
+)
 
 
 class AdamW(TrackingOptimizer):
@@ -144,10 +142,14 @@ class AdamW(TrackingOptimizer):
         """
         mask = self.step_mask
         for param, state, target in zip(params, states, targets, strict=True):
-            grad, m_low, v_low = (
-                x.reshape(-1) for x in (param.grad, state["exp_avg"], state["exp_avg_sq"])
+            pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # non-contiguous tensors
+            grad = param.grad.reshape(-1)
+            m_low, v_low, flat_weight = (
+                flat_view(x, pending)
+                for x in (state["exp_avg"], state["exp_avg_sq"], param.detach())
             )
-            flat_weight, flat_target = param.detach().view(-1), target.detach().view(-1)
+            same = target.data_ptr() == param.data_ptr()
+            flat_target = flat_weight if same else flat_view(target.detach(), pending)
             sums = self._edq_sums(param)
             for start, stop in self._chunks(target.numel()):
                 g = [grad[start:stop].to(target.dtype)]
@@ -160,6 +162,7 @@ class AdamW(TrackingOptimizer):
                 update = adamw_updates(group, [state["step"]], m, v, theta)[0]
                 del g, m, v  # freed before the apply's temporaries
                 self._apply_chunk(flat_weight, flat_target, update, start, sums, mask)
+            write_back(pending)
             self._keep_edq(param, sums)
 
 

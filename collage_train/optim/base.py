@@ -373,7 +373,10 @@ class TrackingOptimizer(torch.optim.Optimizer, abc.ABC):
     def _keep_edq(self, param: torch.Tensor, sums: EdqSums | None) -> None:
         """Record ``param``'s EDQ partial sums of this step (``last_edq``), if tracked."""
         if sums is not None:
-            self.last_edq[param] = sums.rows()
+            rows = sums.rows()
+            if self.step_mask is not None:  # whatever a step summed, a refused one has none
+                rows = torch.where(self.step_mask, rows, 0.0)
+            self.last_edq[param] = rows
 
     def _pieces(
         self,

@@ -4,31 +4,15 @@ Block-wise Quantization", ICLR 2022, arXiv 2110.02861).
 A tensor is cut into blocks of ``block_size`` consecutive elements of its flattened
 (row-major) order; the last block may be shorter. Each block stores its absolute
 maximum ``absmax`` in fp32 and each element one byte: the index of a value of a fixed
-256-entry *dynamic map* in [-1, 1]. The element stands for ``code[index] * absmax``.
+256-entry *dynamic map* in [-1, 1] (bitsandbytes 0.50.2's, ``signed=True`` for the
+first moment, ``signed=False`` for the second). The element stands for
+``code[index] * absmax``. ``quantize`` computes ``clamp(value * (1 / absmax), -1, 1)`` in
+fp32 and rounds it to the nearest value (ties to the lower; bitsandbytes' default
+backend, bit for bit) or, given ``noise``, stochastically between its two neighbouring
+values (one ``rounding_noise.uniform`` number per element), so that the stored value is
+exact in expectation. A block of zeros quantises to the index of 0 and back to zeros.
 
-The maps are those of bitsandbytes 0.50.2 (``functional.create_dynamic_map`` with 7
-exponent bits): each decade [10^-k/10, 10^-k] (k = 0..6) holds the midpoints of an even
-split of that decade, twice as many per decade going up, plus 0 and 1. ``signed=True``
-(the first moment) has 127 positive values, their negatives, 0 and 1; its most negative
-value is -0.99297, not -1. ``signed=False`` (the second moment) has 254 positive values,
-0 and 1. Neighbouring values are 0.35 % (unsigned, near 1) to 14 % (signed, near 0.1)
-apart in the top decade, relatively further apart below it; docs/strategies.md gives
-the error bounds that follow.
-
-Quantising a block computes ``x = clamp(value * (1 / absmax), -1, 1)`` in fp32, then
-
-- round to nearest (``quantize``): the index of the value nearest to x, ties to the lower
-  one. This is bitsandbytes' default backend (``quantize_blockwise`` of
-  ``backends/default/ops.py``, a bucketize against the midpoints), bit for bit; its CPU
-  kernel instead looks x up in a 65536-entry table, which differs from the nearest value
-  by up to 2/65535 of absmax;
-- stochastic rounding (``quantize`` with ``noise``): with x between neighbouring values
-  c_k <= x <= c_{k+1}, index k+1 with probability (x - c_k) / (c_{k+1} - c_k), decided by
-  one uniform [0, 1) number per element (``rounding_noise.uniform``), so that the stored
-  value is x in expectation: a decay of 0.1 % a step (beta2 = 0.999), far below the
-  spacing of the map, survives on average instead of being rounded away every step.
-
-A block of zeros quantises to the index of 0 and dequantises to zeros.
+The maps, the error bounds and why v needs SR: docs/strategies.md, "The format".
 """
 
 from __future__ import annotations

@@ -1,38 +1,18 @@
 """BlockwiseAdamW: AdamW with 8-bit blockwise moments, the update of bitsandbytes' AdamW8bit.
 
-The first moment m is stored with the signed dynamic map, the second v with the unsigned
-one, each in blocks of ``block_size`` elements of the flattened parameter under an fp32
-absmax per block, both rounded to nearest (``optim.blockwise8``; Dettmers et al., ICLR
-2022). A step dequantises a range of whole blocks to fp32, runs the arithmetic of
-bitsandbytes 0.50.2's ``AdamW8bit`` on CPU (``backends/cpu/ops.py``, op for op)::
+m is stored with the signed dynamic map, v with the unsigned one, in blocks of
+``block_size`` elements of the flattened parameter under an fp32 absmax per block, both
+rounded to nearest (``optim.blockwise8``). A step dequantises a range of whole blocks to
+fp32, runs bitsandbytes 0.50.2's ``AdamW8bit`` arithmetic (CPU, op for op) with the bias
+corrections from the integer step in float64 on the host, and quantises m and v back;
+the parameter update uses the moments before quantisation. ``master_dtype=torch.float32``
+on bf16 parameters keeps an fp32 master (the ``adamw_8bit`` strategy); under ZeRO the
+fp32 flat partitions are their own masters and blocks may straddle model tensors. Unlike
+bitsandbytes, small tensors are quantised too. ``keep_nonzero_v=True`` never stores a
+positive v as 0 (``Collage8bitAdamW``'s rule); the default is bitsandbytes' bit for bit.
 
-    m = m * beta1 + (1 - beta1) * g
-    v = v * beta2 + (1 - beta2) * g * g
-    denom = sqrt(v) / sqrt(1 - beta2^t) + eps
-    p = p * (1 - lr * wd)                       (only when wd > 0)
-    p = p - lr / (1 - beta1^t) * m / denom
-
-and quantises m and v back; the parameter update uses the moments before quantisation.
-Bias corrections come from the integer step in float64 on the host, as bitsandbytes
-computes them. v, the denominator and the update's direction ``m / denom * step size`` are
-AdamW's arithmetic too and use ``optim.adamw``'s functions on one-chunk lists (on CPU the
-same kernels as the plain ops); m and the weight update stay bitsandbytes'.
-
-``master_dtype=torch.float32`` on bf16 parameters keeps an fp32 master copy that takes
-the update and is rounded into the parameter (the ``adamw_8bit`` strategy: 2 + 2 + 4 +
-1 + 1 bytes per parameter, plus 8 bytes of absmax per block). Under ZeRO the optimizer is
-handed fp32 flat partitions, which are their own masters; blocks then run over the flat
-partition and may straddle model tensors. Unlike bitsandbytes, tensors of fewer than
-4096 elements are quantised too (its ``min_8bit_size`` keeps them in fp32): a flat
-partition has no small tensors to single out.
-
-Rounding to nearest stores a v below 1.6e-7 of its block's absmax as 0. If that
-element's m is not 0 and its next gradient is exactly 0, that step divides m by eps
-alone: thousands of times lr for an element whose gradients are 1e-4 of its block's
-largest (bitsandbytes' exact rounding does the same; its CPU kernel's coarser table
-never stores a positive v below 1.5e-5 of absmax). ``keep_nonzero_v=True`` stores such a
-v as the map's smallest positive value instead (``blockwise8.quantize``), the rule of
-``Collage8bitAdamW``; the default keeps bitsandbytes' rounding bit for bit.
+The step, its bytes and why a zero v matters: docs/strategies.md,
+'The adamw_8bit step (BlockwiseAdamW)'.
 """
 
 from __future__ import annotations

@@ -1,35 +1,18 @@
 """KahanAdamW: AdamW on bf16 weights with a bf16 Kahan compensation buffer.
 
 The numerics of torch-optimi 0.3.3's ``optimi.AdamW(..., kahan_sum=True)`` on bf16
-parameters (B. Warner, https://optimi.benjaminwarner.dev, "Low Precision Training with
-Kahan Summation"), as a ``TrackingOptimizer`` (chunked steps, EDQ, full-precision read
-and write, flat partitions): the compensated-summation rival of Collage-light.
-Everything is bf16: weight, gradient, m, v and the compensation c, 10 bytes/param.
-Per element, with ``fl`` a rounding to bf16 and every product and sum in fp32:
+parameters, as a ``TrackingOptimizer`` (chunked steps, EDQ, full-precision read and
+write, flat partitions): the compensated-summation rival of Collage-light. Weight,
+gradient, m, v and the compensation c are all bf16, 10 bytes/param. The moments are
+stored bias-corrected (optimi's debiased betas, from the integer step in float64 on the
+host); the update goes into c first, c is then added into the weight and keeps what the
+weight could not take, so the full-precision value is ``theta + c``. Weight decay is
+optimi's ``decouple_lr=False`` convention, on the bf16 weight outside the compensated
+sum. Each line is the ATen kernel optimi's for-loop path calls: bitwise equal to that
+path on the same device.
 
-- weight decay, optimi's decoupled convention (``decouple_lr=False``, its default):
-  ``theta <- fl(theta * (1 - lr * wd))``, the same ``-lr * wd * theta`` as our ``AdamW``;
-  it acts on the bf16 weight, outside the compensated sum, so it is rounded away whenever
-  ``lr * wd`` is below 2^-9 (optimi's fully decoupled ``decouple_lr=True``,
-  ``1 - (lr / max_lr) * wd``, is not what our AdamW does and is not offered);
-- debiased betas ``b_hat = (b^t - b) / (b^t - 1)``, from the integer step in float64 on
-  the host, exactly as optimi computes them: the moments are stored bias-corrected,
-  ``m <- lerp(m, g, 1 - b1_hat)`` and ``v <- fl(fl(v * b2_hat) + (1 - b2_hat) * g^2)``,
-  which equal Adam's ``m / (1 - b1^t)`` and ``v / (1 - b2^t)`` in exact arithmetic;
-- ``d = fl(fl(sqrt(v)) + fl(eps))``; ``c <- fl(c + (-lr * m) / d)`` (the update goes
-  into the compensation first);
-- ``theta' = fl(theta + c)``; ``c <- fl(c + fl(theta - theta'))``: c keeps what the weight
-  could not take, so the full-precision value is ``theta + c`` (a positive compensation,
-  not the textbook Kahan ``c`` that holds the negated error).
-
-Each line is the ATen kernel optimi's for-loop path calls (``lerp_``, ``addcmul_``,
-``addcdiv_``, ...), so a step is bitwise equal to that path on the same device, and to its
-foreach path where ``torch._foreach_mul_`` multiplies by the fp32 scalar as ``mul_`` does
-(torch 2.13's CPU ``_foreach_mul_`` rounds the scalar to bf16 first). On this project's
-CPUs ``lerp_`` and ``addcmul_`` contract to a fused multiply-add in their vector and scalar
-loops alike, which is what makes a chunked step bitwise equal to a whole one. It is not
-optimi's Triton kernel (its CUDA default), which keeps m, v and the intermediate values in
-fp32 registers between these roundings. See docs/strategies.md.
+The step, its caveats and the comparison with Collage: docs/strategies.md,
+"Kahan summation (`bf16_kahan`: `KahanAdamW`, torch-optimi's `kahan_sum=True`)".
 """
 
 from __future__ import annotations

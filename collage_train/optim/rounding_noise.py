@@ -1,26 +1,14 @@
 """Random bits for stochastic rounding, as a pure function of where and when they are used.
 
-Stochastic rounding (SR) rounds x up with probability equal to its distance from the
-value below, so that E[SR(x)] = x: an update smaller than the spacing of the stored
-format is kept in expectation instead of lost (Ozkara et al., "Stochastic Rounding for
-LLM Training: Theory and Practice", AISTATS 2025). It needs one random number per element
-per step.
+Stochastic rounding (SR) needs one random number per element per step. Here it is a
+hash of (seed, stream, step, element index), not a draw from a generator whose state
+moves (counter-based, in the manner of Philox), so a run resumed from a checkpoint, a
+tensor stepped a chunk at a time (the index is ``offset`` + the position in the chunk)
+and a fused CPU or GPU kernel all draw the very same bits as an uninterrupted,
+whole-tensor eager step. The hash is ``lowbias32`` applied twice with keys derived from
+seed, stream and step on the host; element indices are taken modulo 2^32.
 
-Here that number is a hash of (seed, stream, step, element index), not a draw from a
-generator whose state moves: a counter-based generator in the manner of Philox
-(Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011). Therefore
-
-- a run resumed from a checkpoint draws the same bits as an uninterrupted one: the
-  generator's whole state is the seed, the step count and the tensor's stream, which the
-  checkpoint already holds;
-- a tensor stepped a chunk at a time draws the same bits as one stepped whole (the index
-  is the element's position in the tensor, ``offset`` + its position in the chunk);
-- the eager step, a fused CPU kernel and a GPU kernel can compute the very same bits
-  from integer arithmetic alone, so their results can be compared bit for bit.
-
-The hash is ``lowbias32`` (C. Wellons, "Hash function prospector", 2018: two
-multiply-xorshift rounds with full avalanche), applied twice with keys derived from
-seed, stream and step on the host. Element indices are taken modulo 2^32.
+Reasoning and references: docs/strategies.md, "Counter-based random bits".
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
 """StochasticRoundingAdamW: AdamW on bf16 weights rounded stochastically, no master copy.
 
-The weights, gradients and both moments are bf16 (8 bytes per parameter of model state).
-Per element, in fp32 (Ozkara et al., "Stochastic Rounding for LLM Training: Theory and
-Practice", AISTATS 2025; the arithmetic of torchao 0.18's
-``_AdamW(bf16_stochastic_round=True)``, operation for operation):
+Weights, gradients and both moments are bf16 (8 bytes per parameter of model state).
+The step is torchao 0.18's ``_AdamW(bf16_stochastic_round=True)``, operation for
+operation, in fp32: decoupled weight decay, ``lerp`` moments stored round-to-nearest
+bf16, the update computed from their fp32 values, then ``theta = SR(p)``: rounded away
+from zero with probability (low 16 bits of p) / 2^16, so E[theta_new] = p. Bias
+corrections come from the integer step in float64 on the host. The random bits are
+``rounding_noise.random_bits(seed, stream, step, index)`` with ``state["stream"]`` fixed
+when the state is created, so a resumed or chunked step draws the bits of an
+uninterrupted, whole-tensor one. A drop-in for ``torch.optim.AdamW`` on bf16 parameters.
 
-- p = theta - (lr * wd) * theta
-- m = lerp(m, g, 1 - beta1),  v = lerp(v, g^2, 1 - beta2)    (stored round-to-nearest bf16)
-- p = p - lr * (m / c1) / (sqrt(v) / sqrt(c2) + eps)          (m, v: the fp32 values)
-- theta = SR(p): rounded away from zero with probability (low 16 bits of p) / 2^16,
-
-with c1 = 1 - beta1^t and c2 = 1 - beta2^t from the integer step t in float64 on the
-host (torchao's fp32 ``lr`` and step tensors round beta^t and lr * wd to fp32 first; given
-float64 ones and the same random bits, the two steps agree bit for bit). SR is
-unbiased, E[theta_new] = p, so an update far below a bf16 ulp still moves the weight on
-average, where round-to-nearest would drop it.
-
-The random bits come from ``rounding_noise.random_bits(seed, stream, step, index)``, a
-pure function: ``state["stream"]`` is fixed when the tensor's state is created (the rank
-in the top bits, a creation counter below), so a resumed run, or a tensor stepped
-``step_chunk_numel`` elements at a time, draws the very bits of an uninterrupted,
-whole-tensor step. A drop-in for ``torch.optim.AdamW`` on bf16 parameters::
-
-    model = model.to(torch.bfloat16)
-    optimizer = StochasticRoundingAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, seed=0)
+The step, its agreement with torchao and EDQ under SR: docs/strategies.md,
+'Stochastic rounding (`bf16_sr`: `StochasticRoundingAdamW`)'.
 """
 
 from __future__ import annotations

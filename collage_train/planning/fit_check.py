@@ -1,26 +1,18 @@
 """Start-up memory checks: refuse a run that cannot fit before anything is allocated.
 
-Two checks run before the model's weights are drawn or read (``collage_train.model.materialise``),
-both in ``check_run_fits``:
+Both run in ``check_run_fits``, before the model's weights are drawn or read
+(``collage_train.model.materialise``), and the ranks agree before any refuses
+(``collage_train.engine.agreement``): a rank short of memory stops every rank at once.
 
-- ``check_state_fits``: the model state (weights, gradients, optimizer state; this
-  rank's share under ZeRO) must fit the device, and the start-up's host transient (one
-  unit of the model in fp32 beside its cast copy, ``host_transient_bytes``, for a random
-  initialisation and for ``model.init_from`` alike) must fit the host, once for every rank
-  on this node. Raises ``OutOfMemory`` (exit 1): no micro-batch can fix it. Each rank
-  checks its own device and host, and the ranks agree before any refuses
-  (``collage_train.engine.agreement``): a rank short of memory stops every rank at once, with
-  the same line naming it.
-- ``check_step_fits`` (CUDA runs): the memory planner's peak of a whole training step
-  (state, activations, logits and loss, optimizer temporaries, DeepSpeed buffers; see
-  ``collage_train.planning.memory_plan``) at the chosen micro-batch, checkpointing and engine must
-  fit the free device memory, less ``plan.reserve_gb``. If not, one line says what does
-  fit: the largest micro-batch, activation checkpointing, a ZeRO stage, or how many GPUs
-  ZeRO-3 needs. Raises ``StepWillNotFit`` (exit 2: a setting to change). The ranks decide
-  together on the smallest free memory among them (gathered with the first check's
-  verdicts), so that no rank is left waiting in a collective for one that stopped. The
-  plan counts the chunked loss where the run uses it (``collage_train.model.loss``) and the
-  DeepSpeed buckets the engine will set.
+- ``check_state_fits``: this rank's model state must fit the device, and the start-up's
+  host transient (``host_transient_bytes``) the host, once for every rank on this node;
+  else ``OutOfMemory`` (exit 1: no micro-batch can fix it).
+- ``check_step_fits`` (CUDA runs): the planner's peak of a whole step
+  (``collage_train.planning.memory_plan``) must fit the least free device memory among
+  the ranks, less ``plan.reserve_gb``; else ``StepWillNotFit`` (exit 2), whose one line
+  says what fits: the largest micro-batch, activation checkpointing, a ZeRO stage, or how
+  many GPUs ZeRO-3 needs.
+What each check counts: docs/planner.md, "The start-up checks".
 """
 
 from __future__ import annotations

@@ -2,55 +2,16 @@
 
 The planner behind ``python -m collage_train.plan``. A step's peak is the model state
 that persists between steps (weights, master weights, optimizer state) plus the largest
-of these moments:
-
-- the start of the backward pass: every saved activation, the gradient of the output
-  embedding and the loss's backward temporaries (fp32 gradients of the log-softmax over
-  the vocabulary); under gradient accumulation also the gradients accumulated so far.
-  With the chunked loss (``collage_train.model.loss``, ``train.loss_chunk_tokens``) the loss
-  keeps no per-token log-softmax and has no backward temporaries over the micro-batch:
-  its moment is the larger of its forward (every saved activation, the fp32 accumulator
-  of the output embedding's gradient, the weight's compute-dtype copy under autocast and
-  one block's logits: ``CHUNK_BYTES_PER_LOGIT``) and its backward (the accumulator and
-  the gradient rounded from it);
-- with activation checkpointing, the backward of a recomputed block. By then the head's
-  saved activations and the loss's temporaries are freed, and so is the checkpointed
-  input of every block already done: what is live is the checkpointed inputs of the
-  blocks not yet done, the gradients produced so far, and the block's own working set
-  (``block_backward_bytes_per_token``: its input, its recomputed saved tensors and the
-  gradients in flight in it, largest in the MLP's activation backward). From the last
-  block to the first, each block trades one block input for one block's gradients, so
-  the larger end is the peak: the last block (every input, only the head's gradients)
-  or the first (one input, every gradient but the input embeddings', which come last,
-  and, of the first block's own, all but the MLP's down projection's);
-- the optimizer step: all gradients plus the optimizer's own temporaries.
-
-Saved activations per token of one block, in elements of the compute dtype, were read
-off transformers' GPT-2 and OPT blocks with ``LiveTensorBytes`` (tests/planning/test_memory_plan.py
-re-measures them): GPT-2 saves 8 h + 5 f (its tanh-GELU is five elementwise ops on the
-f = ffn width), OPT 8 h + 1 f (ReLU); both also keep the attention's fp32 log-sum-exp
-per head and two LayerNorms' statistics. Llama's block saves 6 h + 4 f (SwiGLU: the
-gate's output, its SiLU, the up projection and their product) + 2 kv (the grouped keys
-and values, kv = key/value heads x head width) in the compute dtype, plus each RMSNorm's
-input up-cast to fp32 (2 h in fp32 whatever the compute dtype) and its fp32 reciprocal
-RMS. The head keeps the final norm's input and output (Llama: also its fp32 up-cast)
-and the fp32 log-softmax over the vocabulary (the chunked loss: the hidden states'
-gradient in place of the norm's output, no log-softmax). Checkpointing keeps each block's
-input and recomputes one block at a time; while a block's backward runs, its input is
-live beside its recomputed saved tensors, which hold it already where a LayerNorm saves
-it (GPT-2, OPT) but not in Llama's bf16 block (its RMSNorms save the fp32 up-cast
-instead), so there the input adds 1 h. These are the eager model's activations; with
-``train.compile=true`` inductor fuses elementwise chains and saves less, so the plan is
-an upper bound there.
-
-Optimizer temporaries are per implementation (also re-measured by the tests): the
-multi-tensor AdamW builds fp32 temporaries over all of the parameters it updates, the
-eager Collage step fp32 temporaries of its largest tensor, and the fused Collage kernels
-(Triton on GPU) none. Under ZeRO the optimizer sees one flat partition per rank, so its
-"largest tensor" is the partition; DeepSpeed's communication buffers are the engine's
-own (``engine.zero_buckets``: the reduce buckets sized from the model, double-buffered
-with ``overlap_comm``, and at stage 3 the gathered weights, at most two blocks').
-Allocator fragmentation and the CUDA context are left to ``plan.reserve_gb``.
+of its moments: the start of the backward pass (saved activations, the output
+embedding's gradient, the loss's temporaries; with the chunked loss,
+``collage_train.model.loss``, the larger of its forward and its backward), the backward
+of a recomputed block under activation checkpointing, and the optimizer step (all
+gradients plus the optimizer's own temporaries). Activations per token (per model
+family) and optimizer temporaries (per implementation) were measured and are re-measured
+by tests/planning/test_memory_plan.py; DeepSpeed's buffers are the engine's own
+(``engine.zero_buckets``). The eager model's activations: an upper bound under
+``train.compile=true``. Fragmentation and the CUDA context are left to ``plan.reserve_gb``.
+What each moment counts, and the measured numbers: docs/planner.md, "What a step's peak counts".
 """
 
 from __future__ import annotations

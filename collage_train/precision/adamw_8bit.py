@@ -5,7 +5,8 @@ bitsandbytes' ``AdamW8bit``): each moment is stored as one byte per element, a c
 into a dynamic quantisation map, with one fp32 scale (the block's absolute maximum) per
 block of 256 elements. 10 bytes per parameter plus the scales (2 x 4/256). The
 blocks run over the flat tensor the optimizer steps, which under ZeRO is this rank's
-partition, so a checkpoint does not reshard (``docs/strategies.md``).
+partition; a checkpoint reshards through the whole-tensor form of its blocks
+(``checkpoint.whole_tensor``).
 """
 
 import torch
@@ -38,7 +39,6 @@ ADAMW_8BIT = register(
             ("exp_avg_sq_absmax", SCALE_BYTES),
         ),
         optimizer=OptimizerSpec("adamw", moments="blockwise8"),
-        reshards=False,
         state_form=BlockwiseForm(MasterForm(torch.float32)),
     )
 )

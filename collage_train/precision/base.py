@@ -15,11 +15,6 @@ OPTIMIZER_KINDS = (
 )  # fmt: skip
 COLLAGE_MODES = ("none", "light", "plus")
 MOMENT_FORMS = ("native", "bf16", "blockwise8")
-# Why a strategy with ``reshards=False`` is refused on another layout (resume, conversion).
-NOT_RESHARDED = (
-    "its optimizer state holds scales per tensor it steps, which under ZeRO is this "
-    "rank's partition: per tensor or piece (Scalify), per block of 256 elements (8-bit moments)"
-)
 
 
 @dataclass(frozen=True)
@@ -99,8 +94,6 @@ class PrecisionStrategy:
             ``expected_state_bytes_per_param``.
         not_under_zero: why it cannot run under DeepSpeed ZeRO and what to use instead
             (the refusal's text), or None where it runs.
-        reshards: whether its checkpoints resume on another engine or number of ranks
-            and convert between layouts (``collage_train.checkpoint``).
         chunked_loss: whether the LM head stays a plain linear layer whose loss
             ``collage_train.model.loss`` may compute a block of tokens at a time
             (``train.loss_chunk_tokens``); False where ``prepare_model`` replaces it.
@@ -118,7 +111,6 @@ class PrecisionStrategy:
     checkpoint_holds: tuple[str, ...]
     optimizer_state: tuple[tuple[str, float], ...] = ()
     not_under_zero: str | None = None  # why distributed=zero* is refused; None: it runs
-    reshards: bool = True  # whether a checkpoint resumes on another engine or rank count
     optimizer: OptimizerSpec = OptimizerSpec()
     activation_dtype: torch.dtype | None = None
     chunked_loss: bool = True

@@ -37,7 +37,6 @@ COLLAGE_8BIT = register(
             ("exp_avg_sq_absmax", SCALE_BYTES),
         ),
         optimizer=OptimizerSpec("collage", "light", moments="blockwise8"),
-        reshards=False,
         state_form=BlockwiseForm(CompensatedForm("dtheta")),
     )
 )

@@ -1,69 +1,18 @@
 """scalify, scalify_fp32_params: power-of-two scaled low-precision training.
 
-Scalify (Balanca et al., "Scalify: scale propagation for efficient low-precision
-LLM training", 2024; docs/training.md) keeps every tensor as data x a
-power-of-two scale so that data stays near unit RMS and fits fp16 or float8. Here it is
-applied to the unchanged transformers GPT-2 / OPT / Llama models by module replacement
-(``prepare_model``), and to AdamW by ``ScaledAdamW``. Two registry entries differ only in
-how the parameters and their gradients are stored:
+Scalify (Balanca et al., 2024) keeps every tensor as data x a power-of-two scale so that
+data stays near unit RMS and fits fp16 or float8; here it is applied to the unchanged
+transformers GPT-2 / OPT / Llama models by module replacement (``prepare_model``) and to
+AdamW by ``ScaledAdamW``. ``scalify`` stores each parameter and gradient as scaled fp16
+(``collage_train.scalify.params``: 8 bytes per parameter by default);
+``scalify_fp32_params`` holds fp32 parameters and gradients (12 bytes), the same
+numerics but for where roundings of accumulated gradients fall. Options, the same for
+both: ``precision.matmul``, ``precision.master``, ``precision.optimizer_state`` and
+``precision.rescale`` (the dynamic rescale points); the defaults are the paper's full
+low-precision configuration.
 
-- ``scalify`` (the paper's layout): each parameter is scaled fp16 data with its
-  power-of-two scale beside it, and so is each gradient (``collage_train.scalify.params``:
-  the model sees the values through forward hooks, the gradients are stored as scaled
-  fp16 as backward produces them). With the default fp16 master (the parameter itself)
-  and fp16 moments: 2 + 2 + 2 + 2 = 8 bytes per parameter, plus two 0-d scales per tensor.
-- ``scalify_fp32_params``: fp32 parameters and gradients. A parameter holds the value of
-  the scaled-fp16 master exactly (fp16 data x a power of two is an fp32 value), so no
-  second copy is kept; each gradient is rounded to scaled fp16 as backward produces it and
-  held in fp32: 4 + 4 + 2 + 2 = 12 bytes per parameter by default. The same numerics
-  as ``scalify`` but for where roundings of accumulated gradients fall (a tied weight's
-  two uses, micro-batches, clipping); kept to measure that difference and for code that
-  expects fp32 parameters.
-
-The options, the same for both:
-
-- ``precision.matmul``: format of every matmul (attention and MLP projections, the two
-  attention matmuls Q K^T and P V, and the LM head, which GPT-2 and OPT tie to the
-  embedding; Llama's SwiGLU gate, up and down projections): ``fp8`` (E4M3 activations and
-  weights forward, E5M2 gradients backward), ``fp16``, ``bf16``, or ``fp32`` (no
-  quantization, the plumbing check). Embeddings are lookups, not matmuls (their tables
-  are scaled fp16 parameters like every other under ``scalify``).
-- ``precision.master``: ``fp16``: the master weights are scaled fp16 (``scalify``: the
-  parameter itself; ``scalify_fp32_params``: held exactly by the fp32 parameter, its
-  scale in the optimizer); ``fp32``: an fp32 master (``scalify``: a copy in the optimizer;
-  ``scalify_fp32_params``: the fp32 parameter itself).
-- ``precision.optimizer_state``: AdamW's moments as scaled ``fp16`` or plain ``fp32``.
-- ``precision.rescale``: where a fresh power-of-two RMS scale is taken (the dynamic
-  rescale points): ``layernorm_grad`` (the gradient LayerNorm's backward hands to the
-  residual stream, stored in the gradient format), ``grads`` (the gradient entering
-  each matmul's backward, and each weight gradient, stored as scaled fp16; with
-  ``scalify_fp32_params`` and bf16 matmuls, as bf16) and ``matmul`` (each forward matmul
-  operand at its own RMS).
-  A gradient point left out casts under scale 1, as an unscaled format would. Without
-  ``matmul`` the forward operands take their scales from the propagation table
-  (``collage_train.scalify.propagation``): weights their own, activations their
-  producer's, with no reduction over the data.
-
-Default: fp8 matmuls and gradients, fp16 master, fp16 optimizer state, rescaling at
-LayerNorm backward and the gradients only, forward scales propagated: the paper's full
-low-precision configuration (training loss 2.93 against fp32's 2.87 on its 168M GPT-2;
-fp16 matmuls with fp32 master and state match fp32 at 2.87).
-
-``master=fp32`` with ``scalify`` keeps an fp32 master copy in the optimizer, the
-parameter its scaled-fp16 rounding (the paper's "fp16 matmuls and gradients, fp32
-master" setting): 12 bytes per parameter; ``optimizer_state=fp32`` adds 4 more.
-
-The trainer casts the fp32 initialisation to ``param_dtype`` before ``prepare_model``
-scales it, so under ``scalify`` an initial weight below fp16's normal range (2**-14, about
-0.2% of a 0.02-std init) keeps the plain fp16 cast's absolute precision (2**-24) rather
-than 11 significant bits; ``model.init_from`` weights are stored from their fp32 values.
-
-The residual stream follows the add rule (``collage_train.scalify.residual``): it is
-stored in the activation format (fp16 for fp8/fp16 matmuls) under the scale the
-propagation table gives it, entering the first block and leaving each block. The
-elementwise ops between matmuls (the attention softmax, GELU, the loss) compute in
-fp32; their outputs' scales follow the table where it has a rule (softmax: exp, sum,
-div; GELU and ReLU: a gate times the input) and are 1 where it has none.
+Layouts, options, defaults and their numbers: docs/strategies.md, "Scalify:
+power-of-two scaled low-precision training (`scalify`, `scalify_fp32_params`)".
 """
 
 from __future__ import annotations
@@ -272,7 +221,6 @@ def scalify_strategy(
         checkpoint_holds=tuple(holds),
         optimizer_state=(("exp_avg", moment), ("exp_avg_sq", moment)),
         not_under_zero=None if params == "fp32" else SCALED_PARAMS_NOT_UNDER_ZERO,
-        reshards=False,  # the scales of a ZeRO checkpoint are per piece of its partitions
         chunked_loss=False,  # its LM head is a ScaledLinear (fp8/fp16 matmuls)
         matmul=matmul,
         master=master,

@@ -1,23 +1,16 @@
 """How a strategy's saved per-parameter state maps to one canonical form and back.
 
 The canonical form of a range of a parameter is three float64 1-D tensors: ``weight`` (the
-best value the state holds: the fp32 master, Collage's theta + dtheta, the Kahan-compensated
-weight, split_fp32's joined master), ``exp_avg`` and ``exp_avg_sq`` (Collage-plus: v + dv).
-float64 holds every one of these sums exactly. A strategy's ``state_form`` turns the
-components of ``checkpoint.param_state.FullState.read`` into it (``to_canonical``) and
-back (``from_canonical``: the components the strategy's own checkpoint would hold, in its
-dtypes), element by element, so that any range converts on its own. Switching strategy on
-resume (``checkpoint.switch``) is ``target.from_canonical(source.to_canonical(state))``.
-
-The moments are Adam's own (``m``, ``v`` before bias correction); a state that stores
-them bias-corrected (bf16_kahan, as optimi does) converts with its step count and betas
-(``AdamStep``), which every method is given.
-
-``holds`` names each canonical value's format: ``fp32``, ``bf16``, ``bf16+bf16`` (a
-value and its bf16 low part), ``bf16/debiased`` (a bias-corrected bf16 moment) or
-``8bit`` (blockwise 8-bit codes with an fp32 scale per block of 256). A
-conversion is exact when every format of the source is contained in the target's
-(``contains``); otherwise it rounds, to within ``BOUNDS``.
+best value the state holds: fp32 master, theta + dtheta, weight + compensation or
+remainder), ``exp_avg`` and ``exp_avg_sq`` (Adam's own moments; Collage-plus: v + dv), all
+exact in float64. A strategy's ``state_form`` turns ``FullState.read``'s components into it
+(``to_canonical``) and back (``from_canonical``: what its own checkpoint would hold),
+element by element; ``AdamStep`` (step, betas) undoes a stored bias correction
+(bf16_kahan). ``holds`` names each value's format: ``fp32``, ``bf16``, ``bf16+bf16``,
+``bf16/debiased`` or ``8bit``; a conversion is exact when the target's formats contain the
+source's (``contains``), else it rounds within ``BOUNDS`` (8-bit: ``BLOCK_BOUND`` of the
+block's absmax). Formats, bounds and the table of exact pairs: docs/runs.md, "Switching
+strategy on resume".
 """
 
 from __future__ import annotations
@@ -209,13 +202,14 @@ class SplitForm(StateForm):
 
 @dataclass(frozen=True)
 class BlockwiseForm(StateForm):
-    """8-bit blockwise moments (``optim.blockwise8``: uint8 codes and an fp32 absmax per
-    block of 256 of the flattened parameter, ``exp_avg`` signed, ``exp_avg_sq`` unsigned)
-    beside the weight of ``weights`` (adamw_8bit: ``MasterForm``; collage_8bit:
-    ``CompensatedForm("dtheta")``). The blocks run over the whole tensor the optimizer
-    steps, so only a whole parameter converts (one process: a range is refused). A
-    positive v is never stored as 0 (``keep_nonzero``): beside an m that is not, the step
-    would divide by eps alone."""
+    """8-bit blockwise moments (``optim.blockwise8``) in the whole-tensor form of a
+    checkpoint's state (``checkpoint.whole_tensor``): uint8 codes and, per element, the
+    fp32 absmax of its block (``exp_avg`` signed, ``exp_avg_sq`` unsigned), beside the
+    weight of ``weights`` (adamw_8bit: ``MasterForm``; collage_8bit:
+    ``CompensatedForm("dtheta")``). Quantised anew in blocks of 256 from the range's first
+    element (a whole parameter: the blocks on the whole tensor); a positive v is never
+    stored as 0 (``keep_nonzero``): beside an m that is not, the step would divide by eps
+    alone."""
 
     weights: StateForm
 
@@ -224,18 +218,12 @@ class BlockwiseForm(StateForm):
         return {"weight": self.weights.holds["weight"], "exp_avg": "8bit", "exp_avg_sq": "8bit"}
 
     def to_canonical(self, components: Components, at: AdamStep) -> Components:
-        from collage_train.optim import blockwise8
+        from collage_train.optim import blockwise8  # the optimizers load only when used
 
         plain = dict(components)
         for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-            codes, absmax = components[key], components[f"{key}_absmax"]
-            if absmax.numel() != blockwise8.num_blocks(codes.numel()):
-                raise ValueError(
-                    f"{key} holds {codes.numel()} codes and {absmax.numel()} block scales: "
-                    "8-bit moments convert only as whole tensors"
-                )
-            plain[key] = blockwise8.dequantize(codes, absmax, signed)
-            del plain[f"{key}_absmax"]
+            code = blockwise8.dynamic_map(signed, components[key].device)
+            plain[key] = code[components[key].long()] * plain.pop(f"{key}_absmax")
         return self.weights.to_canonical(plain, at)
 
     def from_canonical(self, canonical: Components, at: AdamStep) -> Components:
@@ -243,8 +231,8 @@ class BlockwiseForm(StateForm):
 
         out = self.weights.from_canonical(canonical, at)
         for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-            codes, absmax = blockwise8.quantize(
-                canonical[key].to(torch.float32), signed, keep_nonzero=not signed
-            )
-            out[key], out[f"{key}_absmax"] = codes, absmax
+            value = canonical[key].to(torch.float32)
+            codes, absmax = blockwise8.quantize(value, signed, keep_nonzero=not signed)
+            blocks = torch.arange(codes.numel(), device=codes.device) // blockwise8.BLOCK_SIZE
+            out[key], out[f"{key}_absmax"] = codes, absmax[blocks]
         return out

@@ -4,20 +4,14 @@
 writes its files into one temporary directory and records their sizes and CRC-32s (taken
 as the bytes are written) in its manifest share; once every rank's share is there, rank 0
 writes ``meta.json`` and renames the directory into place. Non-finite weights are never
-saved over the last good checkpoint.
-
-A save in the background (``train.async_checkpoint``) makes the training loop wait only
-for a copy of this rank's state into reused host buffers (``checkpoint.staging``); a
-thread writes the files, the manifest share and, on rank 0, commits, while training goes
-on. The thread takes part in no collective: rank 0 waits for the other ranks' shares on
-the (shared) file system. A process killed mid-write leaves a hidden ``.step-N.tmp``, never
-a ``step-N``: the previous checkpoint stays the newest one a resume takes. A save still
-in flight is waited for before the next one and at the end of the run; a failure in the
-background is kept (``failure``) for the loop to stop on, on every rank at the same step.
-
-``restore`` reads a checkpoint written by the same engine on the same number of ranks
-directly, and any other (another engine, another world size, the universal layout) per
-parameter, naming in one printed line what carried over and what did not.
+saved over the last good checkpoint. In the background (``train.async_checkpoint``) the
+loop waits only for a copy of this rank's state into reused host buffers
+(``checkpoint.staging``); a thread that joins no collective writes and commits. A save in
+flight is waited for before the next one and at the end; a failure in the background is
+kept (``failure``) for the loop to stop on, on every rank at the same step. ``restore``
+reads a checkpoint of the same engine and ranks directly, any other per parameter, naming
+in one printed line what carried over and what did not.
+Why: docs/design.md, "Checkpoints"; docs/distributed.md, "Checkpoints, resuming and export".
 """
 
 from __future__ import annotations
@@ -34,6 +28,7 @@ from collage_train import checkpoint
 from collage_train.checkpoint.full_state import needs_reshard, open_full_state
 from collage_train.checkpoint.staging import HostStaging
 from collage_train.checkpoint.switch import Betas, betas_of, measure, switched
+from collage_train.checkpoint.whole_tensor import EIGHT_BIT_RECUT
 from collage_train.engine import Engine
 from collage_train.errors import (
     CheckpointError,
@@ -379,6 +374,8 @@ def _restore_resharded(
         if isinstance(getattr(getattr(engine, "optimizer", None), "streams", None), StreamCounter):
             # a stream names a tensor of the writer's layout (optim.rounding_noise)
             lost.append("stochastic-rounding streams (each tensor here draws a new one)")
+        if "exp_avg_absmax" in kept:
+            lost.append(EIGHT_BIT_RECUT)
         print(
             f"elastic resume: {path.name} was written by {state.layout} on "
             f"{state.world_size} rank(s), continuing with distributed={distributed} on "

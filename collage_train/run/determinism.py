@@ -1,29 +1,17 @@
 """``train.deterministic``: the same run, the same bits, on a GPU too.
 
-On CPU a run is already bitwise the same from one launch to the next (same seed, data
-order, thread count and machine); on CUDA some kernels sum in an order that changes from
-launch to launch. ``applied(True)`` turns on what PyTorch and cuBLAS offer against that
-(docs/reproducibility.md says what each piece fixes and what it costs):
-
-- ``torch.use_deterministic_algorithms(True)``: kernels that scatter with atomics
-  (``index_add_``, ``scatter_add_``, ``index_put_(accumulate=True)``, the backward of
-  ``index_select`` and ``gather``) and the attention backends' backward (flash,
-  memory-efficient) run their deterministic variants; an operation that has none raises
-  instead of running (the run ends in one ``error:`` line naming it, see
-  ``nondeterministic_operation``); Inductor stops autotuning on timings.
-  On CPU it also fills memory from ``torch.empty`` (NaN for floats), so a read of
-  uninitialised memory shows up.
-- ``CUBLAS_WORKSPACE_CONFIG=:4096:8``: one fixed cuBLAS workspace per stream, so cuBLAS
-  does not pick another internal GEMM implementation when several streams are active
-  (NVIDIA cuBLAS documentation, "Results reproducibility"). PyTorch reads the size when
-  it first hands cuBLAS a workspace, at the first matrix product on the GPU: the CLI
-  applies this before the trainer is built, and every rank of a launch runs the CLI. A
-  value the user exported is kept if it is one of the two deterministic ones.
-- ``torch.backends.cudnn.deterministic = True``, ``benchmark = False``: cuDNN's fixed
-  algorithm, not the fastest one timed at start-up.
-
+On CPU a run is already bitwise the same from one launch to the next; on CUDA some kernels
+sum in an order that changes from launch to launch. ``applied(True)`` turns on what PyTorch
+and cuBLAS offer against that: ``torch.use_deterministic_algorithms(True)`` (an operation
+without a deterministic variant raises: one ``error:`` line, see
+``nondeterministic_operation``), ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (a value the user
+exported is kept if it is one of the two deterministic ones; PyTorch reads it at the
+first matrix product on the GPU, so the CLI applies it before the trainer is built, on
+every rank) and ``torch.backends.cudnn.deterministic = True``, ``benchmark = False``.
 Applied around a run by ``collage_train.cli.train`` and undone when it returns, so a
 process that runs several jobs (tests, studies) keeps its own setting.
+What each piece fixes and costs: docs/reproducibility.md, "CUDA with
+``train.deterministic=true``: bitwise".
 """
 
 from __future__ import annotations

@@ -4,16 +4,14 @@ A run holds an exclusive ``flock`` on ``<run dir>/.lock`` for its whole life. Th
 releases it when the process ends, however it ends, so a run killed with SIGKILL leaves
 no stale lock (the file stays, naming its last holder, but locks nothing). Under a
 launcher (deepspeed, torchrun) rank 0 alone holds it, and the other ranks learn from
-rank 0 whether the launch may go on.
-
-The lock is taken in ``RunDirectoryCallback.on_run_start``, a Hydra callback (registered
-in ``configs/config.yaml``) that runs after Hydra composed the configuration and before
-it creates the run directory, writes anything or opens its log file there. The callback
-first validates the configuration (``collage_train.run.validate``), so a refused launch
-creates and changes nothing. Hydra's own ``.hydra/`` writing is off
-(``hydra.output_subdir: null``): ``write_hydra_record`` writes the same three files once
-the run has been accepted, resume checks included, so that no refused launch overwrites
-the record of the run that owns the directory.
+rank 0 whether the launch may go on. The lock is taken in
+``RunDirectoryCallback.on_run_start``, a Hydra callback (registered in
+``configs/config.yaml``) that runs after Hydra composed the configuration and before it
+creates the run directory, writes anything or opens its log file there; it first
+validates the configuration (``collage_train.run.validate``), so a refused launch creates
+and changes nothing. Hydra's own ``.hydra/`` writing is off (``hydra.output_subdir:
+null``): ``write_hydra_record`` writes the same three files once the run has been
+accepted, resume checks included, so no refused launch overwrites the owner's record.
 """
 
 from __future__ import annotations
@@ -123,6 +121,7 @@ class RunDirectoryCallback(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from collage_train.engine.launch import launched_rank, launched_world_size
+        from collage_train.run import branch
         from collage_train.run.validate import validate
 
         rank = launched_rank()
@@ -133,6 +132,7 @@ class RunDirectoryCallback(Callback):
             # Resolved once: ${now:...} must not name another directory when Hydra reads it.
             with read_write(config.hydra.run), open_dict(config.hydra.run):
                 config.hydra.run.dir = str(run_dir)
+            branch.check_directory(config, run_dir)  # a branch never writes its parent
             if rank == 0:
                 lock_run_dir(run_dir)
         except CollageError as err:

@@ -1,22 +1,17 @@
 """The step guard: skip an optimizer step whose loss or gradient norm is non-finite or an
 outlier, so that one bad batch neither kills a run nor leaves a spike in its weights.
 
-Each step's loss (the mean over every rank that steps in lockstep) and global gradient
-norm are judged against a rolling window of the last ``guard.window`` *applied* steps,
-held on the device: the step is refused when either value is non-finite, or, once the
-window holds ``guard.min_history`` steps, when either lies more than ``guard.z_threshold``
-standard deviations above the window's mean (the test of OLMo-core's skip-step
-optimizer; only upward spikes count, a falling loss is the point of training). The
-verdict is a device tensor, and a refused step leaves weights, optimizer state and the lr
-schedule's position exactly as if it had not been taken (docs/runs.md, "The step guard").
-On one process and under ZeRO the host never waits for it: the optimizer's update is
-masked with it (``admit``; ``optim.base.TrackingOptimizer.step_mask``), every later step
-is held back until the host reads the verdicts at its next settle and takes the held
-steps again. A DiLoCo/SparseLoCo replica, which steps alone, or an optimizer that cannot
-mask its step has the engine read it before the optimizer step.
-
 Invariant: the window changes only through ``accept`` or ``admit`` of a verdict that
 ``judge`` returned, so two runs that judge the same values decide the same.
+
+A step's loss (the mean over the ranks that step in lockstep) and global gradient norm are
+judged against a window of the last ``guard.window`` applied steps, held on the device:
+refused when non-finite or, once the window holds ``guard.min_history`` steps, more than
+``guard.z_threshold`` standard deviations above its mean (OLMo-core's test). The verdict
+is a device tensor that masks the optimizer's update (``admit``;
+``optim.base.TrackingOptimizer.step_mask``) until the host reads it at the next settle; a
+DiLoCo/SparseLoCo replica, or an optimizer that cannot mask its step, has the engine
+read it before the step. What it costs and guarantees: docs/runs.md, "The step guard".
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ class RunFacts:
     expected_state_bytes_per_param: float
     state_bytes_measure: str
     corpus: dict[str, Any]
+    branch: dict[str, Any] | None = None  # a branch's lineage (run.branch.Lineage.record)
 
     @property
     def tokens_per_step(self) -> int:
@@ -292,6 +293,7 @@ def run_summary(
     return {
         "model": facts.model,
         "precision": facts.precision,
+        **({"branch": facts.branch} if facts.branch else {}),
         "num_params": facts.num_params,
         "steps": progress.step,
         "steps_this_launch": progress.step - start_step,

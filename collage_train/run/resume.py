@@ -32,8 +32,6 @@ from collage_train.comm.settings import comm_name, uses_replicas
 from collage_train.config.schema import RENAMED_CHOICES, current_choice
 from collage_train.errors import CheckpointError, ConfigError
 from collage_train.planning.batch import accumulation_steps
-from collage_train.precision import get_strategy, strategy_for
-from collage_train.precision.base import NOT_RESHARDED
 
 # Layouts an elastic resume reads per parameter on any engine and number of ranks.
 RESHARDABLE = ("unsharded", *ZERO_ENGINES, UNIVERSAL)
@@ -44,8 +42,8 @@ IDENTITY = ("model.", "precision.", "data.", "train.global_batch_size", "train.s
 # ... except where the data is cached and how many processes prepare it, which do not
 # change what is read.
 NOT_IDENTITY = ("data.cache_dir", "data.num_workers")
-# Not worth reporting: a resume says it resumes.
-UNREPORTED = ("train.resume",)
+# Not worth reporting: a resume says it resumes, a branch records its origin (run.branch).
+UNREPORTED = ("train.resume", "train.branch_from", "train.branch_data_seed")
 RESUMES = "resumes.jsonl"  # in the run directory: one line per resume that changed something
 # The switch of strategy in resumes.jsonl, summary.json (a list) and W&B's config.
 SWITCH_FIELD = "precision_switch"
@@ -182,12 +180,6 @@ def check_resume(path: Path, cfg: DictConfig, world_size: int) -> list[str]:
     saved_world = int(meta.get("world_size", 1))
     if needs_reshard(meta, cfg.distributed.name, world_size):
         _check_reshard(path, cfg, layout, saved_world, world_size)
-        if switching and not get_strategy(written).reshards:
-            raise ConfigError(
-                f"{path} was written by precision={written} on distributed={layout}; it "
-                f"switches strategy only with the engine and number of processes that wrote "
-                f"it ({NOT_RESHARDED})"
-            )
     current = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     saved = meta.get("config", {})
     if switching:  # the strategy's own options change with it
@@ -222,12 +214,6 @@ def _check_reshard(
             f"{path} was written by {saved_world} replicas and this run has {world_size}; "
             "each replica's inner state is its own: resume with "
             f"{saved_world} processes (torchrun --nproc_per_node {saved_world})"
-        )
-    if not strategy_for(cfg.precision).reshards:
-        raise ConfigError(
-            f"{path} was written by distributed={layout} on {saved_world} rank(s); "
-            f"precision={cfg.precision.name} resumes only with the engine and number of "
-            f"processes that wrote it ({NOT_RESHARDED})"
         )
     train = cfg.train
     try:

@@ -1,23 +1,17 @@
 """Hydra sweeps: ``python -m collage_train -m precision=mixed_fp32,collage_plus,bf16 ...``.
 
-Each job of a sweep runs in its own directory under the sweep directory
-(``hydra.sweep.dir``, by default ``outputs/sweeps/<start time>``; a job's subdirectory is
-its number). A job is validated and its directory locked as a single run's is (for a
-single run ``run.directory.RunDirectoryCallback`` does this before Hydra starts; it is not called
-for a sweep's jobs, so the job does it here). Unless ``logging.wandb.group`` is set, every
-job streams to one W&B group named after the sweep directory.
-
-A job that fails prints its one ``error:`` line, writes it to ``failed.json`` in its
-directory and returns NaN, which an optimising sweeper (Optuna's, say) records as a failed
-trial; the other jobs run. A job that finishes returns its final validation loss, the
-sweepers' objective. When the sweep ends, ``SweepVerdict`` (an end-of-sweep Hydra
-callback, registered in ``configs/config.yaml``) names the failed jobs in one error line
-and exits non-zero. ``python -m collage_train.compare SWEEP_DIR`` compares the jobs.
-
-A stop signal (SIGTERM, SIGINT) ends the sweep after the current job's checkpoint
-(``collage_train.run.sweep_stop``); the same command with ``train.resume=true`` continues it:
-a job whose ``summary.json`` says it trained to ``train.max_steps`` is skipped, the others
-resume from their newest checkpoint or start.
+Each job runs in its own directory under the sweep directory (``hydra.sweep.dir``) and is
+validated and its directory locked here, as ``run.directory.RunDirectoryCallback`` does
+for a single run (Hydra does not call it for a sweep's jobs); unless
+``logging.wandb.group`` is set, every job streams to one W&B group named after the sweep
+directory. A failed job prints its ``error:`` line, writes it to ``failed.json`` and
+returns NaN (a failed trial for an optimising sweeper); a finished job returns its final
+validation loss. At the end ``SweepVerdict`` (a Hydra callback registered in
+``configs/config.yaml``) names the failed jobs in one error line and exits non-zero. A
+stop signal ends the sweep after the current job's checkpoint
+(``collage_train.run.sweep_stop``); with ``train.resume=true`` the same command skips the
+jobs whose ``summary.json`` says they finished and resumes or starts the others.
+What a user sees: docs/wandb.md, "Sweeps: several strategies as one command".
 """
 
 from __future__ import annotations
@@ -45,6 +39,7 @@ def run_sweep_job(
 ) -> float:
     """One job of a sweep in ``run_dir``; ``run_job`` is ``cli.run_reporting``. Returns the
     final validation loss, NaN when the job failed or stopped early."""
+    from collage_train.run import branch
     from collage_train.run.directory import lock_run_dir
     from collage_train.run.validate import validate
 
@@ -54,7 +49,8 @@ def run_sweep_job(
             where = run_dir / SUMMARY_FILE
             print(f"job {run_dir.name} finished already ({where}): skipped", flush=True)
             return _final_loss(done)
-    if cfg.logging.wandb.group is None:  # the jobs of one sweep: one W&B group
+    # the jobs of one sweep: one W&B group (branches: that of their branch point, run.branch)
+    if cfg.logging.wandb.group is None and cfg.train.branch_from is None:
         with open_dict(cfg):
             cfg.logging.wandb.group = f"sweep-{run_dir.parent.name}"
     try:
@@ -64,6 +60,7 @@ def run_sweep_job(
                 "each multi-GPU job with deepspeed or torchrun on its own"
             )
         validate(cfg)
+        branch.check_directory(cfg, run_dir)  # a branch never writes its parent
         lock_run_dir(run_dir)
     except CollageError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)

@@ -5,15 +5,14 @@ misspelt keys, keys the chosen option does not have and wrongly typed values; th
 refuses what it lets through: keys added with ``+`` under the project's own groups, a
 ZeRO stage other than the engine's name says, replicas (DiLoCo, SparseLoCo) on a sharded
 engine or with comm settings out of range, values of the right type that cannot work
-(a negative learning rate, a cadence of 0 steps, betas outside [0, 1), a loss block
-size that is neither ``auto``, ``off`` nor a count, or a count for Scalify, a
-non-deterministic CUBLAS_WORKSPACE_CONFIG under ``train.deterministic``), ``model.extra``
-keys that the transformers config does not know or that the model builder already sets,
-an embedding with fewer rows than the tokenizer has ids (``run.vocabulary``), and W&B
-``online`` without credentials (which would otherwise hang in ``wandb.init``).
-``validate`` runs once per launch, in the Hydra callback that also locks the run
-directory (``collage_train/run/directory.py``), so a refused run has prepared no data and
-touched no run directory.
+(a negative learning rate, a cadence of 0 steps, betas outside [0, 1), a loss block size
+that is neither ``auto``, ``off`` nor a count, or a count for Scalify, a non-deterministic
+CUBLAS_WORKSPACE_CONFIG under ``train.deterministic``), ``model.extra`` keys that the
+transformers config does not know or that the model builder already sets, an embedding
+with fewer rows than the tokenizer has ids (``run.vocabulary``), and W&B ``online``
+without credentials (which would otherwise hang in ``wandb.init``). ``validate`` runs once
+per launch, in the Hydra callback that also locks the run directory
+(``collage_train/run/directory.py``): a refused run has prepared no data, touched no run directory.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from collage_train.metrics.sinks import wandb_mode
 from collage_train.model.build import check_model_extra
 from collage_train.model.loss_settings import resolve_chunk_tokens
 from collage_train.precision import get_strategy
+from collage_train.run import branch
 from collage_train.run.determinism import check_cublas_config
 from collage_train.run.vocabulary import check_vocabulary
 
@@ -44,6 +44,7 @@ def validate(cfg: DictConfig) -> None:
     check_known_keys(cfg)
     check_optim(cfg.optim)
     check_train(cfg.train)
+    branch.check_settings(cfg)
     check_loss_chunk(cfg)
     check_positive("logging.log_every", cfg.logging.log_every, "step")
     if cfg.logging.sample_tokens < 0:

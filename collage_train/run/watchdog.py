@@ -1,27 +1,18 @@
 """A per-rank hang watchdog: when no optimizer step completes for too long, record where
 every thread is and exit with a status of its own, so that a scheduler restarts the job.
 
-A rank that hangs (a deadlocked collective, a stuck file system, a wedged device) would
-otherwise sit in a collective until ``distributed.timeout_minutes`` ran out, or forever.
 ``HangWatchdog`` is a daemon thread: the loop calls ``beat`` after every optimizer step
-and wraps its known long phases (validation, a checkpoint save's blocked part, the stop's
-checkpoint) in ``paused``. When the time since the last beat, outside a pause, passes the
-bound (``train.hang_timeout_s``), it writes ``hang-rank{R}-<time>.txt`` into the run
-directory (every thread's Python stack, then the collectives in flight from torch's flight
-recorder), repeats the stacks on stderr, prints one ``error:`` line and ends the process
-with ``HUNG`` (3, ``collage_train.errors``). Nothing else is written on the way out: a
-checkpoint is committed by an atomic rename and ``metrics.jsonl`` is flushed line by line
-(a torn last line is dropped on resume), so ``train.resume=true`` continues the run.
-
-The bound is armed from the second step of a launch (the first pays for warm-up and
-compilation). ``train.hang_timeout_s=None`` derives it: ``HANG_FACTOR`` times the longest
-step measured over the first ``MEASURED_STEPS`` steps, at least ``HANG_FLOOR_S``, and
-nothing fires until it is measured. The longest rather than the median: the host runs
-ahead of the device between the steps whose statistics are settled, so a settling step's
-interval holds the device time of several steps. While the watchdog is armed the
-collective timeout is lowered to ``collective_timeout_s`` (twice the bound, at least five
-minutes), and put back to ``distributed.timeout_minutes`` in a pause and at the end.
-docs/distributed.md ("A hung rank") says how a scheduler restarts the job.
+and wraps its known long phases (validation, a save's blocked part, the stop's
+checkpoint) in ``paused``. When the time since the last beat, outside a pause, passes
+the bound (``train.hang_timeout_s``; ``None``: ``HANG_FACTOR`` times the longest of the
+first ``MEASURED_STEPS`` steps, at least ``HANG_FLOOR_S``; armed from the second step), it
+writes ``hang-rank{R}-<time>.txt`` into the run directory (every thread's Python stack,
+then the collectives in flight), repeats the stacks on stderr, prints one ``error:`` line
+and ends the process with ``HUNG`` (3, ``collage_train.errors``), writing nothing else, so
+``train.resume=true`` continues the run. While it is armed the collective timeout is
+``collective_timeout_s`` (twice the bound, at least five minutes), put back to
+``distributed.timeout_minutes`` in a pause and at the end.
+Why, and how a scheduler restarts the job: docs/distributed.md, "A hung rank: the watchdog".
 """
 
 from __future__ import annotations

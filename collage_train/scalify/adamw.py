@@ -1,35 +1,18 @@
 """AdamW whose moments (and optionally master weights) are stored as scaled fp16.
 
 Each state tensor is fp16 data plus a power-of-two fp32 scale: the value is
-``data * scale``. A step loads each tensor into fp32, does the AdamW math there,
-and stores it back under a fresh scale, ``rms_scale`` of the new value, so the data
-sits near unit RMS and neither overflows nor underflows fp16 whatever the size of
-the gradients. ``rescale_count`` counts the times a stored scale changed.
+``data * scale``. A step loads each tensor into fp32, does the AdamW math there, and
+stores it back under a fresh scale, ``rms_scale`` of the new value, so the data sits near
+unit RMS and neither overflows nor underflows fp16. ``master="fp32"`` or ``"fp16"``
+chooses the master's format (a parameter held as scaled fp16 is itself the fp16
+master); ``scaled=False`` pins every scale at 1, ``state="fp32"`` keeps plain fp32
+moments. A flat ZeRO partition listed in ``flat_pieces`` keeps one scale per piece, the
+whole model tensor's, so it stores what an unsharded run does. ``rescale_count`` and
+``scale_metrics()`` report the rescales and the share of stored data outside
+``[1/16, 16]`` RMS. Step counts, bias corrections and weight decay as in
+``collage_train.optim.adamw.AdamW``.
 
-``master="fp32"`` updates fp32 parameters in place (or an fp32 master copy of
-lower-precision parameters); ``master="fp16"`` keeps the master as scaled fp16 too
-and writes its value into the parameters. An fp32 parameter then holds the master's
-value exactly, so only its scale is stored (``master_scale``); a lower-precision
-parameter gets its own fp16 ``master`` data. A parameter held as scaled fp16
-(``collage_train.scalify.params``: fp16 data with its scale beside, the 8-byte layout)
-is itself the fp16 master: the step reads its value and gradient through their scales
-and stores the new value back into its data and scale, keeping no copy; with
-``master="fp32"`` it gets an fp32 master copy instead. ``scaled=False`` pins every scale at 1:
-plain fp16 state, the baseline that under- and overflows. ``state="fp32"`` keeps the
-moments as plain fp32 (scale pinned at 1), the paper's fp32-optimizer-state setting.
-
-A flat tensor listed in ``flat_pieces`` (the pieces of model tensors it holds: a ZeRO
-partition, ``ZeroEngine.prepare``) keeps one scale per piece for each scaled entry
-instead of one for the whole flat tensor: the scale of the model tensor the piece
-belongs to, summed over every rank's pieces of it (``FlatPieces.whole``), so that each
-tensor is stored under the scale an unsharded run gives it. The piece lengths are kept
-in the state (``piece_lengths``) beside the scales they go with.
-
-``scale_metrics()`` reports the rescales so far and the share of state tensors whose
-stored data has an RMS outside ``[1/16, 16]`` (the range Scalify keeps data in).
-
-Step counts are integers, bias corrections host float64, weight decay decoupled,
-as in ``collage_train.optim.AdamW``.
+Details: docs/strategies.md, "ScaledAdamW: moments and masters as scaled fp16".
 """
 
 from __future__ import annotations

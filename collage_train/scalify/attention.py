@@ -1,27 +1,15 @@
 """Scaled attention: both attention matmuls in the Scalify matmul format, softmax unscaled.
 
-transformers' GPT-2 and OPT attention modules call whatever function
-``ALL_ATTENTION_FUNCTIONS`` holds under ``config._attn_implementation``.
-``use_scaled_attention(model, fmt, operand_scales)`` registers ``scalify_<fmt>`` (with the
-eager additive mask under the same name in the mask registry, so causal and padding
-masks arrive as they do for eager attention) and points the model's config at it:
-the model code is untouched. Per head, for queries Q, keys K and values V:
+``use_scaled_attention(model, fmt, operand_scales)`` registers ``scalify_<fmt>`` with
+transformers' attention (and mask) registries and points the model's config at it: the
+model code is untouched. Per head: grouped key/value heads are repeated for the query
+heads they serve; scores = ``ScaledMatmul(Q, K^T)`` times the module's scaling; mask and
+softmax in fp32 (exp does not propagate a scale); output = ``ScaledMatmul(P, V)``.
+Operand scales as for ``ScaledLinear`` (``"propagated"``, ``"dynamic"``, ``"unit"``;
+an attention module of an unknown kind falls back to ``"dynamic"``). With
+``fmt="fp32"`` this is transformers' eager attention, operation for operation.
 
-- with grouped-query attention (Llama) each key/value head is repeated for the query
-  heads it serves, as transformers' own attention functions do (a copy keeps the scale);
-- scores = ``ScaledMatmul(Q, K^T)`` times the module's scaling (1/sqrt(d) for GPT-2,
-  1 for OPT, whose q_proj is pre-scaled): the matmul rule, each operand cast to the
-  format under its power-of-two scale (E4M3 forward, E5M2 gradients for float8);
-- mask added and softmax taken in fp32: exp is not a scale-propagating op, so it runs
-  unscaled, as Scalify's table prescribes (its output lies in [0, 1]);
-- output = ``ScaledMatmul(P, V)``, the matmul rule again.
-
-Operand scales as for ``ScaledLinear``: ``"propagated"`` takes Q, K and V at the scales
-of the projections that produced them and P at ``1 / pow2(sqrt(keys))``
-(``propagation.attention_scales``; an attention module of an unknown kind falls back
-to ``"dynamic"``), ``"dynamic"`` at each operand's RMS, ``"unit"`` at 1.
-
-With ``fmt="fp32"`` this is transformers' eager attention, operation for operation.
+Details: docs/strategies.md, "Scaled attention".
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """Float8 casts and scaled matmuls: E4M3 for the forward pass, E5M2 for gradients.
 
-``to_float8`` divides by a power-of-two scale and clamps to the format's finite
-range before casting, so every path sees the same operands (overflow behaviour of
-the cast differs across stacks; torch 2.13 on CPU saturates E4M3 at +-448, even for
-inf, but sends E5M2 past its range to inf).
-``scaled_mm`` runs ``torch._scaled_mm`` on CUDA GPUs of compute capability >= 8.9
-and ``scaled_mm_emulated`` elsewhere.
+``to_float8`` divides by a power-of-two scale and clamps to the format's finite range
+before casting, so every path sees the same operands. ``scaled_mm`` runs
+``torch._scaled_mm`` on CUDA GPUs of compute capability >= 8.9 and
+``scaled_mm_emulated`` elsewhere: ATen's CPU reference (``_scaled_mm_out_cpu_emulated``),
+bitwise equal to ``torch._scaled_mm`` on CPU wherever that reference runs. Hopper's
+float8 tensor cores accumulate with fewer bits than fp32, so the hardware path agrees
+with the emulation within ``HARDWARE_ACCUMULATION_RTOL``, not bitwise.
 
-``scaled_mm_emulated`` follows ATen's CPU reference (``_scaled_mm_out_cpu_emulated``):
-each operand is widened to fp32 and multiplied by its scale, then one fp32 matmul of
-the contiguous operands, then the cast. It is bitwise equal to ``torch._scaled_mm``
-on CPU wherever that reference runs. On x86 CPUs with AMX-int8, same-dtype operands
-go to oneDNN instead, which sums in another order: equal where measured for K <= 256
-with M, N >= 2; not for K >= 512 nor for matrix-vector shapes (torch 2.13). With
-power-of-two scales, scaling the operands or the fp32 result gives the same bits
-unless something overflows or underflows.
-
-On the GPU the products are exact but Hopper's float8 tensor cores accumulate with fewer
-bits than fp32 (DeepSeek-V3 technical report, section 3.3.2), so the hardware path is not
-bitwise the emulation: on an H100 (torch 2.11, 2026-11-26) results of a K = 256 product
-differed from it by up to about 2e-4 relative, within ``HARDWARE_ACCUMULATION_RTOL``.
+Cast overflow, oneDNN and H100 measurements: docs/strategies.md,
+'Float8 casts and scaled_mm'.
 """
 
 from __future__ import annotations

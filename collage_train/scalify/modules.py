@@ -2,27 +2,15 @@
 
 ``ScaledLinear`` keeps the original module's ``weight`` and ``bias`` Parameters (same
 objects, same names, so optimizers, tied embeddings and state dicts are unaffected)
-and runs its matmul through ``ScaledMatmul``, a custom autograd Function:
-
-- ``"fp32"``: fp32 data under power-of-two scales, no rounding (checks the plumbing:
-  the scaled model then equals the original);
-- ``"bf16"`` / ``"fp16"``: each operand divided by its power-of-two RMS scale and
-  cast, the product multiplied back by ``s_a * s_b`` (exact);
-- ``"float8"``: E4M3 activations and weights forward, E5M2 gradients backward,
-  through ``scaled_mm`` (hardware float8 where present, exact emulation elsewhere).
-
-Where an operand's scale comes from (``operand_scales``):
-
-- ``"dynamic"``: each operand's power-of-two RMS, measured as it is cast (a dynamic
-  rescale at every matmul: robust, but a reduction over every activation);
-- ``"propagated"``: Scalify's static rule: the weight carries its own scale (its
-  power-of-two RMS, what a scaled master stores), the input the scale its producer's
-  rule gave it (``input_scale_source``, wired by ``collage_train.scalify.propagation``;
-  without one the input is unscaled, scale 1, as after an op the table has no rule for);
-- ``"unit"``: scale 1 for both (a plain low-precision cast; an ablation).
-
-The output is handed back as an fp32 value, so model code needs no change:
+and runs its matmul through ``ScaledMatmul``, a custom autograd Function that casts both
+operands to the format (``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"float8"``: E4M3
+forward, E5M2 backward) under power-of-two scales and multiplies the product back
+exactly. ``operand_scales`` says where the scales come from: ``"dynamic"`` (each
+operand's RMS), ``"propagated"`` (Scalify's static rule, ``input_scale_source``) or
+``"unit"``. The output is an fp32 value, so model code needs no change:
 ``scalify_linears(model, fmt)`` swaps the modules in place.
+
+Details: docs/strategies.md, "Scaled matmuls: ScaledLinear".
 """
 
 from __future__ import annotations

@@ -1,38 +1,17 @@
 """Parameters and gradients held as scaled fp16: Scalify at 8 bytes per parameter.
 
-``scale_parameters(model)`` gives every parameter of a model Scalify's storage without
-touching the model code (run it after the module swap, ``ScalifyStrategy.prepare_model``):
+``scale_parameters(model)`` gives every parameter Scalify's storage without touching the
+model code (run it after the module swap): the Parameter object stays, its data becomes
+fp16 ``value / scale`` with ``scale`` the value's power-of-two RMS, a 0-d fp32 tensor
+held as ``param.scalify_scale`` and as a persistent buffer of every holding module (so
+checkpoints carry it). Forward hooks show the fp32 value ``data * scale`` to the
+unchanged model code for the length of each module's call (``LoadScaled``), whose
+backward stores each gradient as scaled fp16 (``param.grad.scalify_scale``).
+``value_of``, ``grad_value`` and ``store_value`` read and write the values;
+``unscale_weights`` turns a state dict into ordinary weights. Move the model to its
+device before scaling it: ``Module.to`` would replace the scale buffers.
 
-- The Parameter object stays (same identity, names, ties and optimizer groups); its data
-  becomes fp16 ``value / scale``, ``scale`` the value's power-of-two RMS
-  (``scale.rms_scale``), a 0-d fp32 tensor. ``data * scale`` is then exact in fp32: the
-  value to fp16's 11 significant bits, relative to the tensor's RMS rather than to 1.
-- The scale is the attribute ``param.scalify_scale`` and a persistent buffer
-  ``<name>_scalify_scale`` of every module that holds the parameter: one tensor, always
-  updated in place, so ``model.state_dict()`` (a checkpoint) carries it and
-  ``load_state_dict`` restores it where every holder sees it.
-- Every such module gets a forward pre-hook that, for the length of its forward call,
-  shows the fp32 value ``data * scale`` under the parameter's name (``LoadScaled``), so
-  ``self.weight`` in the unchanged model code is the value; its forward hook takes it
-  away again. Only the values of the module running exist (4 bytes per parameter of one
-  layer, and what the layer saves for backward, as before).
-- ``LoadScaled``'s backward receives the fp32 gradient of the value and stores it as
-  scaled fp16: ``param.grad`` is the fp16 data and carries its power-of-two RMS scale as
-  ``param.grad.scalify_scale`` (Scalify's gradient rescale point; scale 1 with
-  ``rescale_grads=False``, a plain fp16 cast that under- and overflows). A second
-  contribution (the other use of a tied weight, the next micro-batch) is added to the
-  stored gradient's value and the sum stored again under a fresh scale, so no fp32
-  gradient outlives one tensor's backward. Autograd itself never writes these
-  gradients (``LoadScaled`` hands it none), so hooks registered on the parameters do
-  not fire.
-
-So the model holds 2 bytes of weight and 2 of gradient per parameter; with
-``ScaledAdamW``'s scaled-fp16 moments and the parameter as its master, 8 in all, plus
-two 0-d scales per tensor. ``value_of``, ``grad_value`` and ``store_value`` read and
-write the values (the optimizer, gradient clipping, EDQ); ``unscale_weights`` turns a
-state dict (live or from a checkpoint) into ordinary weights for export. Move the model
-to its device before scaling it: ``Module.to`` would replace the scale buffers with new
-tensors that the parameters no longer point at.
+Details: docs/strategies.md, "Parameters and gradients as scaled fp16".
 """
 
 from __future__ import annotations

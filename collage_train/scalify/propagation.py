@@ -1,34 +1,16 @@
 """Static operand scales: Scalify's propagation table wired between the model's modules.
 
-In Scalify a tensor's scale is not measured, it is derived: each op's output scale
-follows from its inputs' scales by a fixed rule (``collage_train.scalify.scale``), and
-only a few points rescale dynamically (LayerNorm backward, the gradients). Between the
-modules of a transformers model the tensors are plain, so here every matmul input is
-given, as a ``ScaledLinear.input_scale_source``, the scale the table assigns to the op
-that produced it:
+In Scalify a tensor's scale is not measured but derived: each op's output scale follows
+from its inputs' by a fixed rule (``collage_train.scalify.scale``), and only a few
+points rescale dynamically. Between the modules of a transformers model the tensors are
+plain, so ``propagate_scales`` gives every matmul input, as a
+``ScaledLinear.input_scale_source``, the scale the table assigns to the op that produced
+it (a norm, attention, a gating activation, SwiGLU, rotary embeddings, the embeddings);
+``attention_scales`` does the same for the attention matmuls and ``stream_entry_scale``
+for the residual stream's entry. Blocks of an unknown kind keep ``input_scale_source``
+unset: their inputs are unscaled, the table's fallback.
 
-- after a LayerNorm or an RMSNorm (Llama): the mul rule, unit-scaled normalised value
-  times the gain, i.e. the gain's power-of-two RMS (``output_scale``);
-- after attention: ``P V`` with the softmax output ``P`` at scale ``1 / pow2(sqrt(N))``
-  (exp unscales, the sum over N keys multiplies by ``pow2(sqrt(N))``, division divides
-  the scales), so the matmul rule gives exactly the value projection's scale;
-- after a gating activation (ReLU, GELU, SiLU: the input times a gate in [0, 1] that
-  the table treats as unscaled), the mul rule: the input's scale, the producing
-  linear's. An activation of another kind has no rule: its output is unscaled (1).
-- Llama's SwiGLU ``down_proj(SiLU(gate_proj(x)) * up_proj(x))``: SiLU keeps the gate's
-  scale (the gating rule) and the product takes the mul rule, ``s_gate * s_up``;
-- Llama's rotary embedding of the queries and keys keeps their projections' scales
-  (``scale.rotary_scale``: cos and sin at unit scale, the mul then the add rule).
-
-- after an embedding lookup: the table's scale; entering the first block, the add rule
-  over the token embeddings (or OPT's ``project_in`` of them) and the positions
-  (``stream_entry_scale``);
-- in OPT's post-LayerNorm layers (opt_350m), the projections read the block's input:
-  the previous layer's closing LayerNorm, or the first block's entry.
-
-The attention matmuls take their operand scales the same way (``attention_scales``).
-Blocks of an unknown kind keep ``input_scale_source`` unset: their inputs are
-unscaled, the table's fallback.
+The rule for each producer: docs/strategies.md, "The propagation table".
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
 """The residual stream as a scaled tensor: Scalify's add rule at every block boundary.
 
-Each transformer block adds two branches to the residual stream, x + attn(...) +
-mlp(...). In Scalify every tensor is data x a power-of-two scale and an add takes
-the scale ``pow2_floor(sqrt(s_a**2 + s_b**2))`` (``scale.add_scale``): a static rule,
-no look at the data. ``ScaledResidualStream`` applies it without editing the model:
+``ScaledResidualStream`` gives the stream, without editing the model, the scale
+Scalify's static add rule ``pow2_floor(sqrt(s_a**2 + s_b**2))`` derives: at the first
+block's entry from the embeddings (``propagation.stream_entry_scale``), leaving each
+block from the stream's and both branches' matmul scales (a post-LayerNorm OPT block:
+its closing LayerNorm's). There the stream is stored as ``data = value / scale`` in the
+activation format, clamped to its range, and read back exactly as ``data * scale``;
+gradients pass straight through. ``rms_outside_frac`` reports the share of stored
+tensors (last forward pass) whose data RMS lies outside [1/16, 16].
 
-- the stream entering the first block has the add-rule scale of the embeddings that
-  were summed into it (token and position tables; each table's scale is the
-  power-of-two RMS of its weight, the scale a scaled master stores; OPT's
-  ``project_in`` output in place of narrower token embeddings):
-  ``propagation.stream_entry_scale``;
-- each branch ends in a ``ScaledLinear`` whose output scale is the matmul rule
-  ``s_x * s_w * pow2_floor(sqrt(K))`` (recorded by the layer as it runs);
-- leaving block l, the stream's scale is ``add(add(s_l, s_attn), s_mlp)``; in OPT's
-  post-LayerNorm layers (opt_350m) the block's output is its closing LayerNorm's, so
-  its scale is that LayerNorm's output scale.
-
-At the entry of the first block and at every block output the stream is stored as
-``data = value / scale`` in the activation format (fp16 for fp16 and float8 matmuls,
-bf16 for bf16, fp32 for fp32, exactly), clamped to the format's range, and read back
-exactly as ``data * scale``: what holding the residual stream as a scaled
-low-precision tensor costs. Gradients pass straight through the store (the
-LayerNorm-backward rescale point handles them). Inside a block the stream between
-the two adds stays fp32.
-
-``rms_outside_frac`` reports the share of stored residual tensors (last forward pass)
-whose data RMS lies outside [1/16, 16]: how far the static rules drifted from the
-data, which is what Scalify's few dynamic rescale points exist to correct.
+Details: docs/strategies.md, "The residual stream as a scaled tensor".
 """
 
 from __future__ import annotations

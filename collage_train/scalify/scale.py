@@ -1,23 +1,15 @@
 """Power-of-two scales and the Scalify propagation rules.
 
-A scaled tensor is ``data * scale`` with ``scale`` an exact power of two, rounded
-down, so multiplying or dividing by it is exact (barring overflow or underflow).
-Scales are 0-d float32 tensors (the form ``torch._scaled_mm`` takes); the rules
-below compute in float64 and round the result down to a power of two, so every
-scale they return is exact:
+A scaled tensor is ``data * scale`` with ``scale`` an exact power of two, rounded down,
+so multiplying or dividing by it is exact (barring overflow or underflow). Scales are
+0-d float32 tensors (the form ``torch._scaled_mm`` takes); the rules (matmul, add, mul,
+sum, rotary embedding) compute in float64 and round the result down to a power of two,
+so every scale they return is exact. A stored scaled tensor is ``(data, scale)`` with
+fp16 ``data`` (``store_scaled``, read back exactly by ``load_scaled``); a parameter held
+that way (``collage_train.scalify.params``) carries its scale as ``scalify_scale``, and
+``value_rms_scale`` gives the RMS scale of the value such a tensor stands for.
 
-- matmul over an inner dimension K: ``s_a * s_b * pow2_floor(sqrt(K))``
-- add: ``pow2_floor(sqrt(s_a**2 + s_b**2))`` (the larger scale when both are powers of two)
-- mul: ``s_a * s_b``
-- sum over N elements: ``s * pow2_floor(sqrt(N))``
-- rotary embedding ``x cos + rotate_half(x) sin`` (cos, sin in [-1, 1], unit scale): two
-  muls and an add, ``pow2_floor(sqrt(s**2 + s**2)) = s``: the scale is kept
-- reshape / transpose / slice / cast keep the scale; unsupported ops unscale.
-
-A stored scaled tensor is ``(data, scale)`` with fp16 ``data`` (``store_scaled``, read
-back exactly by ``load_scaled``). A parameter held that way (``collage_train.scalify.params``)
-carries its scale as the attribute ``scalify_scale``; ``value_rms_scale`` gives the RMS
-scale of the value such a tensor stands for.
+The rules: docs/strategies.md, "Scales and the propagation rules".
 """
 
 from __future__ import annotations

@@ -286,3 +286,38 @@ def test_both_loaders_refuse_a_shape_that_cannot_serve_batches(shape, message):
         TokenLoader(np.arange(100, dtype=np.uint16), seq_len=8, batch_size=2, seed=-1)
     with pytest.raises(DataError, match=r"skip \(-1\) non-negative"):
         StreamingLoader(lambda: iter(()), tokenizer=None, seq_len=8, batch_size=2, skip=-1)
+
+
+@pytest.mark.parametrize("consumed", [7, 25])  # mid-epoch, and at an epoch's start
+def test_a_data_order_seed_reorders_the_unseen_samples_then_every_later_epoch(
+    consumed: int,
+) -> None:
+    """A branch's data-order seed (run.branch): the rest of the epoch visits the samples
+    the parent had not reached, each once, in another order; later epochs differ too; the
+    state keeps it, so a resumed branch continues in that order (two branches in a row too)."""
+    seq_len, tokens = 5, np.arange(5 * 103 + 1, dtype=np.uint16)
+    parent = TokenLoader(tokens, seq_len, 4, seed=1)
+    for _ in range(consumed):
+        parent.next_batch()
+    branch = TokenLoader(tokens, seq_len, 4, seed=1)
+    branch.load_state_dict(parent.state_dict())
+    branch.reorder(7)
+    left = 25 - consumed % 25
+    kept = [i for _ in range(left) for i in sample_ids(parent.next_batch(), seq_len)]
+    moved = [i for _ in range(left) for i in sample_ids(branch.next_batch(), seq_len)]
+    assert moved != kept and sorted(moved) == sorted(kept)  # the same samples, reordered
+    assert parent.epoch == branch.epoch == consumed // 25 + 1
+    state = branch.state_dict()
+    resumed = TokenLoader(tokens, seq_len, 4, seed=1)
+    resumed.load_state_dict(state)
+    later = [branch.next_batch() for _ in range(30)]
+    assert all(torch.equal(batch, resumed.next_batch()) for batch in later)
+    next_epoch = [i for batch in later[:25] for i in sample_ids(batch, seq_len)]
+    assert len(set(next_epoch)) == 100
+    assert next_epoch != [i for _ in range(25) for i in sample_ids(parent.next_batch(), seq_len)]
+    again = TokenLoader(tokens, seq_len, 4, seed=1)  # a branch of the branch, mid-epoch
+    again.load_state_dict(resumed.state_dict())
+    again.reorder(8)
+    rest = [i for _ in range(20) for i in sample_ids(again.next_batch(), seq_len)]
+    own = [i for _ in range(20) for i in sample_ids(resumed.next_batch(), seq_len)]
+    assert rest != own and sorted(rest) == sorted(own)

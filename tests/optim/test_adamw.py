@@ -202,3 +202,41 @@ def test_tracking_an_fp32_partition_allocates_one_chunk_not_the_partition():
     state_bytes = numel * 16  # fp32 master, grad, m, v
     assert peaks[True] - peaks[False] <= 40 * chunk  # bytes per tracked element, bounded
     assert peaks[True] < 0.02 * state_bytes + peaks[False]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"moment_dtype": torch.bfloat16},  # the chunked step
+        {"master_dtype": torch.float32, "mask": True},  # the chunked step under a step_mask
+        {"master_dtype": torch.float32},  # the whole-list step
+    ],
+    ids=["bf16_moments", "masked_master", "master"],
+)
+def test_a_transposed_parameter_steps_like_its_contiguous_copy(settings):
+    """A non-contiguous parameter (a transposed weight) gets the bits its contiguous copy
+    gets, in its weights and in its moments (a chunk taken by ``reshape`` would be a copy
+    the step writes into and loses)."""
+    settings = dict(settings)
+    mask = torch.tensor(True) if settings.pop("mask", False) else None
+    dtype = torch.bfloat16 if "master_dtype" in settings else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    base = (torch.randn(40, 30, generator=gen) * 0.05).to(dtype)
+    transposed = torch.nn.Parameter(base.t())  # shares base's storage: not contiguous
+    contiguous = torch.nn.Parameter(base.t().contiguous())
+    assert not transposed.is_contiguous()
+    optimizers = [
+        AdamW([p], lr=1e-3, weight_decay=0.1, **settings) for p in (transposed, contiguous)
+    ]
+    for optimizer in optimizers:
+        optimizer.step_chunk_numel = 256  # several chunks
+    for _ in range(3):
+        grad = (torch.randn(30, 40, generator=gen) * 1e-2).to(dtype)
+        for param, optimizer in zip((transposed, contiguous), optimizers, strict=True):
+            param.grad = grad.clone()
+            optimizer.step_mask = mask
+            optimizer.step()
+    assert torch.equal(transposed.detach(), contiguous.detach())
+    for key in ("exp_avg", "exp_avg_sq"):
+        ours = optimizers[0].state[transposed][key]
+        assert torch.equal(ours, optimizers[1].state[contiguous][key]), key

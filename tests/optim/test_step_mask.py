@@ -143,6 +143,25 @@ def test_a_refused_step_changes_nothing_and_rewinds_to_an_unstepped_run(name, de
     assert _same(_snapshot(optimizer, params), _snapshot(reference, ref_params))
 
 
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_refused_step_has_zero_descent_also_per_segment(name, device):
+    """Under ``edq_segments`` (a ZeRO partition's layer-group ranges) the step sums each
+    range itself, from the weights and low parts after the step: a refused step's rows,
+    the low part's terms included, are zero as they are without segments."""
+    params, optimizer = _build(name, device)
+    optimizer.edq_segments = {
+        p: [("first", 0, p.numel() // 2), ("rest", p.numel() // 2, p.numel())] for p in params
+    }
+    for t in range(1, 3):
+        _grads(params, t)
+        _step(optimizer, track=True)
+    assert any(row.abs().sum() > 0 for row in optimizer.last_edq.values())  # tracked
+    _grads(params, 99, nan=True)
+    _step(optimizer, REFUSED, track=True)
+    for row in optimizer.last_edq.values():
+        assert torch.equal(row, torch.zeros_like(row))
+
+
 @pytest.mark.parametrize("name", ["collage_plus_eager", "mixed_fp32"])
 def test_an_applied_masked_step_tracks_the_same_descent(name, device):
     params, optimizer = _build(name, device)

@@ -74,7 +74,6 @@ def test_the_registry_entries_and_their_bytes(make_cfg):
     assert fp32_master.expected_state_bytes_per_param == 12  # 2 + 2 + fp32 master 4 + 2 + 2
     # the fp32-parameter layout is the one that runs under ZeRO (tests/engine/test_zero.py)
     assert twelve.not_under_zero is None and "scalify_fp32_params" in eight.not_under_zero
-    assert not eight.reshards and not twelve.reshards  # scales per tensor / per piece
     with pytest.raises(ConfigError, match="precision=scalify does not run under"):
         eight.check_engine("zero1")
     twelve.check_engine("zero1")

@@ -1,6 +1,7 @@
 """Checks the checkpoint tests share: one trainer's state, bit-for-bit comparison of states
 and of DeepSpeed's files and step counters, ZeRO partitions against a one-process state,
-planted remainder ties (tests/checkpoint/, tests/engine/test_zero.py)."""
+planted remainder ties, a resharded state against its source (tests/checkpoint/,
+tests/engine/test_zero.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 import torch
 
 from collage_train import checkpoint
+from collage_train.checkpoint import whole_tensor
+from collage_train.checkpoint.param_state import FullState
 from collage_train.optim import remainder
 from collage_train.trainer import Trainer
 
@@ -121,3 +124,34 @@ def deepspeed_counters(directory: Path) -> dict[str, tuple[int, int, int]]:
             counters[file.name] = tuple(int(saved[key]) for key in keys)
     assert counters, f"no DeepSpeed model-states file in {directory}"
     return counters
+
+
+# components carried bit for bit through every layout
+EXACT = ("weight", "master", "dtheta", "exp_avg_scale", "exp_avg_sq_scale", "master_scale")
+
+
+def assert_carried(new: FullState, old: FullState) -> dict[str, int]:
+    """Every component of every parameter of ``new`` is ``old``'s: bit for bit, but for
+    8-bit moments re-quantised into another block (within ``REQUANTISE_BOUND`` of the new
+    block's absmax; the same code where the element's block scale is the same). Returns
+    per 8-bit moment how many elements were carried exactly."""
+    assert new.shapes == old.shapes and new.steps == old.steps
+    exact: dict[str, int] = {}
+    for name in old.shapes:
+        mine, theirs = new.read(name), old.read(name)
+        assert mine.keys() == theirs.keys(), name
+        for key in mine.keys() & set(EXACT):
+            assert mine[key].dtype == theirs[key].dtype, (name, key)
+            assert torch.equal(mine[key], theirs[key]), (name, key)
+        ours, others = whole_tensor.values(mine), whole_tensor.values(theirs)
+        for moment, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            absmax = mine.get(f"{moment}_absmax")
+            if absmax is None:  # Scalify: the data itself, bit for bit
+                assert torch.equal(mine[moment], theirs[moment]), (name, moment)
+                continue
+            same = absmax == theirs[f"{moment}_absmax"]
+            assert torch.equal(mine[moment][same], theirs[moment][same]), (name, moment)
+            gap = (ours[moment] - others[moment]).abs()
+            assert bool((gap <= whole_tensor.REQUANTISE_BOUND[signed] * absmax).all()), name
+            exact[moment] = exact.get(moment, 0) + int(same.sum())
+    return exact

@@ -1,29 +1,17 @@
 """CollageAdamW: AdamW whose state is all bf16, compensated with multi-component floats.
 
-Collage (Yu et al., ICML 2024) keeps no fp32 copy of anything. Per element:
+Collage (Yu et al., ICML 2024) keeps no fp32 copy of anything. Mode "none" adds the bf16
+update u (weight decay included) to the bf16 weight theta; "light" grows the pair
+(theta, dtheta) by u, keeping the update's lost bits; "plus" also keeps the second
+moment as a pair (v, dv), so beta2 = 0.999's decay is not rounded away. The model always
+computes with theta. Bias corrections come from an integer step count, in float64 on the
+host. The arithmetic is ``step_math.collage_tensor_step``; ``kernel="compiled"`` runs it
+as one fused kernel per tensor (C on CPU, Triton on CUDA), bitwise identical to
+``kernel="eager"``, and ``"auto"`` decides at the first step as the trainer's
+``optim.kernel=auto`` does (``kernels.choose_kernel``). A drop-in for
+``torch.optim.AdamW`` on bf16 parameters.
 
-- m <- beta1 * m + (1 - beta1) * g                       (bf16)
-- v <- beta2 * v + (1 - beta2) * g^2                     (bf16; an MCF (v, dv) in "plus")
-- u = -lr * (m / c1) / (sqrt(v / c2) + eps) - lr * wd * theta
-- "none":  theta <- fl(theta + u)                        (plain bf16, the paper's (16,16))
-- "light": (theta, dtheta) <- Grow((theta, dtheta), u)   (the update's lost bits are kept)
-- "plus":  light, and (v, dv) <- Mul((v, dv), (bf16(beta2), beta2 - bf16(beta2))) then
-           (v, dv) <- Grow((v, dv), fl((1 - beta2) * g^2)); only v enters the sqrt.
-
-c1 = 1 - beta1^t and c2 = 1 - beta2^t come from an integer step count, in float64 on
-the host; the beta2 remainder is computed in float64 whatever the default dtype. Weight
-decay is part of u, so it is compensated too. The model always computes with theta (the
-bf16 parameter). The arithmetic lives in ``step_math.collage_tensor_step``, one
-tensor at a time with every rounding explicit; ``kernel="compiled"`` runs it as one
-fused kernel per tensor (the C kernel on CPU, Triton on CUDA: one pass over the data,
-EDQ sums included), bitwise identical to ``kernel="eager"``. The default, ``"auto"``,
-decides at the first step as the trainer's ``optim.kernel=auto`` does
-(``kernels.choose_kernel``): the fused kernel for models of 20M parameters and more once
-its parity probe passes, the eager step otherwise. A drop-in for ``torch.optim.AdamW``
-on bf16 parameters::
-
-    model = model.to(torch.bfloat16)
-    optimizer = CollageAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, mode="plus")
+The step per element and its constants: docs/strategies.md, "The CollageAdamW step".
 """
 
 from __future__ import annotations

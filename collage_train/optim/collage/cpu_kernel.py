@@ -1,26 +1,17 @@
 """The fused CollageAdamW step on CPU: a small C kernel, built once per machine.
 
 ``cpu_kernel.c`` does one pass over each tensor (EDQ sums in the same pass) with the
-arithmetic of ``step_math.collage_tensor_step``, bitwise. Its fast tiers leave out
-roundings that are the identity in practice, and on x86 round with three floating-point
-operations whose failures the processor flags; each checks, block by block, that what
-it left out did not matter, and hands a block that fails to the next tier, down to an
-exact one that rounds everything (``checked_blocks`` and ``exact_blocks`` count the
-blocks handed on: a diagnostic). It is compiled on first
-use with the system C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``) for this
-processor (``-march=native``, no FMA contraction) and cached as a shared library under
-``$COLLAGE_KERNEL_CACHE`` (default ``$XDG_CACHE_HOME/collage_train/kernels``), keyed by
-the source, the compiler, its flags and the processor, so a home directory shared by
-different machines holds one build per machine. It is loaded with ctypes: no Python
-headers, no build system, about a second to compile.
+arithmetic of ``step_math.collage_tensor_step``, bitwise: fast tiers that leave out
+roundings check block by block that this did not matter and hand a block that fails on,
+down to an exact tier (``checked_blocks`` and ``exact_blocks`` count the blocks handed
+on). It is compiled on first use with the system C compiler (``-march=native``, no FMA
+contraction), cached under ``$COLLAGE_KERNEL_CACHE`` (default
+``$XDG_CACHE_HOME/collage_train/kernels``) keyed by source, compiler, flags and
+processor, and loaded with ctypes. Tensors are split over ``torch.get_num_threads()``
+threads, each range's sums added in range order: results do not depend on timing.
 
-Tensors are split into contiguous ranges over ``torch.get_num_threads()`` threads
-(ctypes releases the GIL while the kernel runs); each range returns its own sums,
-added in range order, so results do not depend on thread timing.
-
-Why not TorchInductor: its CPU code for this step (38 explicit bf16 roundings per
-element, each a pack to 16 bits and back) ran at 5x the memory floor on a 2-core
-AVX-512 host; rounding on the 32-bit pattern in place runs it in about half that time.
+The tiers, the cache and why not TorchInductor: docs/strategies.md,
+'The fused Collage step: CPU and Triton kernels'.
 """
 
 from __future__ import annotations

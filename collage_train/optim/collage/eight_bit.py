@@ -1,48 +1,18 @@
 """Collage8bitAdamW: Collage-light's compensated bf16 weight with 8-bit blockwise moments.
 
 The weight is Collage's multi-component float (theta, dtheta) in bf16, updated exactly as
-``CollageAdamW(mode="light")`` does it (``mcf.grow`` of the bf16 update, so updates far
-below theta's ulp are kept in dtheta; Yu et al., ICML 2024). The moments are 8-bit
-blockwise (``optim.blockwise8``; Dettmers et al., ICLR 2022): m with the signed dynamic
-map rounded to nearest, v with the unsigned map rounded *stochastically* between its two
-neighbouring values. Per element and step, in fp32::
+``CollageAdamW(mode="light")`` does it; the moments are 8-bit blockwise
+(``optim.blockwise8``): m with the signed map rounded to nearest, v with the unsigned map
+rounded stochastically (so beta2 = 0.999's decay survives in expectation) and never to 0
+for a positive v. The random bits are ``rounding_noise.random_bits`` of (seed, the
+tensor's stream, step, index): resumed and chunked steps draw an uninterrupted, whole
+step's bits. ``kernel="compiled"`` runs one fused pass per tensor (C on CPU, Triton on
+CUDA), bitwise equal to ``kernel="eager"``; ``"auto"`` decides at the first step as
+``optim.kernel=auto`` does (``kernels.choose_kernel``). State per parameter: ``step``,
+``stream``, bf16 ``dtheta``, uint8 moments and their fp32 absmax per block of 256.
 
-    m = m + (1 - beta1) * (g - m)
-    v = v * beta2 + (1 - beta2) * g * g
-    u = bf16((m / (sqrt(v) * r2 + eps)) * (-lr / (1 - beta1^t)) - lr * wd * theta)
-    (theta, dtheta) = Grow((theta, dtheta), u)
-    store m rounded to nearest, v stochastically rounded
-
-with r2 = 1 / sqrt(1 - beta2^t) (``step_math.StepScalars``: the integer step, float64 on
-the host). Why v is rounded stochastically: with beta2 = 0.999, v of an element whose
-gradient has gone to zero shrinks by 0.1 % a step, while neighbouring values of the map
-lie 0.7 % to 14 % apart in its top decade. Rounding to nearest puts such a v back on the
-value it came from every step, so it never decays; stochastic rounding keeps it equal to
-the exact recursion in expectation. m (beta1 = 0.9, 10 % a step) is rounded to nearest.
-A positive v is never stored as 0 but at least as the map's smallest positive value,
-3.25e-7 of its block's absmax (``keep_nonzero``): a v of 0 beside an m that is not would
-make a step with a zero gradient divide m by eps alone (``BlockwiseAdamW`` explains).
-
-The random number of element i of a tensor at step t is ``rounding_noise.random_bits``
-of (seed, the tensor's stream, t, i): a resumed run and a chunked step draw the same
-bits as an uninterrupted, whole one. ``state["stream"]`` is fixed when the state is
-created: (rank << 20) + the number of states this optimizer created before.
-
-``kernel="compiled"`` runs the step as one fused pass per tensor (no temporaries, the
-same bits as ``kernel="eager"``): the C kernel of ``eight_bit_kernel`` on CPU, the Triton
-kernel of ``eight_bit_triton`` on CUDA (checked in Triton's interpreter and compiled for
-sm_80/sm_90 without a GPU; at start-up the parity probe runs it on the GPU). The
-default, ``"auto"``, decides at the first step as the trainer's ``optim.kernel=auto``
-does (``kernels.choose_kernel``: the fused kernel for models of 20M parameters and more
-once its parity probe passes, the eager step otherwise, with one warning line). Other
-devices, blocks longer than ``eight_bit_kernel.MAX_BLOCK`` (CPU) or not a power of two
-(CUDA), EDQ of a flat partition on CUDA and ``edq_view_dtype`` other than bf16 step
-eagerly.
-
-State per parameter: ``step``, ``stream``, ``dtheta`` (bf16), ``exp_avg`` and
-``exp_avg_sq`` (uint8, the parameter's shape), ``exp_avg_absmax`` and
-``exp_avg_sq_absmax`` (fp32, one per block): 2 + 2 + 2 + 1 + 1 = 8 bytes per parameter
-with its gradient, plus 8 bytes per block of 256.
+The step, why v is rounded stochastically, the kernels: docs/strategies.md,
+'The collage_8bit step and its state (Collage8bitAdamW)'.
 """
 
 from __future__ import annotations
@@ -134,11 +104,12 @@ class Collage8bitAdamW(TrackingOptimizer):
         state = self.state[param]
         if not state:
             state["step"] = 0
-            state["stream"] = self.streams.next()
             state["dtheta"] = torch.zeros(param.shape, dtype=torch.bfloat16, device=param.device)
             for name, _ in MOMENTS:
                 state.update(QuantizedMoment.new_state(name, param, self.block_size))
-        if "stream" not in state:  # restored from another strategy's state (a switch)
+        if "stream" not in state:
+            # New, or restored by an elastic resume, which carries the moments and the step
+            # but not the writer's streams: those named the tensors of its own layout.
             state["stream"] = self.streams.next()
         return state
 

@@ -3,18 +3,14 @@
 ``eight_bit_kernel.c`` does one pass over each block of 256 elements with the arithmetic
 of ``Collage8bitAdamW``'s eager step, bitwise: dequantise both moments, update them, form
 the bf16 update, grow (theta, dtheta), then quantise the block with its new absmax (m to
-the nearest code, v stochastically with the bits of ``rounding_noise``, whose keys are
-mixed here on the host). It is built and cached like the Collage kernel
-(``cpu_kernel.build_library``: the system C compiler, ``-march=native``, no FMA
-contraction) and loaded with ctypes.
+the nearest code, v stochastically with the bits of ``rounding_noise``). It is built and
+cached like the Collage kernel (``cpu_kernel.build_library``) and loaded with ctypes.
+``search_tables`` builds (and checks) the tables its nearest-code searches use. Tensors
+are split over ``torch.get_num_threads()`` threads at block boundaries; each range
+returns its own EDQ sums, added in range order (results do not depend on timing).
 
-The nearest-code searches look the top 16 bits of the scaled value up in a table of the
-least count of map values below it over that bf16 interval, then compare once against
-the map. ``search_tables`` builds the tables and checks, for every interval, that the
-count varies by at most one across it, which is what makes one comparison enough.
-
-Tensors are split over ``torch.get_num_threads()`` threads at block boundaries; each
-range returns its own EDQ sums, added in range order (results do not depend on timing).
+How the search works and why one comparison is enough: docs/strategies.md,
+'The fused `collage_8bit` step (`optim.kernel`)'.
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
 """The Collage8bitAdamW step as one Triton kernel, with the arithmetic of the C kernel.
 
 One program takes ``ROWS`` whole blocks of ``QBLOCK`` elements (the quantisation blocks,
-256 by default: a power of two, as ``tl.arange`` needs), reads every input once
-(theta, dtheta, g: bf16; the codes and one absmax per block of m and v), runs
-``eight_bit_kernel.c``'s arithmetic (``Collage8bitAdamW``'s eager step: dequantise,
-update, bf16 update grown into (theta, dtheta), quantise with the blocks' new absmax,
-m to the nearest code, v stochastically with ``rounding_noise``'s bits and never to
-code 0) and writes the new state once; with EDQ tracked it stores its six partial sums.
+256 by default: a power of two, as ``tl.arange`` needs), reads every input once, runs
+``eight_bit_kernel.c``'s arithmetic (``Collage8bitAdamW``'s eager step) and writes the
+new state once; with EDQ tracked it stores its six partial sums. The bitwise contract is
+the C kernel's and the Collage Triton kernel's (``triton_kernel``): separate IEEE fp32
+operations, ``div_rn`` and ``sqrt_rn``, bf16 roundings to nearest even (on the bits
+under Triton's CPU interpreter, whose casts truncate: ``R``), the same search tables
+(``eight_bit_kernel.search_tables``) and the same 32-bit hash. Checked against the eager
+step in the interpreter (tests/optim/triton_interpreted_8bit.py); not yet run on a GPU.
 
-The bitwise contract is the C kernel's and the Collage Triton kernel's (``triton_kernel``):
-separate IEEE fp32 operations (``enable_fp_fusion=False``), ``div_rn`` and ``sqrt_rn``,
-bf16 roundings to nearest even (on the bits under Triton's CPU interpreter, whose casts
-truncate: ``R``), the same search tables (``eight_bit_kernel.search_tables``) and the
-same 32-bit hash. Checked against the eager step in the interpreter
-(tests/optim/triton_interpreted_8bit.py); not yet run on a GPU.
+Details: docs/strategies.md, "The fused `collage_8bit` step (`optim.kernel`)".
 """
 
 from __future__ import annotations

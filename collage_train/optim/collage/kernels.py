@@ -1,19 +1,15 @@
 """Which implementation of the Collage step a run uses: eager reference or compiled kernel.
 
-``optim.kernel=auto`` runs the fused step (one pass per tensor: the C kernel of
-``cpu_kernel`` on CPU, the Triton kernel on GPU, TorchInductor elsewhere) when its
-compiler is there (a C compiler on CPU, Triton on GPU), the model is large enough for
-the one-off build to pay for itself, and the fused kernel reproduces the eager
-reference bit for bit on this device (checked once per process by
-``compiled_matches_eager``: compilers and torch versions differ in their roundings).
-Any failure of the probe (a build error, a Triton compile or launch error, a driver
-error) makes ``auto`` fall back to the eager step with one warning line; ``compiled``
-insists, and fails with one error line where the check, the build or the launch fails;
-``eager`` forces the reference.
-Strategies without a Collage step (fp32 masters) always run eagerly. The 8-bit-moment
-Collage step (``Collage8bitAdamW``, mode ``EIGHT_BIT_MODE``) has fused kernels on CPU
-(``eight_bit_kernel``) and CUDA (``eight_bit_triton``); elsewhere ``auto`` runs it
-eagerly and ``compiled`` refuses.
+``optim.kernel=auto`` runs the fused step when its compiler is there, the model is large
+enough for the one-off build to pay for itself, and the fused kernel reproduces the
+eager reference bit for bit on this device (checked once per process by
+``compiled_matches_eager``); any failure of that probe falls back to the eager step with
+one warning line. ``compiled`` insists, and fails with one error line where the check,
+the build or the launch fails; ``eager`` forces the reference. Strategies without a
+Collage step always run eagerly. The 8-bit-moment step (``EIGHT_BIT_MODE``) has fused
+kernels on CPU and CUDA only: elsewhere ``auto`` runs it eagerly and ``compiled`` refuses.
+
+Details: docs/strategies.md, "Choosing the step: optim.kernel".
 """
 
 from __future__ import annotations

@@ -3,22 +3,14 @@
 One program reads a block of each input once (theta, dtheta, m, v, dv, g: bf16), runs
 ``step_math.collage_tensor_step``'s arithmetic with every bf16 rounding written out,
 writes the new state once, and, when EDQ is tracked, stores the block's six partial
-sums (``metrics.edq.FIELDS``) beside it; a deterministic sum over the blocks
-finishes them. So EDQ costs six floats per block instead of another pass over the
-data, which is what the TorchInductor version of the same graph did on CUDA (it split
-the sums into separate reduction kernels that recompute the update).
+sums (``metrics.edq.FIELDS``) beside it; a deterministic sum over the blocks finishes
+them. Bitwise parity with the eager CUDA reference: separate IEEE fp32 operations
+(``enable_fp_fusion=False``), correctly rounded ``div_rn``/``sqrt_rn``, and bf16
+conversions to nearest even (on the bits under ``TRITON_INTERPRET=1``, whose casts
+truncate), checked on CPU by tests/optim/triton_interpreted.py and
+tests/optim/test_triton_ptx.py, on a GPU by tests/optim/test_fused_optimizer.py.
 
-Bitwise parity with the eager CUDA reference rests on three choices: every fp32
-operation is a separate IEEE operation (``enable_fp_fusion=False``, so no mul+add is
-contracted into an FMA, which eager kernels never do across operations); division and
-square root are the correctly rounded ``div_rn``/``sqrt_rn``; and conversions to bf16
-round to nearest even, as PyTorch's do. Triton's CPU interpreter truncates conversions,
-so under ``TRITON_INTERPRET=1`` the kernel rounds on the bits instead, which lets the
-arithmetic be checked bitwise on CPU (tests/optim/triton_interpreted.py). Without a GPU the
-conversion branch is checked too: under the interpreter with its cast patched to round
-to nearest even, and in the PTX compiled ahead of time for sm_80 and sm_90
-(tests/optim/test_triton_ptx.py: correctly rounded division and square root, no FMA, no
-flush-to-zero); on a GPU, tests/optim/test_fused_optimizer.py runs the real kernel.
+Why these choices: docs/strategies.md, "The fused Collage step: CPU and Triton kernels".
 """
 
 from __future__ import annotations
