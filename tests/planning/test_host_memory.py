@@ -126,3 +126,22 @@ def test_a_cpu_run_whose_state_fits_but_whose_peak_does_not_is_refused(make_cfg,
             meta, cfg, strategy, Engine(), torch.device("cpu"),
             optimizer_kernel="eager", loss_chunk_tokens=None,
         )  # fmt: skip
+
+
+def test_the_plan_shows_the_export_and_a_cpu_ranks_peak_and_fits_only_with_the_export():
+    from collage_train.plan import make_plan, render
+
+    overrides = [
+        "+experiment=gpt_6.7b", "precision=collage_plus", "distributed=zero3",
+        "plan.gpus=8", "data.seq_len=64", "train.micro_batch_size=1",
+        "train.global_batch_size=8", "plan.reserve_gb=0",
+    ]  # fmt: skip
+    _, shape, setting, plan = planned(*overrides[:2], *overrides[4:], gpus=8)
+    end = run_end_bytes(shape, setting, plan)
+    between = f"plan.gpu_mem_gb={(plan.peak + end) / 2 / GIB:.3f}"
+    refused = make_plan(compose_job([*overrides, between]))
+    assert not refused.chosen.fits and refused.chosen.run_end == pytest.approx(end)
+    text = render(refused)
+    assert "end of run (export)" in text and "on a CPU rank" in text
+    without = make_plan(compose_job([*overrides, between, "train.export_hf=false"]))
+    assert without.chosen.fits
