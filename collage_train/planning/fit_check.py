@@ -397,33 +397,41 @@ LEANER_STRATEGIES = ("collage_8bit", "bf16")  # fewer bytes per parameter, in th
 def host_what_fits(
     shape: ModelShape, setting: Setting, *, available: float, ranks_here: int, run: dict
 ) -> str:
-    """The first change whose ``host_need`` fits ``available`` (``check_host_fits``)."""
+    """The nearest settings whose ``host_need`` fits ``available`` (``check_host_fits``):
+    without the background copy, then also without the export, then with that a leaner
+    strategy or a shorter sequence, or the ranks spread over more hosts. On one host
+    more ranks only add processes (ZeRO-3 shards the same total), so none is offered."""
+    base: dict[str, Any] = {}
+    said: list[str] = []
 
-    def fits(candidate: Setting = setting, ranks: int = ranks_here, **changes: Any) -> bool:
-        seq_len = changes.pop("seq_len", shape.seq_len)
-        sized = replace(shape, seq_len=seq_len)
-        return host_need(sized, candidate, ranks_here=ranks, **{**run, **changes}) <= available
+    def fits(candidate: Setting = setting, ranks: int = ranks_here, seq_len: int = 0) -> bool:
+        sized = replace(shape, seq_len=seq_len or shape.seq_len)
+        return host_need(sized, candidate, ranks_here=ranks, **{**run, **base}) <= available
 
-    if run["async_checkpoint"] and fits(async_checkpoint=False):
-        return "train.async_checkpoint=false fits (saves without the background copy)"
-    if run["export"] and fits(export=False):
-        return (
-            "train.export_hf=false fits (export afterwards with python -m "
-            "collage_train.export RUN_DIR)"
-        )
-    seq_len = shape.seq_len // 2
-    while seq_len >= 16:
-        if fits(seq_len=seq_len):
-            return f"data.seq_len={seq_len} fits"
-        seq_len //= 2
+    def answer(*more: str) -> str:
+        return "it fits with " + ", ".join([*said, *more])
+
+    for key, words in (
+        ("async_checkpoint", "train.async_checkpoint=false"),
+        ("export", "train.export_hf=false (export with python -m collage_train.export)"),
+    ):
+        if run[key]:
+            base[key] = False
+            said.append(words)
+            if fits():
+                return answer()
     for name in LEANER_STRATEGIES:
         leaner = replace(setting, strategy=get_strategy(name), gradient_dtypes=None)
         usable = not (setting.stage and leaner.strategy.not_under_zero)
         if name != setting.strategy.name and usable and fits(leaner):
-            return f"precision={name} fits (fewer bytes per parameter)"
-    for ranks in ZERO_GPU_COUNTS:
-        more = replace(setting, stage=3, gpus=ranks, gradient_dtypes=None)
-        per_pass = ranks * run["micro_batch"]
-        if ranks > ranks_here and run["global_batch"] % per_pass == 0 and fits(more, ranks):
-            return f"distributed=zero3 over {ranks} ranks fits"
+            return answer(f"precision={name}")
+    seq_len = shape.seq_len // 2
+    while seq_len >= 16:
+        if fits(seq_len=seq_len):
+            return answer(f"data.seq_len={seq_len}")
+        seq_len //= 2
+    for hosts in (2, 4, 8):
+        per_host = -(-ranks_here // hosts)
+        if ranks_here > 1 and setting.stage == 3 and fits(ranks=per_host):
+            return answer(f"the {ranks_here} ranks spread over {hosts} hosts ({per_host} a host)")
     return "no setting tried fits this host; pick a smaller model or more hosts"

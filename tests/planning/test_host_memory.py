@@ -80,9 +80,12 @@ def test_the_issues_gpt_1_3b_on_four_cpu_ranks_is_refused_naming_what_fits():
         "+experiment=gpt_1.3b", "precision=collage_plus", "data.seq_len=64",
         "train.global_batch_size=4", "train.async_checkpoint=false", gpus=4,
     )  # fmt: skip
-    with pytest.raises(StepWillNotFit, match=r"on 4 CPU rank\(s\).*; .* fits") as refused:
+    with pytest.raises(
+        StepWillNotFit, match=r"on 4 CPU rank\(s\).*; it fits with train\.export_hf=false"
+    ) as refused:
         host_check(cfg, shape, setting, 21.7 * GIB, ranks=4)
     assert "\n" not in str(refused.value)
+    assert "spread over 2 hosts" in str(refused.value)  # more ranks on one host add processes
     host_check(cfg, shape, setting, 40 * GIB, ranks=4)
 
 
