@@ -1,21 +1,16 @@
 """Start-up memory checks: refuse a run that cannot fit before anything is allocated.
 
-Both run in ``check_run_fits``, before the model's weights are drawn or read
+All run in ``check_run_fits``, before the model's weights are drawn or read
 (``collage_train.model.materialise``), and the ranks agree before any refuses
 (``collage_train.engine.agreement``): a rank short of memory stops every rank at once.
 
 - ``check_state_fits``: this rank's model state must fit the device, and the start-up's
-  host transient (``host_transient_bytes``) the host, once for every rank on this node;
-  else ``OutOfMemory`` (exit 1: no micro-batch can fix it).
-- ``check_step_fits`` (CUDA runs): the planner's peak of a whole step
-  (``collage_train.planning.memory_plan``) must fit the least free device memory among
-  the ranks, less ``plan.reserve_gb``; else ``StepWillNotFit`` (exit 2), whose one line
-  says what fits: the largest micro-batch, activation checkpointing, a ZeRO stage, or how
-  many GPUs ZeRO-3 needs.
+  host transient the host, for every rank on this node; else ``OutOfMemory`` (exit 1).
+- ``check_step_fits`` (CUDA runs): the planner's step peak, and the export's at the end of
+  the run, must fit the least free device memory less ``plan.reserve_gb``; else
+  ``StepWillNotFit`` (exit 2), whose one line says what fits.
 - ``check_host_fits`` (CPU runs): every rank on this node at its run's peak
-  (``planning.host_memory.run_peak``: the step with DeepSpeed's CPU copies, the export
-  at the end of the run, the process itself) beside a background checkpoint's host copy
-  must fit the host's available memory; else ``StepWillNotFit``, naming what fits.
+  (``planning.host_memory.run_peak``) must fit the host; else ``StepWillNotFit``.
 What each check counts: docs/planner.md, "The start-up checks".
 """
 
