@@ -25,6 +25,7 @@ from collage_train.engine.deepspeed_config import GradientDtypes, gradient_dtype
 from collage_train.errors import CollageError, ConfigError
 from collage_train.model.loss_settings import resolve_chunk_tokens
 from collage_train.planning.fit_check import chosen_stage, zero_overrides
+from collage_train.planning.host_memory import run_end_bytes, run_peak
 from collage_train.planning.memory_plan import (
     GIB,
     MemoryEstimate,
@@ -51,6 +52,8 @@ class PlanRow:
     chosen: bool
     loss_chunk_tokens: int | None = None  # the chunked loss's block; None: full logits
     checkpoint_copy: float = 0.0  # host bytes per rank of a background checkpoint's copy
+    run_end: float = 0.0  # per GPU while the run exports hf/ (planning.host_memory)
+    cpu_rank: float = 0.0  # host bytes of one CPU rank at the run's peak
 
     @property
     def fits_at_all(self) -> bool:
@@ -236,6 +239,9 @@ def _row(
         for ckpt in (False, True)
     )
     configured = checkpointed if train.activation_checkpointing else plain
+    run_end = run_end_bytes(shape, setting, configured) if train.export_hf else 0.0
+    cpu = run_peak(shape, setting, configured, cpu=True)
+    cpu_end = cpu.run_end if train.export_hf else 0.0
     return PlanRow(
         strategy=name,
         stage=setting.stage,
@@ -243,10 +249,12 @@ def _row(
         checkpointed=checkpointed,
         max_micro_batch=next(largest),
         max_micro_batch_checkpointed=next(largest),
-        fits=configured.peak <= budget,
+        fits=max(configured.peak, run_end) <= budget,
         chosen=chosen,
         loss_chunk_tokens=chunk,
         checkpoint_copy=checkpoint_copy_bytes(shape, setting),
+        run_end=run_end,
+        cpu_rank=cpu.process + max(cpu.step, cpu_end),
     )
 
 
@@ -271,6 +279,12 @@ def _describe_checkpoint_copy(nbytes: float, asynchronous: bool) -> str:
         f"{_gib(nbytes)} GiB for the background checkpoint's copy of the state "
         "(pinned; train.async_checkpoint=false: none)"
     )
+
+
+def _describe_run_end(nbytes: float) -> str:
+    if not nbytes:
+        return "no export (train.export_hf=false)"
+    return f"{_gib(nbytes)} (the state, and under ZeRO-3 every weight gathered on every GPU)"
 
 
 def _stage_name(stage: int) -> str:
@@ -310,7 +324,13 @@ def render(plan: Plan) -> str:
         ),
         (f"fits at micro-batch {plan.micro_batch}", "yes" if row.fits else "no"),
         ("loss", _describe_loss(row.loss_chunk_tokens, shape)),
+        ("end of run (export)", _describe_run_end(row.run_end)),
         ("host, per rank", _describe_checkpoint_copy(row.checkpoint_copy, plan.async_checkpoint)),
+        (
+            "on a CPU rank",
+            f"{_gib(row.cpu_rank)} GiB of host at the run's peak (the process, the step with "
+            "DeepSpeed's CPU copies, the export)",
+        ),
     ]
     lines += [f"  {key:<26}{value}" for key, value in detail]
     if not row.fits_at_all:

@@ -32,7 +32,9 @@
 #    ZERO_RTOL, default 0.02), 13. an elastic resume (elastic_resume: the uninterrupted
 #    ZeRO-2 run on N GPUs, its step-10 checkpoint resumed on N/2 to step 20, within
 #    ELASTIC_RTOL of it, default 0.02), 14. checkpoint save time of N ZeRO-2 ranks
-#    (checkpoint_save_zero2). The tolerances: bf16 gradients reduced across ranks in
+#    (checkpoint_save_zero2), 15. issue 51's chain at gpt_1.3b (rehearse_scale:
+#    scripts/rehearse_scale.py, N GPUs then N/2, each leg's peak against the planner's).
+#    The tolerances: bf16 gradients reduced across ranks in
 #    another order than one GPU's accumulation differ by roundings, which move the loss
 #    by well under 1% in 20 steps; a wrong reduction or a misplaced shard moves it more.
 # gpu_check.json also records the GPU (name, count, the peak TFLOP/s MFU is measured
@@ -228,6 +230,12 @@ fi
 if multi_gpu elastic_resume; then
     step elastic_resume elastic_resume
 fi
+# issue 51's chain (scripts/rehearse_scale.py: ZeRO-3 start-up on every GPU, background
+# saves, SIGTERM, elastic resume on half, export, reload, evaluate, init_from), gpt_1.3b
+if multi_gpu rehearse_scale; then
+    step rehearse_scale "$python" scripts/rehearse_scale.py --device cuda --ranks "$gpus" \
+        --resume-ranks "$half" --scratch "$out/rehearse" --json "$out/rehearse_scale.json"
+fi
 
 # The runs' checkpoints and exports (GBs for gpt_125m) stay only with KEEP_CHECKPOINTS=1,
 # so that OUT_DIR is small enough to carry back from a lent machine.
@@ -325,6 +333,7 @@ result = {
     "cuda_suite": suite(["cuda_suite_first.xml", "cuda_suite_rest.xml"]),
     "zero_stages": load("zero_stages.json"),
     "elastic_resume": load("elastic_resume.json"),
+    "rehearse_scale": load("rehearse_scale.json"),
     "checkpoint_save": load("checkpoint_save.json"),
     "checkpoint_save_zero2": load("checkpoint_save_zero2.json"),
     "optimizer_bench": load("optimizer.json"),

@@ -1,17 +1,16 @@
 """Start-up memory checks: refuse a run that cannot fit before anything is allocated.
 
-Both run in ``check_run_fits``, before the model's weights are drawn or read
+All run in ``check_run_fits``, before the model's weights are drawn or read
 (``collage_train.model.materialise``), and the ranks agree before any refuses
 (``collage_train.engine.agreement``): a rank short of memory stops every rank at once.
 
 - ``check_state_fits``: this rank's model state must fit the device, and the start-up's
-  host transient (``host_transient_bytes``) the host, once for every rank on this node;
-  else ``OutOfMemory`` (exit 1: no micro-batch can fix it).
-- ``check_step_fits`` (CUDA runs): the planner's peak of a whole step
-  (``collage_train.planning.memory_plan``) must fit the least free device memory among
-  the ranks, less ``plan.reserve_gb``; else ``StepWillNotFit`` (exit 2), whose one line
-  says what fits: the largest micro-batch, activation checkpointing, a ZeRO stage, or how
-  many GPUs ZeRO-3 needs.
+  host transient the host, for every rank on this node; else ``OutOfMemory`` (exit 1).
+- ``check_step_fits`` (CUDA runs): the planner's step peak, and the export's at the end of
+  the run, must fit the least free device memory less ``plan.reserve_gb``; else
+  ``StepWillNotFit`` (exit 2), whose one line says what fits.
+- ``check_host_fits`` (CPU runs): every rank on this node at its run's peak
+  (``planning.host_memory.run_peak``) must fit the host; else ``StepWillNotFit``.
 What each check counts: docs/planner.md, "The start-up checks".
 """
 
@@ -31,6 +30,7 @@ from collage_train.errors import BAD_INPUT, ConfigError, OutOfMemory
 from collage_train.metrics.memory import available_memory
 from collage_train.model.build import count_parameters
 from collage_train.model.materialise import largest_unit_numel
+from collage_train.planning.host_memory import run_peak
 from collage_train.planning.memory_plan import (
     GIB,
     ModelShape,
@@ -39,6 +39,7 @@ from collage_train.planning.memory_plan import (
     estimate_at,
     largest_micro_batch,
 )
+from collage_train.precision import get_strategy
 from collage_train.precision.base import PrecisionStrategy
 
 ZERO_GPU_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256, 512)  # what "how many GPUs" tries
@@ -96,6 +97,20 @@ def check_run_fits(
             distributed=engine.name,
             checkpoint_copy_bytes=copy,
         )
+        if device.type == "cpu":
+            check_host_fits(
+                shape,
+                setting,
+                available=available_memory(torch.device("cpu")),
+                ranks_here=local_world_size() if engine.world_size > 1 else 1,
+                micro_batch=cfg.train.micro_batch_size,
+                global_batch=cfg.train.global_batch_size,
+                checkpointing=cfg.train.activation_checkpointing,
+                loss_chunk_tokens=loss_chunk_tokens,
+                async_checkpoint=bool(cfg.train.async_checkpoint),
+                export=bool(cfg.train.export_hf),
+                model_name=cfg.model.name,
+            )
         return device_free_memory(device)
 
     free = gathered(here)
@@ -231,6 +246,16 @@ def check_step_fits(
         checkpointing=checkpointing,
         loss_chunk_tokens=loss_chunk_tokens,
     )
+    end = run_peak(shape, setting, plan, cpu=False)
+    if plan.peak <= budget < end.run_end:
+        raise StepWillNotFit(
+            f"out of memory ahead: {model_name} with precision={setting.strategy.name} and "
+            f"distributed=zero{setting.stage} on {setting.gpus} GPU(s) fits its step, but the "
+            f"export at the end of the run gathers every weight on every GPU: about "
+            f"{end.run_end / GIB:.1f} GiB per GPU, {free_bytes / GIB:.1f} GiB free less "
+            f"plan.reserve_gb={reserve_bytes / GIB:g}; train.export_hf=false fits (export "
+            "the checkpoint afterwards with python -m collage_train.export RUN_DIR)"
+        )
     if plan.peak <= budget:
         return
     ckpt = "on" if checkpointing else "off"
@@ -298,3 +323,110 @@ def what_fits(
                 f"train.activation_checkpointing=true (micro-batch {micro})"
             )
     return "no micro-batch, checkpointing or ZeRO stage on these GPUs fits; pick a smaller model"
+
+
+def host_need(
+    shape: ModelShape,
+    setting: Setting,
+    *,
+    ranks_here: int,
+    micro_batch: int,
+    global_batch: int,
+    checkpointing: bool,
+    loss_chunk_tokens: int | None,
+    async_checkpoint: bool,
+    export: bool,
+) -> float:
+    """Host bytes the ``ranks_here`` CPU ranks of this node hold at the run's peak, each
+    with a background checkpoint's host copy where ``async_checkpoint``, and the export
+    at the end where ``export`` (``planning.host_memory.run_peak``)."""
+    plan = estimate_at(
+        shape,
+        setting,
+        micro_batch=micro_batch,
+        global_batch=global_batch,
+        checkpointing=checkpointing,
+        loss_chunk_tokens=loss_chunk_tokens,
+    )
+    peak = run_peak(shape, setting, plan, cpu=True)
+    if not export:
+        peak = replace(peak, run_end=0.0)
+    copy = checkpoint_copy_bytes(shape, setting) if async_checkpoint else 0.0
+    return ranks_here * (peak.total + copy)
+
+
+def check_host_fits(
+    shape: ModelShape,
+    setting: Setting,
+    *,
+    available: float | None,
+    ranks_here: int,
+    model_name: str,
+    **run: Any,
+) -> None:
+    """Refuse a CPU run whose ranks on this node would exceed the host's ``available``
+    bytes at their peak (``host_need``; ``run``: its keywords but the ranks), in one line
+    naming what fits: no background checkpoint, no export at the end, a shorter
+    sequence, a strategy of fewer bytes per parameter, or more ZeRO-3 ranks. Raises
+    StepWillNotFit."""
+    if available is None:
+        return
+    needed = host_need(shape, setting, ranks_here=ranks_here, **run)
+    if needed <= available:
+        return
+    engine = "distributed=unsharded" if setting.stage == 0 else f"distributed=zero{setting.stage}"
+    raise StepWillNotFit(
+        f"out of memory ahead: {model_name} with precision={setting.strategy.name} and "
+        f"{engine} on {ranks_here} CPU rank(s) needs about {needed / GIB:.1f} GiB of host "
+        f"memory at its peak (each rank's process, state, step and DeepSpeed's copies"
+        f"{', the export' if run['export'] else ''}"
+        f"{', the background checkpoint copy' if run['async_checkpoint'] else ''}), but "
+        f"{available / GIB:.1f} GiB is available; "
+        + host_what_fits(shape, setting, available=available, ranks_here=ranks_here, run=run)
+    )
+
+
+LEANER_STRATEGIES = ("collage_8bit", "bf16")  # fewer bytes per parameter, in this order
+
+
+def host_what_fits(
+    shape: ModelShape, setting: Setting, *, available: float, ranks_here: int, run: dict
+) -> str:
+    """The nearest settings whose ``host_need`` fits ``available`` (``check_host_fits``):
+    without the background copy, then also without the export, then with that a leaner
+    strategy or a shorter sequence, or the ranks spread over more hosts. On one host
+    more ranks only add processes (ZeRO-3 shards the same total), so none is offered."""
+    base: dict[str, Any] = {}
+    said: list[str] = []
+
+    def fits(candidate: Setting = setting, ranks: int = ranks_here, seq_len: int = 0) -> bool:
+        sized = replace(shape, seq_len=seq_len or shape.seq_len)
+        return host_need(sized, candidate, ranks_here=ranks, **{**run, **base}) <= available
+
+    def answer(*more: str) -> str:
+        return "it fits with " + ", ".join([*said, *more])
+
+    for key, words in (
+        ("async_checkpoint", "train.async_checkpoint=false"),
+        ("export", "train.export_hf=false (export with python -m collage_train.export)"),
+    ):
+        if run[key]:
+            base[key] = False
+            said.append(words)
+            if fits():
+                return answer()
+    for name in LEANER_STRATEGIES:
+        leaner = replace(setting, strategy=get_strategy(name), gradient_dtypes=None)
+        usable = not (setting.stage and leaner.strategy.not_under_zero)
+        if name != setting.strategy.name and usable and fits(leaner):
+            return answer(f"precision={name}")
+    seq_len = shape.seq_len // 2
+    while seq_len >= 16:
+        if fits(seq_len=seq_len):
+            return answer(f"data.seq_len={seq_len}")
+        seq_len //= 2
+    for hosts in (2, 4, 8):
+        per_host = -(-ranks_here // hosts)
+        if ranks_here > 1 and setting.stage == 3 and fits(ranks=per_host):
+            return answer(f"the {ranks_here} ranks spread over {hosts} hosts ({per_host} a host)")
+    return "no setting tried fits this host; pick a smaller model or more hosts"

@@ -328,3 +328,11 @@ def test_every_script_it_calls_exists_and_takes_the_flags_it_is_given():
         source = (REPO / "scripts" / f"{name}.py").read_text()
         for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", rest):
             assert flag in shared or f'"{flag}"' in source, (name, flag)
+
+
+def test_on_four_gpus_the_rehearsal_runs_issue_51s_chain_on_four_then_two(tmp_path):
+    done, records, calls, out = run_with_stand_ins(tmp_path, 4, "rehearse_scale")
+    assert records["rehearse_scale"]["exit_status"] == 0, done.stdout + done.stderr
+    (rehearsal,) = [c for c in calls if "rehearse_scale.py" in c]
+    assert "--device cuda --ranks 4 --resume-ranks 2" in rehearsal
+    assert f"--json {out}/rehearse_scale.json" in rehearsal

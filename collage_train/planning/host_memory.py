@@ -1,0 +1,73 @@
+"""A run's peak beyond its step: what a CPU rank's process holds, DeepSpeed's own CPU
+copies at the step, and the end of a run (the export's gathered weights).
+
+``memory_plan.estimate`` plans one step's tensors. On CPU ranks the host also holds each
+rank's interpreter and libraries (``PROCESS_HOST_BYTES``) and, under ZeRO-3, the flat
+copies DeepSpeed makes at its step and keeps (``ZERO3_CPU_STEP_BYTES``). At the end of a
+run the export to ``hf/`` (``export.export_from_engine``) gathers every ZeRO-3 weight on
+every rank at once (``run_end_bytes``). Measured with VmHWM per rank on real launches
+(scripts/rehearse_scale.py; docs/planner.md, "What a run's peak counts").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from collage_train.planning.memory_plan import GIB, MemoryEstimate, ModelShape, Setting
+
+# A CPU rank's resident bytes besides its tensors: Python, torch, transformers, DeepSpeed,
+# gloo and the allocator's slack (VmHWM of gpt_tiny ZeRO-3 ranks: 0.60 GiB; the intercept of
+# gpt_125m and gpt_350m ranks, 2 ranks, seq 64: 0.74 GiB).
+PROCESS_HOST_BYTES = 0.75 * GIB
+# ZeRO-3 on CPU ranks, per parameter of this rank's partition: the fp32 flat gradient
+# DeepSpeed builds at its step (``_prepare_fp32_grad_for_sub_group``), the norm's and the
+# unscale's temporaries and the flat copies of its initialisation (the fp16 partitions'
+# defragmentation, the zero gradients ``initialize_optimizer_states`` steps) that the
+# allocator keeps: 7.8-8.3 bytes measured (gpt_125m, gpt_350m, collage_plus, 2 ranks).
+ZERO3_CPU_STEP_BYTES = 8.0
+
+
+@dataclass(frozen=True)
+class RunPeak:
+    """Bytes per rank of a run's peak moments: the step (with DeepSpeed's CPU copies) and
+    the end of the run (the export), and the process itself on a CPU rank."""
+
+    step: float
+    run_end: float
+    process: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.process + max(self.step, self.run_end)
+
+    def moment(self) -> str:
+        return "the export to hf/ at the end of the run" if self.run_end > self.step else "its step"
+
+
+def deepspeed_cpu_bytes(shape: ModelShape, setting: Setting) -> float:
+    """DeepSpeed's own copies at the step on a CPU rank (ZeRO-3; 0 otherwise)."""
+    if setting.stage != 3:
+        return 0.0
+    return ZERO3_CPU_STEP_BYTES * shape.num_params / setting.gpus
+
+
+def run_end_bytes(shape: ModelShape, setting: Setting, plan: MemoryEstimate) -> float:
+    """What a rank holds while the run exports ``hf/``: the persistent state, the gradient
+    partitions and buckets DeepSpeed keeps, and under ZeRO-3 every weight gathered whole on
+    every rank (``engine.full_weights``), beside this rank's share."""
+    gathered = 0.0
+    if setting.stage == 3:
+        param = setting.strategy.param_dtype.itemsize
+        gathered = shape.num_params * param * (1 - 1 / setting.gpus)
+    return plan.persistent + plan.gradients + plan.buffers + gathered
+
+
+def run_peak(shape: ModelShape, setting: Setting, plan: MemoryEstimate, *, cpu: bool) -> RunPeak:
+    """The run's peak per rank for the step ``plan`` (``memory_plan.estimate``): on CPU
+    ranks with the process and DeepSpeed's CPU copies, on a GPU the device's bytes."""
+    extra = deepspeed_cpu_bytes(shape, setting) if cpu else 0.0
+    return RunPeak(
+        step=plan.peak + extra,
+        run_end=run_end_bytes(shape, setting, plan) + extra,
+        process=PROCESS_HOST_BYTES if cpu else 0.0,
+    )
