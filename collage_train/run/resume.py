@@ -255,7 +255,10 @@ def recorded_switches(run_dir: Path) -> list[dict[str, Any]]:
         switch = entry.get(SWITCH_FIELD) if isinstance(entry, dict) else None
         if isinstance(switch, dict):
             key = (switch.get("from"), switch.get("to"), switch.get("step"))
-            found = [known for known in found
-                     if (known.get("from"), known.get("to"), known.get("step")) != key]
+            found = [
+                known
+                for known in found
+                if (known.get("from"), known.get("to"), known.get("step")) != key
+            ]
             found.append(switch)  # fmt: skip
     return found

@@ -105,8 +105,9 @@ def test_the_canonical_form_is_the_strategys_own_value(sources, name):
     are Adam's, as mixed_fp32's are (within the strategies' differences after two steps,
     up to 12 % for fp32's against bf16 gradients: a moment stored bias-corrected and left
     so would be 10x off)."""
-    state, reference = open_full_state(sources[name].path), open_full_state(
-        sources["mixed_fp32"].path
+    state, reference = (
+        open_full_state(sources[name].path),
+        open_full_state(sources["mixed_fp32"].path),
     )
     for param in state.shapes:
         at = AdamStep(state.steps[param], BETAS[0])
@@ -187,8 +188,10 @@ def test_a_resume_with_another_strategy_continues_the_run(
     assert max(gaps) <= LOSS_BOUND, (losses, own)
 
 
-@pytest.mark.parametrize(("source", "target", "stage"),
-                         [("collage_plus", "mixed_fp32", 2), ("split_fp32", "collage_light", 3)])
+@pytest.mark.parametrize(
+    ("source", "target", "stage"),
+    [("collage_plus", "mixed_fp32", 2), ("split_fp32", "collage_light", 3)],
+)
 @pytest.mark.slow
 def test_a_switch_under_zero_fills_the_partitions_with_the_converted_state(
     sources, cfg_for, tmp_path, monkeypatch, source, target, stage
@@ -286,9 +289,7 @@ def test_convert_refuses_a_damaged_checkpoint_in_one_line(sources, tmp_path, cap
     assert status == 2 and line.startswith("error:") and "checksum" in line, line
 
 
-def test_a_switch_that_cannot_be_made_is_refused_in_one_line(
-    sources, cfg_for
-):
+def test_a_switch_that_cannot_be_made_is_refused_in_one_line(sources, cfg_for):
     with pytest.raises(ConfigError, match="precision=scalify cannot be switched") as refused:
         check_resume(sources["mixed_fp32"].path, cfg_for("scalify"), world_size=1)
     assert "\n" not in str(refused.value)

@@ -110,9 +110,7 @@ def _same(logged: Any, value: Any) -> bool:
 
 
 def _items(updates: Any) -> dict[str, Any]:
-    return {
-        item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in updates
-    }
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in updates}
 
 
 def config(path: Path) -> dict[str, Any]:
