@@ -619,7 +619,7 @@ def test_corrupted_shard_or_other_strategy_is_one_line_and_leaves_the_checkpoint
     run_dir = rewound_to_step_4(runs("zero2", "collage_plus")[0], tmp_path / "run")
     args = [*tiny_overrides(corpus_dir, cache_dir, run_dir), "train.resume=true"]
     capsys.readouterr()
-    other = run_in_process([*args, "precision=mixed_fp32"], run_dir)  # another run
+    other = run_in_process([*args, "precision=scalify"], run_dir)  # no switch to it
     (line,) = error_lines(capsys)
     assert other.returncode == 2 and "precision=collage_plus" in line, line
     (shard,) = (run_dir / "checkpoints" / "step-4").glob("*zero_pp_rank_1_*optim_states.pt")

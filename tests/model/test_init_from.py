@@ -372,7 +372,7 @@ def test_the_engine_not_the_config_decides_its_own_steps(
     def seeds(name):
         return lambda *args: events.append(name)
 
-    def restore(engine, model, path, *, distributed, param_order):
+    def restore(engine, model, path, *, distributed, param_order, **switch):
         events.append(f"restore: distributed={distributed}")
         return trainer.state_dict()
 
@@ -391,7 +391,10 @@ def test_the_engine_not_the_config_decides_its_own_steps(
     )
     assert events == ["fit check: distributed=stub", *seeding]
     assert trainer.facts.distributed == "stub" and "| distributed=stub |" in trainer.describe()
-    trainer.resume_from(tmp_path / "any-checkpoint")
+    checkpoint_dir = tmp_path / "any-checkpoint"  # its meta says: no offline switch
+    checkpoint_dir.mkdir()
+    (checkpoint_dir / "meta.json").write_text("{}")
+    trainer.resume_from(checkpoint_dir)
     assert events[-1] == "restore: distributed=stub"
 
 
