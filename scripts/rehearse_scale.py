@@ -27,12 +27,14 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+from revision_cases import write_corpus  # noqa: E402  (the tiny runs' corpus)
+
 GIB = 2**30
 
 
@@ -150,21 +152,8 @@ def predicted(overrides: list[str], ranks: int, device: str) -> float:
     return run_peak(shape, setting, plan, cpu=False).total
 
 
-def write_corpus(root: Path, size: int = 400_000) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    total = 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        (root / f"{path.stem}.txt").write_text(text)
-        total += len(text)
-        if total > size:
-            break
-    return root
-
-
 def write_task(folder: Path, questions: int = 8) -> None:
     """A local multiple-choice task (stdlib line completions) for collage_train.evaluate."""
-    sys.path.insert(0, str(REPO / "scripts"))
     from bench_downstream import write_task as bench_task
 
     folder.mkdir(parents=True, exist_ok=True)
