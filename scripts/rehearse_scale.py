@@ -189,6 +189,20 @@ def main() -> None:
     )
     cli.add_argument("--model", default="gpt_1.3b")
     cli.add_argument("--precision", default="collage_plus")
+    cli.add_argument("--resume-precision", default=None, help="the elastic resume's (a switch)")
+    cli.add_argument("--init-precision", default=None, help="the run from the export's")
+    cli.add_argument(
+        "--async-first",
+        default="true",
+        choices=["true", "false"],
+        help="background saves on the first ranks (false: synchronous)",
+    )
+    cli.add_argument(
+        "--async-resume",
+        default="false",
+        choices=["true", "false"],
+        help="background saves every step of the elastic resume",
+    )
     cli.add_argument("--ranks", type=int, default=4)
     cli.add_argument("--resume-ranks", type=int, default=2)
     cli.add_argument("--resume-stage", type=int, default=3)
@@ -209,7 +223,7 @@ def main() -> None:
     recipe = (REPO / "configs" / "experiment" / f"{args.model}.yaml").is_file()
     experiment = [f"+experiment={args.model}"] if recipe else [f"model={args.model}"]
     common = [
-        *experiment, f"precision={args.precision}", f"train.device={args.device}",
+        *experiment, f"train.device={args.device}",
         "data=files", f"data.paths=[{corpus}]", "data.vocab_size=4096",
         "data.tokenizer_train_chars=200000", f"data.cache_dir={scratch / 'cache'}",
         f"data.seq_len={args.seq_len}", "train.micro_batch_size=1", "train.eval_every=1000",
@@ -243,10 +257,12 @@ def main() -> None:
             raise SystemExit(f"error: leg {name!r} ended with status {result['rc']}")
         return result
 
-    zero3 = [*common, "distributed=zero3", f"train.global_batch_size={args.ranks}",
-             "train.checkpoint_every=1", "train.async_checkpoint=true",
+    zero3 = [*common, f"precision={args.precision}", "distributed=zero3",
+             f"train.global_batch_size={args.ranks}", "train.checkpoint_every=1",
+             f"train.async_checkpoint={args.async_first}",
              "train.export_hf=false", f"hydra.run.dir={run}"]  # fmt: skip
-    first = leg("start-up, steps, a background save each", args.ranks,
+    saving = "a background save each" if args.async_first == "true" else "a save each"
+    first = leg(f"start-up, steps, {saving}", args.ranks,
                 [*zero3, f"train.max_steps={args.steps}"], run)  # fmt: skip
     summary = first.get("summary", {})
     first["notes"] = (
@@ -259,15 +275,25 @@ def main() -> None:
     stopped["notes"] = f"exit status {stopped['rc']}"
     done = max((r["step"] for r in step_records(run)), default=0)
     stage = f"distributed=zero{args.resume_stage}"
-    resume = [*common, stage, f"train.global_batch_size={args.ranks}", "train.resume=true",
-              f"train.max_steps={done + 2}", "train.checkpoint_every=1000",
-              "train.async_checkpoint=false", "train.export_hf=true",
+    resume_async = args.async_resume == "true"
+    resume = [*common, f"precision={args.resume_precision or args.precision}", stage,
+              f"train.global_batch_size={args.ranks}", "train.resume=true",
+              f"train.max_steps={done + 2}",
+              f"train.checkpoint_every={1 if resume_async else 1000}",
+              f"train.async_checkpoint={args.async_resume}", "train.export_hf=true",
               f"hydra.run.dir={run}"]  # fmt: skip
     second = leg("elastic resume, steps, export, sample", args.resume_ranks, resume, run)
     size = sum(p.stat().st_size for p in (run / "hf").rglob("*") if p.is_file())
+    summary = second.get("summary", {})
+    saves = (
+        f"; blocked {summary.get('checkpoint_blocked_s_mean', float('nan')):.2f} s/save vs "
+        f"write {summary.get('checkpoint_write_s_mean', float('nan')):.2f} s"
+        if resume_async
+        else ""
+    )
     second["notes"] = (
         f"resume to first step {second['first_step_s']:.1f} s (reshard included); export "
-        f"{size / 1e6:.1f} MB, last step to exit {second['after_last_step_s']:.1f} s"
+        f"{size / 1e6:.1f} MB, last step to exit {second['after_last_step_s']:.1f} s{saves}"
     )
     diff = compare_logits(run)
     evaluate = subprocess.run(
@@ -277,14 +303,20 @@ def main() -> None:
     )  # fmt: skip
     if evaluate.returncode:
         raise SystemExit(f"error: collage_train.evaluate failed: {evaluate.stderr[-2000:]}")
-    init = [*common, "distributed=unsharded", "train.global_batch_size=1", "train.max_steps=1",
+    init_precision = args.init_precision or args.precision
+    init = [*common, f"precision={init_precision}", "distributed=unsharded",
+            "train.global_batch_size=1", "train.max_steps=1", "train.async_checkpoint=false",
             f"model.init_from={run / 'hf'}", "train.checkpoint_every=1000",
             "train.export_hf=false", "logging.sample_tokens=0",
             f"hydra.run.dir={fresh}"]  # fmt: skip
     third = leg("new run, model.init_from the export", 1, init, fresh)
     third["notes"] = f"export reloaded: logits max |diff| {diff:.2e}; evaluate ok"
 
-    print(f"\n{args.model}, precision={args.precision}, seq_len={args.seq_len}, {args.device}\n")
+    precisions = (
+        f"{args.precision} -> {args.resume_precision or args.precision}, "
+        f"init_from: {init_precision}"
+    )
+    print(f"\n{args.model}, precision={precisions}, seq_len={args.seq_len}, {args.device}\n")
     print(
         "| leg | ranks | peak/rank GiB (max) | planned GiB | measured/planned | first step s "
         "| SIGTERM to exit s | notes |"
