@@ -25,7 +25,13 @@ from collage_train.compose import config_dir
 from collage_train.config.reference import register_help_resolver
 from collage_train.config.schema import register_schemas
 from collage_train.engine.agreement import agreement, gathered, the_same
-from collage_train.engine.launch import gather_objects, launched_rank, launched_world_size
+from collage_train.engine.launch import (
+    close_process_group,
+    exit_launched,
+    gather_objects,
+    launched_rank,
+    launched_world_size,
+)
 from collage_train.errors import (
     BAD_INPUT,
     RUN_FAILED,
@@ -71,9 +77,13 @@ def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None)
     """Run (or resume) one training job in ``run_dir``; return its summary.
 
     ``train.deterministic`` takes effect here, before the trainer's first matrix product
-    (cuBLAS reads its workspace setting then), and is undone when the job returns."""
+    (cuBLAS reads its workspace setting then), and is undone when the job returns. The
+    process group is closed however the job ends."""
     with determinism.applied(cfg.train.deterministic):
-        return _train(cfg, run_dir, extra_sinks)
+        try:
+            return _train(cfg, run_dir, extra_sinks)
+        finally:  # also when a check refuses before the engine exists to close it: a
+            close_process_group()  # group left to the interpreter's exit can abort a rank
 
 
 def _existing_checkpoint(cfg: DictConfig, run_dir: Path) -> Path | None:
@@ -267,5 +277,5 @@ def hydra_main(cfg: DictConfig) -> float | None:
         return run_sweep_job(cfg, run_dir, run_reporting)
     outcome = run_reporting(cfg, run_dir)
     if outcome.exit_status:
-        sys.exit(outcome.exit_status)
+        exit_launched(outcome.exit_status)
     return (outcome.summary or {}).get("final_val_loss")

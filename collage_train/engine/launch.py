@@ -7,11 +7,13 @@ that names the default run directory, so that they all write into the same one.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -98,6 +100,27 @@ def _restart_store(timeout: timedelta) -> dict[str, Any]:
         "rank": launched_rank(),
         "world_size": launched_world_size(),
     }
+
+
+def close_process_group() -> None:
+    """Destroy this process's group, if any: each rank tears down its own connections
+    while its peers are alive (gloo aborts a process whose peers vanished first)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def exit_launched(status: int) -> NoReturn:
+    """End this process with ``status``. A rank of a multi-rank launch flushes its output
+    and skips the interpreter's finalisation: a gloo worker thread may still be releasing
+    a finished collective's tensors, which needs the interpreter, and a thread cut off by
+    the finalisation aborts the rank (``terminate called without an active exception``,
+    status -6) instead of ending it with ``status``."""
+    if launched_world_size() <= 1:
+        sys.exit(status)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def check_process_group(device: torch.device) -> None:

@@ -25,6 +25,19 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
+def process_memory() -> int | None:
+    """This process's share of host memory now (its proportional set size: private pages,
+    and shared ones divided among the processes mapping them; None when unknown)."""
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak window on CUDA (the host RSS peak cannot be reset)."""
     if device.type == "cuda":

@@ -27,10 +27,10 @@ from collage_train.engine.agreement import agreement, gathered
 from collage_train.engine.deepspeed_config import gradient_dtypes
 from collage_train.engine.launch import local_world_size
 from collage_train.errors import BAD_INPUT, ConfigError, OutOfMemory
-from collage_train.metrics.memory import available_memory
+from collage_train.metrics.memory import available_memory, process_memory
 from collage_train.model.build import count_parameters
 from collage_train.model.materialise import largest_unit_numel
-from collage_train.planning.host_memory import run_peak
+from collage_train.planning.host_memory import PROCESS_HOST_BYTES, run_peak
 from collage_train.planning.memory_plan import (
     GIB,
     ModelShape,
@@ -98,11 +98,12 @@ def check_run_fits(
             checkpoint_copy_bytes=copy,
         )
         if device.type == "cpu":
+            ranks_here = local_world_size() if engine.world_size > 1 else 1
             check_host_fits(
                 shape,
                 setting,
-                available=available_memory(torch.device("cpu")),
-                ranks_here=local_world_size() if engine.world_size > 1 else 1,
+                available=host_available(ranks_here),
+                ranks_here=ranks_here,
                 micro_batch=cfg.train.micro_batch_size,
                 global_batch=cfg.train.global_batch_size,
                 checkpointing=cfg.train.activation_checkpointing,
@@ -128,6 +129,18 @@ def check_run_fits(
             loss_chunk_tokens=loss_chunk_tokens,
             model_name=cfg.model.name,
         )
+
+
+def host_available(ranks_here: int) -> float | None:
+    """Host bytes the ``ranks_here`` ranks of this node can hold at their peak: what the
+    host has available now plus what each rank already holds, up to the process bytes
+    ``host_need`` counts for it (``PROCESS_HOST_BYTES``), since the ranks are running when
+    they check (each rank's own share stands for every rank's: they start alike)."""
+    available = available_memory(torch.device("cpu"))
+    if available is None:
+        return None
+    held = min(process_memory() or 0, PROCESS_HOST_BYTES)
+    return available + ranks_here * held
 
 
 def check_state_fits(

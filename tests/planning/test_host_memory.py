@@ -131,6 +131,58 @@ def test_a_cpu_run_whose_state_fits_but_whose_peak_does_not_is_refused(make_cfg,
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(("held_gib", "fits"), [(0.6, True), (0.2, False)])
+def test_the_host_check_counts_what_the_running_ranks_already_hold(
+    make_cfg, monkeypatch, held_gib, fits
+):
+    """The ranks check while they run: their processes (counted in the need) are already
+    out of the host's available memory, so each rank's share is added back, up to the
+    process bytes the need counts. Issue 51's 4-rank gpt_1.3b run needed 22.0 GiB, the
+    host had 21.3 available with its ranks started and about 23 without them."""
+    from collage_train.model.build import build_meta_model
+    from collage_train.planning import fit_check
+
+    ranks = 4
+    cfg = make_cfg(
+        "train.device=cpu", "train.async_checkpoint=false", "train.export_hf=false",
+        "distributed=zero3", f"train.global_batch_size={ranks * 8}",
+    )  # fmt: skip
+    meta = build_meta_model(cfg.model, vocab_size=512, seq_len=cfg.data.seq_len, eot_id=0)
+    strategy = strategy_for(cfg.precision)
+    shape = ModelShape.from_model(meta, seq_len=cfg.data.seq_len)
+    need = fit_check.host_need(
+        shape, fit_check.planned_setting(cfg, strategy, ranks, "eager"), ranks_here=ranks,
+        micro_batch=cfg.train.micro_batch_size, global_batch=cfg.train.global_batch_size,
+        checkpointing=False, loss_chunk_tokens=None, async_checkpoint=False, export=False,
+    )  # fmt: skip
+    available = need - ranks * 0.5 * GIB  # 0.5 GiB a rank short, without what they hold
+    monkeypatch.setattr(fit_check, "available_memory", lambda device: available)
+    monkeypatch.setattr(fit_check, "process_memory", lambda: held_gib * GIB)
+    monkeypatch.setattr(fit_check, "local_world_size", lambda: ranks)
+    assert fit_check.host_available(ranks) == available + ranks * held_gib * GIB
+
+    class Engine:
+        world_size, name = ranks, "zero3"
+
+        @staticmethod
+        def peak_state_bytes_per_param(strategy):
+            return 1.0
+
+    def check() -> None:
+        fit_check.check_run_fits(
+            meta, cfg, strategy, Engine(), torch.device("cpu"),
+            optimizer_kernel="eager", loss_chunk_tokens=None,
+        )  # fmt: skip
+
+    if fits:
+        check()
+    else:
+        with pytest.raises(StepWillNotFit, match="host memory at its peak"):
+            check()
+    monkeypatch.setattr(fit_check, "process_memory", lambda: 64 * GIB)  # at most the process
+    assert fit_check.host_available(ranks) == available + ranks * PROCESS_HOST_BYTES
+
+
 def test_the_plan_shows_the_export_and_a_cpu_ranks_peak_and_fits_only_with_the_export():
     from collage_train.plan import make_plan, render
 
