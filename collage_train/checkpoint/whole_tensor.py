@@ -8,8 +8,10 @@ form every such entry holds one value per element (the absmax or scale it is und
 nothing lost, independent of the writer's layout. ``element_range`` makes it from a flat
 tensor's state; ``compact`` rebuilds a flat tensor's state for a new layout (scales bit
 for bit; an 8-bit element re-quantised, within ``REQUANTISE_BOUND``, only where the new
-block's absmax is another). ``values`` gives the canonical fp32 ``weight``, ``exp_avg``
-and ``exp_avg_sq``; ``quantised_elements`` and ``scaled_elements`` go back.
+block's absmax is another); ``restore_flat`` fills a flat tensor (a ZeRO partition) from
+any checkpoint, a window of elements at a time. ``values`` gives the canonical fp32
+``weight``, ``exp_avg`` and ``exp_avg_sq``; ``quantised_elements`` and ``scaled_elements``
+go back.
 Design and measurements: docs/design.md, "Resharding state that is not per element".
 """
 
@@ -20,7 +22,9 @@ from typing import Any
 
 import torch
 
-from collage_train.checkpoint.param_state import INDEX_COMPONENTS
+from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState
+from collage_train.checkpoint.pieces import Piece
+from collage_train.errors import CheckpointError
 from collage_train.optim.blockwise8 import BLOCK_SIZE, dynamic_map, quantize
 from collage_train.scalify.scale import SCALE_ATTR, STORAGE_DTYPE, store_scaled
 
@@ -162,6 +166,84 @@ def compact(
     if lengths is not None and any(key in out for key in SCALE_KEYS):
         out[PIECE_LENGTHS] = lengths.clone()
     return out
+
+
+# Elements of a flat tensor ``restore_flat`` builds the whole-tensor form of at once (a
+# multiple of BLOCK_SIZE): an elastic resume's transient is this many elements' form, about
+# 20 bytes each for 8-bit state, not a partition's (gpt_1.3b over 2 ranks: 12 GB a rank).
+RESTORE_WINDOW = 2**24
+
+
+def restore_flat(
+    state: FullState,
+    pieces: list[Piece],
+    flat: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+    *,
+    window: int = RESTORE_WINDOW,
+) -> tuple[int | None, dict[str, torch.Tensor]]:
+    """Copy the weights (fp32 master where kept) of ``pieces`` of ``state`` into ``flat``;
+    return the optimizer's step count and the flat tensor's state (``compact``; None and
+    {} when only padding lies here). Built ``window`` elements at a time, bit for bit as
+    at once: windows start at block boundaries, and a flat tensor with scales per piece
+    (``lengths``) is one window."""
+    if window % BLOCK_SIZE:
+        raise ValueError(f"window {window} is not a multiple of the block, {BLOCK_SIZE}")
+    if not pieces:
+        return None, {}
+    first = pieces[0]
+    probe = state.read(first.name, first.param_start, first.param_start + 1)
+    numel = flat.numel()
+    if any(key in SCALE_KEYS for key in probe):
+        window = numel  # a piece's scale is the largest over all its elements
+    out: dict[str, torch.Tensor] = {}
+    positions: dict[str, list[torch.Tensor]] = {}  # index components, e.g. remainder ties
+    step = None
+    for lo in range(0, numel, max(window, 1)):
+        hi = min(lo + window, numel)
+        restored: dict[str, torch.Tensor] = {}
+        for piece in pieces:
+            start, stop = max(lo, piece.flat_start), min(hi, piece.flat_start + piece.numel)
+            if start >= stop:
+                continue
+            shift = piece.param_start - piece.flat_start
+            components = state.read(piece.name, start + shift, stop + shift)
+            weight, master = components.pop("weight"), components.pop("master", None)
+            source = master if master is not None else weight
+            if source.dtype != flat.dtype:
+                raise CheckpointError(
+                    f"the checkpoint holds {piece.name}'s master in {source.dtype}, this run "
+                    f"in {flat.dtype}: it was written with another precision strategy"
+                )
+            flat.data[start:stop].copy_(source)
+            for key, value in components.items():
+                if key in INDEX_COMPONENTS:
+                    positions.setdefault(key, []).append(value.to(flat.device) + start)
+                    continue
+                if key not in restored:
+                    restored[key] = blank(key, hi - lo, value.dtype, flat.device)
+                restored[key][start - lo : stop - lo].copy_(value)
+            step = state.steps[piece.name]
+        for key, value in compact(restored, lengths).items():
+            _place(out, key, value, lo, numel)
+    if step is None:
+        return None, {}
+    out.update({key: torch.cat(parts) for key, parts in positions.items()})
+    return step, out
+
+
+def _place(out: dict[str, torch.Tensor], key: str, value: torch.Tensor, lo: int, numel: int):
+    """Window ``lo``'s compacted ``value`` of ``key`` into the flat tensor's ``out``."""
+    if key in SCALE_KEYS or key == PIECE_LENGTHS:  # the one window
+        out[key] = value
+        return
+    per_block = key in ABSMAX_KEYS
+    total, at = (-(-numel // BLOCK_SIZE), lo // BLOCK_SIZE) if per_block else (numel, lo)
+    if key not in out:  # the value of an element no piece covers, in every window
+        out[key] = torch.zeros(total, dtype=value.dtype, device=value.device)
+        if not per_block:
+            out[key] = blank(key, total, value.dtype, value.device)
+    out[key][at : at + value.numel()].copy_(value)
 
 
 def set_weight_scale(param: torch.Tensor, scale: torch.Tensor | None) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from collage_train.checkpoint import whole_tensor
-from collage_train.checkpoint.param_state import INDEX_COMPONENTS, FullState, applied_steps
+from collage_train.checkpoint.param_state import FullState, applied_steps
 from collage_train.checkpoint.pieces import Piece
 from collage_train.engine.base import (
     CompileBackend,
@@ -45,7 +45,7 @@ from collage_train.engine.launch import check_process_group, init_process_group,
 from collage_train.engine.zero_buckets import ModelSize
 from collage_train.engine.zero_capture import CapturedFiles
 from collage_train.engine.zero_memory import ZeroStateBytes, zero_state_bytes
-from collage_train.errors import CheckpointError, ConfigError
+from collage_train.errors import ConfigError
 from collage_train.metrics.edq import layer_group_of
 from collage_train.metrics.memory import storage_bytes
 from collage_train.model.cast import keep_computed_buffers
@@ -590,33 +590,11 @@ class ZeroEngine:
         return state.trainer
 
     def _fill_partition(self, state: FullState, pieces: list[Piece], flat: torch.Tensor) -> None:
-        restored: dict[str, torch.Tensor] = {}
-        positions: dict[str, list[torch.Tensor]] = {}  # index components, e.g. remainder ties
-        step = None
-        for piece in pieces:
-            components = state.read(piece.name, piece.param_start, piece.param_stop)
-            weight, master = components.pop("weight"), components.pop("master", None)
-            source = master if master is not None else weight
-            if source.dtype != flat.dtype:
-                raise CheckpointError(
-                    f"the checkpoint holds {piece.name}'s master in {source.dtype}, this run "
-                    f"in {flat.dtype}: it was written with another precision strategy"
-                )
-            flat.data[piece.flat_start : piece.flat_start + piece.numel].copy_(source)
-            for key, value in components.items():
-                if key in INDEX_COMPONENTS:
-                    positions.setdefault(key, []).append(value.to(flat.device) + piece.flat_start)
-                    continue
-                if key not in restored:
-                    restored[key] = whole_tensor.blank(key, flat.numel(), value.dtype, flat.device)
-                restored[key][piece.flat_start : piece.flat_start + piece.numel].copy_(value)
-            step = state.steps[piece.name]
-        if step is None:  # only padding here: the optimizer starts this partition afresh
-            return
-        restored.update({key: torch.cat(parts) for key, parts in positions.items()})
         pieces_of = getattr(self.optimizer, "flat_pieces", {}).get(flat)  # ScaledAdamW's scales
         lengths = None if pieces_of is None else pieces_of.lengths
-        self.optimizer.state[flat] = {"step": step, **whole_tensor.compact(restored, lengths)}
+        step, restored = whole_tensor.restore_flat(state, pieces, flat, lengths)
+        if step is not None:  # else only padding here: the optimizer starts it afresh
+            self.optimizer.state[flat] = {"step": step, **restored}
 
     def run_files(self) -> dict[str, Any]:
         """The DeepSpeed config rendered at ``prepare``, as DeepSpeed was given it."""

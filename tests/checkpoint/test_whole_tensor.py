@@ -102,3 +102,51 @@ def test_scalify_scales_per_piece_become_one_per_tensor_and_back():
                                  "exp_avg_scale": elements["exp_avg_scale"][350:500]})  # fmt: skip
     assert torch.equal(second["exp_avg"][:150], data_b[50:])
     assert torch.equal(value["exp_avg"].double(), data_b[50:].double() * scale_b.double())
+
+
+def test_a_partition_restored_a_window_at_a_time_is_bit_for_bit_the_one_restored_at_once():
+    """``restore_flat`` over windows of one block and of three builds the same state as
+    over the whole flat tensor: 8-bit codes re-quantised where the blocks move, per-block
+    absmax, a per-element entry, index positions and the uncovered tail alike; only the
+    memory it holds at once differs (the 1.3B rehearsal's elastic resume)."""
+    from collage_train.checkpoint.param_state import FullState
+    from collage_train.checkpoint.pieces import Piece
+
+    generator = torch.Generator().manual_seed(1)
+    sizes = {"a": 700, "b": 1000}
+    sources = {}  # each parameter's state as a writer that cut its blocks elsewhere left it
+    for name, size in sizes.items():
+        values = torch.randn(size, generator=generator) * torch.logspace(-3, 0, size)
+        part = eight_bit_state(values)
+        form = whole_tensor.element_range(part, 0, size)
+        form["weight"] = values.to(torch.bfloat16)
+        form["dtheta"] = (values * 1e-3).to(torch.bfloat16)
+        form["remainder_ties"] = torch.arange(0, size, 97)
+        sources[name] = form
+
+    def read(name: str, start: int, stop: int) -> dict[str, torch.Tensor]:
+        out = {k: v[start:stop].clone() for k, v in sources[name].items() if k != "remainder_ties"}
+        ties = sources[name]["remainder_ties"]
+        out["remainder_ties"] = ties[(ties >= start) & (ties < stop)] - start
+        return out
+
+    shapes = {name: (size,) for name, size in sizes.items()}
+    state = FullState("zero2", 2, shapes, {"a": 5, "b": 5}, {"step": 5}, False, read)
+    # a partition of 2048 elements: a's last 600, all of b, then 448 of padding
+    pieces = [Piece("a", 0, 100, 0, 600), Piece("b", 0, 0, 600, 1000)]
+    results = []
+    for window in (BLOCK_SIZE, 3 * BLOCK_SIZE, 2048):
+        flat = torch.zeros(2048, dtype=torch.bfloat16)
+        step, restored = whole_tensor.restore_flat(state, pieces, flat, window=window)
+        results.append((step, flat, restored))
+    step, flat, whole = results[-1]
+    assert step == 5 and flat[:600].equal(sources["a"]["weight"][100:])
+    assert whole["exp_avg_absmax"].numel() == 2048 // BLOCK_SIZE  # one absmax a block
+    assert whole["remainder_ties"].tolist() == [t - 100 for t in range(0, 700, 97) if t >= 100] + [
+        600 + t for t in range(0, 1000, 97)
+    ]
+    for other_step, other_flat, restored in results[:-1]:
+        assert other_step == step and other_flat.equal(flat)
+        assert list(restored) == list(whole)
+        for key, value in whole.items():
+            assert restored[key].dtype == value.dtype and restored[key].equal(value), key
