@@ -206,6 +206,12 @@ def main() -> None:
     cli.add_argument("--ranks", type=int, default=4)
     cli.add_argument("--resume-ranks", type=int, default=2)
     cli.add_argument("--resume-stage", type=int, default=3)
+    cli.add_argument("--stage", type=int, default=3, help="the first ranks' ZeRO stage")
+    cli.add_argument(
+        "--startup-only",
+        action="store_true",
+        help="only the start-up, one step and the sample (issue 51's llama_1b)",
+    )
     cli.add_argument("--seq-len", type=int, default=64)
     cli.add_argument("--steps", type=int, default=3, help="steps before the SIGTERM")
     cli.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -254,13 +260,20 @@ def main() -> None:
         rows.append(result)
         if result["rc"] not in (0, 143) and not kw.get("sigterm_at"):
             print(result["output"][-3000:], file=sys.stderr)
+            print_table(args, rows, f"{args.precision}, stopped at leg {name!r}")
             raise SystemExit(f"error: leg {name!r} ended with status {result['rc']}")
         return result
 
-    zero3 = [*common, f"precision={args.precision}", "distributed=zero3",
+    zero3 = [*common, f"precision={args.precision}", f"distributed=zero{args.stage}",
              f"train.global_batch_size={args.ranks}", "train.checkpoint_every=1",
              f"train.async_checkpoint={args.async_first}",
              "train.export_hf=false", f"hydra.run.dir={run}"]  # fmt: skip
+    if args.startup_only:
+        one = [*zero3, "train.max_steps=1", "train.checkpoint_every=1000"]
+        started = leg("start-up, one step, sample", args.ranks, one, run)
+        sampled = bool(started.get("summary", {}).get("sample"))
+        started["notes"] = "sample printed" if sampled else "no sample in the output"
+        return print_table(args, rows, f"{args.precision}, start-up only")
     saving = "a background save each" if args.async_first == "true" else "a save each"
     first = leg(f"start-up, steps, {saving}", args.ranks,
                 [*zero3, f"train.max_steps={args.steps}"], run)  # fmt: skip
@@ -316,6 +329,11 @@ def main() -> None:
         f"{args.precision} -> {args.resume_precision or args.precision}, "
         f"init_from: {init_precision}"
     )
+    print_table(args, rows, precisions)
+
+
+def print_table(args: argparse.Namespace, rows: list[dict], precisions: str) -> None:
+    """The legs as one markdown table (and as JSON in ``--json``)."""
     print(f"\n{args.model}, precision={precisions}, seq_len={args.seq_len}, {args.device}\n")
     print(
         "| leg | ranks | peak/rank GiB (max) | planned GiB | measured/planned | first step s "
