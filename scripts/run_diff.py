@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from collage_train import checkpoint
+
 # keys (any level, holding no tensor) left out: timings, memory, throughput, probes, paths,
 # versions, a checkpoint's byte counts and CRCs of its pickles (their contents are compared)
 VOLATILE = re.compile(r"time|_s(_|$)|per_s|mem|mfu|gflops|cache_dir|^versions$|^files$")
@@ -157,12 +159,19 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> Iterator[tuple[str, str
     one has."""
     for key, value in a.items():
         if key not in b:
-            yield key, "only in A"
+            if not _added_setting(key, value):
+                yield key, "only in A"
         elif not same(value, b[key]):
             yield key, describe(value, b[key])
     for key in b:
-        if key not in a:
+        if key not in a and not _added_setting(key, b[key]):
             yield key, "only in B"
+
+
+def _added_setting(key: str, value: Any) -> bool:
+    """A config key one revision has and the other lacks, unset (None): a setting added
+    (e.g. ``train.branch_from``), which changes no number the runs compute."""
+    return value is None and (key.startswith("config/") or "/config/" in key)
 
 
 # ------------------------------------------------------------------ files
@@ -170,10 +179,10 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> Iterator[tuple[str, str
 
 def load_flat(path: Path) -> dict[str, Any]:
     """A file's contents as a flat mapping without ``VOLATILE`` keys: a ``.pt`` pickle
-    (read in full: these are the comparison's own fresh runs, DeepSpeed's records
-    included), a ``.safetensors`` file's tensors, JSON, or the SHA-256 of any other file."""
+    (with the checkpoints' restricted unpickler: DeepSpeed's records as inert records), a
+    ``.safetensors`` file's tensors, JSON, or the SHA-256 of any other file."""
     if path.suffix == ".pt":
-        return flatten(torch.load(path, map_location="cpu", weights_only=False), volatile=VOLATILE)
+        return flatten(checkpoint.open_restricted(path), volatile=VOLATILE)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 

@@ -149,6 +149,26 @@ def test_floats_are_compared_by_their_bits():
     assert not run_diff.same(torch.zeros(2), torch.zeros(2, dtype=torch.float64))
 
 
+def test_a_setting_one_revision_adds_unset_is_no_difference_and_any_other_key_is(runs):
+    """A config key only one side has, None there (a setting added, as issue 50 added
+    ``train.branch_from`` to every checkpoint's meta.json), changes nothing the runs
+    computed; a key only one side has anywhere else, or set, is a difference."""
+    a, b = runs
+    for step in (b / "checkpoints/step-2",):
+        meta = json.loads((step / "meta.json").read_text())
+        meta["config"] = {"train": {"branch_from": None}}
+        (step / "meta.json").write_text(json.dumps(meta))
+    assert run_diff.compare_runs(a, b).equal()
+    meta["config"] = {"train": {"branch_from": "elsewhere"}}
+    (b / "checkpoints/step-2/meta.json").write_text(json.dumps(meta))
+    diff = run_diff.compare_runs(a, b)
+    assert diff.counts["optimizer"] + diff.counts["weights"] == 1
+    assert "config/train/branch_from" in diff.first()
+    assert list(run_diff.differences({}, {"records/0/new_field": None})) == [
+        ("records/0/new_field", "only in B")
+    ]
+
+
 def test_a_checkpoint_only_one_run_has_and_a_changed_shard_are_differences(runs, tmp_path):
     a, b = runs
     shutil.copytree(b / "checkpoints/step-2", b / "checkpoints/step-3")
