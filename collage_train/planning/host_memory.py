@@ -2,8 +2,9 @@
 copies at the step, and the end of a run (the export's gathered weights).
 
 ``memory_plan.estimate`` plans one step's tensors. On CPU ranks the host also holds each
-rank's interpreter and libraries (``PROCESS_HOST_BYTES``) and, under ZeRO-3, the flat
-copies DeepSpeed makes at its step and keeps (``ZERO3_CPU_STEP_BYTES``). At the end of a
+rank's interpreter and libraries (``PROCESS_HOST_BYTES``) and, under ZeRO, the flat
+copies DeepSpeed makes at its step and keeps (``ZERO3_CPU_STEP_BYTES``,
+``ZERO12_CPU_STEP_BYTES``). At the end of a
 run the export to ``hf/`` (``export.export_from_engine``) gathers every ZeRO-3 weight on
 every rank at once (``run_end_bytes``). Measured with VmHWM per rank on real launches
 (scripts/rehearse_scale.py; docs/planner.md, "What a run's peak counts").
@@ -12,6 +13,8 @@ every rank at once (``run_end_bytes``). Measured with VmHWM per rank on real lau
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from collage_train.planning.memory_plan import GIB, MemoryEstimate, ModelShape, Setting
 
@@ -25,6 +28,13 @@ PROCESS_HOST_BYTES = 0.75 * GIB
 # defragmentation, the zero gradients ``initialize_optimizer_states`` steps) that the
 # allocator keeps: 7.8-8.3 bytes measured (gpt_125m, gpt_350m, collage_plus, 2 ranks).
 ZERO3_CPU_STEP_BYTES = 8.0
+# ZeRO-1/2 on CPU ranks, per element of this rank's partition: the flat gradient partition
+# DeepSpeed builds at its step in the master's dtype and the norm's and the step's
+# temporaries the allocator keeps. Without an fp32 master (bf16 partitions: Collage, bf16
+# strategies) 4.8-5.0 bytes measured (gpt_350m, collage_8bit and collage_plus, 2 ranks);
+# with fp32 partitions (mixed_fp32's master, fp32 weights) 2.5, the fp32 gradient planned.
+ZERO12_CPU_STEP_BYTES = 5.0
+ZERO12_CPU_STEP_BYTES_FP32_MASTER = 2.5
 
 
 @dataclass(frozen=True)
@@ -45,10 +55,16 @@ class RunPeak:
 
 
 def deepspeed_cpu_bytes(shape: ModelShape, setting: Setting) -> float:
-    """DeepSpeed's own copies at the step on a CPU rank (ZeRO-3; 0 otherwise)."""
-    if setting.stage != 3:
+    """DeepSpeed's own copies at the step on a CPU rank (ZeRO; 0 in one process)."""
+    if setting.stage == 0:
         return 0.0
-    return ZERO3_CPU_STEP_BYTES * shape.num_params / setting.gpus
+    if setting.stage == 3:
+        per_element = ZERO3_CPU_STEP_BYTES
+    elif torch.float32 in (setting.strategy.master_dtype, setting.strategy.param_dtype):
+        per_element = ZERO12_CPU_STEP_BYTES_FP32_MASTER
+    else:
+        per_element = ZERO12_CPU_STEP_BYTES
+    return per_element * shape.num_params / setting.gpus
 
 
 def run_end_bytes(shape: ModelShape, setting: Setting, plan: MemoryEstimate) -> float:
