@@ -33,7 +33,9 @@
 #    ZeRO-2 run on N GPUs, its step-10 checkpoint resumed on N/2 to step 20, within
 #    ELASTIC_RTOL of it, default 0.02), 14. checkpoint save time of N ZeRO-2 ranks
 #    (checkpoint_save_zero2), 15. issue 51's chain at gpt_1.3b (rehearse_scale:
-#    scripts/rehearse_scale.py, N GPUs then N/2, each leg's peak against the planner's).
+#    scripts/rehearse_scale.py, N GPUs then N/2, each leg's peak against the planner's),
+#    16. llama_1b with model.vocab_size=128256 started on N GPUs, one step and the sample
+#    (rehearse_llama_vocab).
 #    The tolerances: bf16 gradients reduced across ranks in
 #    another order than one GPU's accumulation differ by roundings, which move the loss
 #    by well under 1% in 20 steps; a wrong reduction or a misplaced shard moves it more.
@@ -236,6 +238,12 @@ if multi_gpu rehearse_scale; then
     step rehearse_scale "$python" scripts/rehearse_scale.py --device cuda --ranks "$gpus" \
         --resume-ranks "$half" --scratch "$out/rehearse" --json "$out/rehearse_scale.json"
 fi
+# and llama_1b with a Llama 3 vocabulary: start-up on every GPU, one step, the sample
+if multi_gpu rehearse_llama_vocab; then
+    step rehearse_llama_vocab "$python" scripts/rehearse_scale.py --device cuda \
+        --model llama_1b --ranks "$gpus" --startup-only --scratch "$out/rehearse_llama" \
+        --json "$out/rehearse_llama_vocab.json" model.vocab_size=128256
+fi
 
 # The runs' checkpoints and exports (GBs for gpt_125m) stay only with KEEP_CHECKPOINTS=1,
 # so that OUT_DIR is small enough to carry back from a lent machine.
@@ -334,6 +342,7 @@ result = {
     "zero_stages": load("zero_stages.json"),
     "elastic_resume": load("elastic_resume.json"),
     "rehearse_scale": load("rehearse_scale.json"),
+    "rehearse_llama_vocab": load("rehearse_llama_vocab.json"),
     "checkpoint_save": load("checkpoint_save.json"),
     "checkpoint_save_zero2": load("checkpoint_save_zero2.json"),
     "optimizer_bench": load("optimizer.json"),

@@ -336,3 +336,8 @@ def test_on_four_gpus_the_rehearsal_runs_issue_51s_chain_on_four_then_two(tmp_pa
     (rehearsal,) = [c for c in calls if "rehearse_scale.py" in c]
     assert "--device cuda --ranks 4 --resume-ranks 2" in rehearsal
     assert f"--json {out}/rehearse_scale.json" in rehearsal
+    done, records, calls, out = run_with_stand_ins(tmp_path / "b", 4, "rehearse_llama_vocab")
+    assert records["rehearse_llama_vocab"]["exit_status"] == 0, done.stdout + done.stderr
+    (llama,) = [c for c in calls if "rehearse_scale.py" in c]
+    assert "--model llama_1b --ranks 4 --startup-only" in llama
+    assert llama.rstrip().endswith("model.vocab_size=128256")
