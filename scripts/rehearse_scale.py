@@ -252,8 +252,9 @@ def main() -> None:
     def leg(name: str, ranks: int, overrides: list[str], run_dir: Path, **kw) -> dict:
         result = launch(ranks_cmd(ranks, overrides), run_dir, env, **kw)
         (scratch / f"leg-{len(rows)}.log").write_text(result["output"])
-        if (run_dir / "summary.json").is_file():
-            result["summary"] = json.loads((run_dir / "summary.json").read_text())
+        summary_file = run_dir / "summary.json"
+        if summary_file.is_file() and summary_file.stat().st_mtime > time.time() - result["wall_s"]:
+            result["summary"] = json.loads(summary_file.read_text())  # this leg's
             if args.device == "cuda":  # the device's peak (rank 0's) against the device plan
                 result["peaks"] = [result["summary"]["peak_mem_bytes"]] * ranks
         result.update(leg=name, ranks=ranks, planned=predicted(overrides, ranks, args.device))

@@ -592,6 +592,9 @@ class ZeroEngine:
     def _fill_partition(self, state: FullState, pieces: list[Piece], flat: torch.Tensor) -> None:
         pieces_of = getattr(self.optimizer, "flat_pieces", {}).get(flat)  # ScaledAdamW's scales
         lengths = None if pieces_of is None else pieces_of.lengths
+        # DeepSpeed's initial zero step gave the partition a state: freed before the
+        # restored one is built, not after (the 1.3B rehearsal: 2 GiB a rank at resume)
+        self.optimizer.state.pop(flat, None)
         step, restored = whole_tensor.restore_flat(state, pieces, flat, lengths)
         if step is not None:  # else only padding here: the optimizer starts it afresh
             self.optimizer.state[flat] = {"step": step, **restored}

@@ -361,7 +361,7 @@ def host_need(
         checkpointing=checkpointing,
         loss_chunk_tokens=loss_chunk_tokens,
     )
-    peak = run_peak(shape, setting, plan, cpu=True)
+    peak = run_peak(shape, setting, plan, cpu=True, local_ranks=ranks_here)
     if not export:
         peak = replace(peak, run_end=0.0)
     copy = checkpoint_copy_bytes(shape, setting) if async_checkpoint else 0.0

@@ -22,6 +22,11 @@ from collage_train.planning.memory_plan import GIB, MemoryEstimate, ModelShape, 
 # gloo and the allocator's slack (VmHWM of gpt_tiny ZeRO-3 ranks: 0.60 GiB; the intercept of
 # gpt_125m and gpt_350m ranks, 2 ranks, seq 64: 0.74 GiB).
 PROCESS_HOST_BYTES = 0.75 * GIB
+# Each ZeRO rank's resident bytes grow with the ranks on its host beyond the two that
+# PROCESS_HOST_BYTES was measured with: DeepSpeed's shared-memory all-reduce on CPU maps
+# every local rank's 66 MiB workspace into each rank, and gloo's pairs (gpt_350m and
+# gpt_1.3b over 4 ZeRO-3 ranks: 0.23-0.25 GiB a rank above 2 ranks' intercept).
+PEER_HOST_BYTES = 0.12 * GIB
 # ZeRO-3 on CPU ranks, per parameter of this rank's partition: the fp32 flat gradient
 # DeepSpeed builds at its step (``_prepare_fp32_grad_for_sub_group``), the norm's and the
 # unscale's temporaries and the flat copies of its initialisation (the fp16 partitions'
@@ -78,12 +83,27 @@ def run_end_bytes(shape: ModelShape, setting: Setting, plan: MemoryEstimate) -> 
     return plan.persistent + plan.gradients + plan.buffers + gathered
 
 
-def run_peak(shape: ModelShape, setting: Setting, plan: MemoryEstimate, *, cpu: bool) -> RunPeak:
+def process_bytes(setting: Setting, local_ranks: int) -> float:
+    """A CPU rank's process beside its tensors, with ``local_ranks`` ZeRO ranks on its host."""
+    peers = max(0, local_ranks - 2) if setting.stage else 0
+    return PROCESS_HOST_BYTES + peers * PEER_HOST_BYTES
+
+
+def run_peak(
+    shape: ModelShape,
+    setting: Setting,
+    plan: MemoryEstimate,
+    *,
+    cpu: bool,
+    local_ranks: int | None = None,
+) -> RunPeak:
     """The run's peak per rank for the step ``plan`` (``memory_plan.estimate``): on CPU
-    ranks with the process and DeepSpeed's CPU copies, on a GPU the device's bytes."""
+    ranks with the process (``local_ranks`` on its host: default every rank of the
+    setting) and DeepSpeed's CPU copies, on a GPU the device's bytes."""
     extra = deepspeed_cpu_bytes(shape, setting) if cpu else 0.0
+    ranks = setting.gpus if local_ranks is None else local_ranks
     return RunPeak(
         step=plan.peak + extra,
         run_end=run_end_bytes(shape, setting, plan) + extra,
-        process=PROCESS_HOST_BYTES if cpu else 0.0,
+        process=process_bytes(setting, ranks) if cpu else 0.0,
     )

@@ -15,6 +15,7 @@ from collage_train.planning.fit_check import (
     planned_setting,
 )
 from collage_train.planning.host_memory import (
+    PEER_HOST_BYTES,
     PROCESS_HOST_BYTES,
     ZERO3_CPU_STEP_BYTES,
     ZERO12_CPU_STEP_BYTES,
@@ -57,6 +58,20 @@ def test_cpu_ranks_count_their_process_and_deepspeeds_step_copies():
     assert peak.step == pytest.approx(plan.peak + extra)
     assert peak.total >= PROCESS_HOST_BYTES + plan.peak + extra
     assert run_peak(shape, setting, plan, cpu=False).process == 0.0
+
+
+def test_a_zero_ranks_process_grows_with_the_ranks_on_its_host():
+    """Measured on 2 ranks; each further local rank adds DeepSpeed's shared workspace
+    mapped into every rank (gpt_350m and gpt_1.3b over 4 ZeRO-3 ranks: +0.23-0.25 GiB)."""
+    _, shape, setting, plan = planned(
+        "model=gpt_tiny", "precision=collage_plus", "train.global_batch_size=4", gpus=4
+    )
+    assert run_peak(shape, setting, plan, cpu=True).process == pytest.approx(
+        PROCESS_HOST_BYTES + 2 * PEER_HOST_BYTES
+    )
+    for ranks in (1, 2):
+        process = run_peak(shape, setting, plan, cpu=True, local_ranks=ranks).process
+        assert process == PROCESS_HOST_BYTES
 
 
 @pytest.mark.parametrize(
