@@ -145,9 +145,10 @@ def predicted(overrides: list[str], ranks: int, device: str) -> float:
     }
     if device == "cpu":
         async_copy, export = bool(cfg.train.async_checkpoint), bool(cfg.train.export_hf)
-        return host_need(
-            shape, setting, ranks_here=1, async_checkpoint=async_copy, export=export, **run
+        every_rank = host_need(
+            shape, setting, ranks_here=ranks, async_checkpoint=async_copy, export=export, **run
         )
+        return every_rank / ranks  # the ranks share this host
     plan = estimate_at(shape, setting, **run)
     return run_peak(shape, setting, plan, cpu=False).total
 
