@@ -207,7 +207,12 @@ def main() -> None:
     cli.add_argument("--ranks", type=int, default=4)
     cli.add_argument("--resume-ranks", type=int, default=2)
     cli.add_argument("--resume-stage", type=int, default=3)
-    cli.add_argument("--stage", type=int, default=3, help="the first ranks' ZeRO stage")
+    cli.add_argument(
+        "--stage",
+        type=int,
+        default=3,
+        help="the first ranks' ZeRO stage (0: one process, unsharded)",
+    )
     cli.add_argument(
         "--startup-only",
         action="store_true",
@@ -266,7 +271,8 @@ def main() -> None:
             raise SystemExit(f"error: leg {name!r} ended with status {result['rc']}")
         return result
 
-    zero3 = [*common, f"precision={args.precision}", f"distributed=zero{args.stage}",
+    engine = f"distributed=zero{args.stage}" if args.stage else "distributed=unsharded"
+    zero3 = [*common, f"precision={args.precision}", engine,
              f"train.global_batch_size={args.ranks}", "train.checkpoint_every=1",
              f"train.async_checkpoint={args.async_first}",
              "train.export_hf=false", f"hydra.run.dir={run}"]  # fmt: skip
