@@ -11,7 +11,7 @@ local task; a new run ``model.init_from`` the export. Prints one markdown table.
     python scripts/rehearse_scale.py --model gpt_tiny --ranks 2 --resume-ranks 1
 
 Peaks are each rank's VmHWM (read from /proc while it runs: the launcher's children),
-against the start-up check's plan for that leg (``planning.fit_check.host_need`` per rank).
+against the plan for that leg (``predicted``: the start-up check's, per rank).
 With ``--device cuda`` a leg that ends normally shows the device's peak (rank 0's, from
 summary.json) against the device plan (``planning.host_memory.run_peak``); the SIGTERMed
 leg, which writes no summary, its host peak.
@@ -52,14 +52,21 @@ def children(pid: int) -> list[int]:
     return kids
 
 
-def vm_hwm(pid: int) -> int | None:
+def memory_now(pid: int) -> tuple[int, int] | None:
+    """``pid``'s VmHWM (its peak resident bytes, mapped file pages included) and its
+    resident bytes now without mapped file pages (RssAnon + RssShmem: what the host cannot
+    reclaim; a resume reads checkpoints through mmap, which VmHWM counts)."""
+    fields = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "RssAnon", "RssShmem"):
+                fields[key] = int(value.split()[0]) * 1024
     except OSError:
         return None
-    return None
+    if "VmHWM" not in fields:
+        return None
+    return fields["VmHWM"], fields.get("RssAnon", 0) + fields.get("RssShmem", 0)
 
 
 def step_records(run_dir: Path) -> list[dict]:
@@ -84,6 +91,7 @@ def launch(command: list[str], run_dir: Path, env: dict, *, sigterm_at: int | No
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     peaks: dict[int, int] = {}
+    unshared: dict[int, int] = {}  # each rank's largest RssAnon + RssShmem seen
     first = signalled = last_step = None
     seen = 0
     out: list[str] = []
@@ -94,8 +102,9 @@ def launch(command: list[str], run_dir: Path, env: dict, *, sigterm_at: int | No
     while proc.poll() is None:
         pids = children(proc.pid) if "torchrun" in command[0] else [proc.pid]
         for pid in pids:
-            if (hwm := vm_hwm(pid)) is not None:
-                peaks[pid] = max(peaks.get(pid, 0), hwm)
+            if (now := memory_now(pid)) is not None:
+                peaks[pid] = max(peaks.get(pid, 0), now[0])
+                unshared[pid] = max(unshared.get(pid, 0), now[1])
         records = step_records(run_dir)[earlier:]
         if records and first is None:
             first = time.monotonic() - start
@@ -111,6 +120,7 @@ def launch(command: list[str], run_dir: Path, env: dict, *, sigterm_at: int | No
     return {
         "rc": proc.returncode,
         "peaks": sorted(peaks.values(), reverse=True),
+        "anon_peaks": sorted(unshared.values(), reverse=True),
         "first_step_s": first,
         "exit_after_sigterm_s": end - signalled if signalled else None,
         "after_last_step_s": end - last_step if last_step else None,
@@ -120,15 +130,18 @@ def launch(command: list[str], run_dir: Path, env: dict, *, sigterm_at: int | No
 
 
 def predicted(overrides: list[str], ranks: int, device: str) -> float:
-    """The peak per rank the start-up check plans for the run: host bytes on CPU ranks
-    (``fit_check.host_need``), device bytes on a GPU (``host_memory.run_peak``)."""
+    """The peak per rank planned for the run: on CPU ranks a rank's resident host bytes
+    (``host_memory.run_peak`` with the ranks sharing its host, its peers' shared workspaces
+    included as VmHWM counts them; ``fit_check.host_need`` counts those once per host),
+    with the background copy and the export where the run makes them; on a GPU the
+    device's bytes."""
     sys.path.insert(0, str(REPO))
     import torch
 
     from collage_train.compose import compose_job
-    from collage_train.planning.fit_check import host_need, planned_setting
+    from collage_train.planning.fit_check import planned_setting
     from collage_train.planning.host_memory import run_peak
-    from collage_train.planning.memory_plan import ModelShape, estimate_at
+    from collage_train.planning.memory_plan import ModelShape, checkpoint_copy_bytes, estimate_at
     from collage_train.precision import strategy_for
     from collage_train.run.model_setup import loss_block
 
@@ -143,13 +156,12 @@ def predicted(overrides: list[str], ranks: int, device: str) -> float:
         "checkpointing": cfg.train.activation_checkpointing,
         "loss_chunk_tokens": loss_block(cfg, strategy, torch.device(device), vocab),
     }
+    plan = estimate_at(shape, setting, **run)
     if device == "cpu":
         async_copy, export = bool(cfg.train.async_checkpoint), bool(cfg.train.export_hf)
-        every_rank = host_need(
-            shape, setting, ranks_here=ranks, async_checkpoint=async_copy, export=export, **run
-        )
-        return every_rank / ranks  # the ranks share this host
-    plan = estimate_at(shape, setting, **run)
+        peak = run_peak(shape, setting, plan, cpu=True, local_ranks=ranks)  # as VmHWM counts
+        copy = checkpoint_copy_bytes(shape, setting) if async_copy else 0.0
+        return peak.process + (max(peak.step, peak.run_end) if export else peak.step) + copy
     return run_peak(shape, setting, plan, cpu=False).total
 
 
@@ -344,16 +356,18 @@ def print_table(args: argparse.Namespace, rows: list[dict], precisions: str) -> 
     """The legs as one markdown table (and as JSON in ``--json``)."""
     print(f"\n{args.model}, precision={precisions}, seq_len={args.seq_len}, {args.device}\n")
     print(
-        "| leg | ranks | peak/rank GiB (max) | planned GiB | measured/planned | first step s "
-        "| SIGTERM to exit s | notes |"
+        "| leg | ranks | peak/rank GiB (max) | without file pages GiB | planned GiB "
+        "| measured/planned | first step s | SIGTERM to exit s | notes |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         peak = row["peaks"][0] / GIB if row["peaks"] else float("nan")
+        anon = row["anon_peaks"][0] / GIB if row["anon_peaks"] else float("nan")
         fmt = lambda v: "" if v is None else f"{v:.1f}"  # noqa: E731
-        print(f"| {row['leg']} | {row['ranks']} | {peak:.2f} | {row['planned'] / GIB:.2f} | "
-              f"{peak * GIB / row['planned']:.2f} | {fmt(row['first_step_s'])} | "
-              f"{fmt(row['exit_after_sigterm_s'])} | {row.get('notes', '')} |")  # fmt: skip
+        print(f"| {row['leg']} | {row['ranks']} | {peak:.2f} | {anon:.2f} | "
+              f"{row['planned'] / GIB:.2f} | {peak * GIB / row['planned']:.2f} | "
+              f"{fmt(row['first_step_s'])} | {fmt(row['exit_after_sigterm_s'])} | "
+              f"{row.get('notes', '')} |")  # fmt: skip
     if args.json:
         args.json.write_text(
             json.dumps([{k: v for k, v in r.items() if k != "output"} for r in rows], indent=1)

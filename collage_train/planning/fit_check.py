@@ -352,7 +352,9 @@ def host_need(
 ) -> float:
     """Host bytes the ``ranks_here`` CPU ranks of this node hold at the run's peak, each
     with a background checkpoint's host copy where ``async_checkpoint``, and the export
-    at the end where ``export`` (``planning.host_memory.run_peak``)."""
+    at the end where ``export`` (``planning.host_memory.run_peak``). Shared memory is
+    counted once: a rank's resident bytes also hold its peers' DeepSpeed workspaces
+    (``PEER_HOST_BYTES``), which the host holds once, in their owners."""
     plan = estimate_at(
         shape,
         setting,
@@ -361,7 +363,8 @@ def host_need(
         checkpointing=checkpointing,
         loss_chunk_tokens=loss_chunk_tokens,
     )
-    peak = run_peak(shape, setting, plan, cpu=True, local_ranks=ranks_here)
+    # each rank's own process; the peers' shared workspaces it maps are its peers' bytes
+    peak = run_peak(shape, setting, plan, cpu=True, local_ranks=min(ranks_here, 2))
     if not export:
         peak = replace(peak, run_end=0.0)
     copy = checkpoint_copy_bytes(shape, setting) if async_checkpoint else 0.0

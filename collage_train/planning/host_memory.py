@@ -24,8 +24,8 @@ from collage_train.planning.memory_plan import GIB, MemoryEstimate, ModelShape, 
 PROCESS_HOST_BYTES = 0.75 * GIB
 # Each ZeRO rank's resident bytes grow with the ranks on its host beyond the two that
 # PROCESS_HOST_BYTES was measured with: DeepSpeed's shared-memory all-reduce on CPU maps
-# every local rank's 66 MiB workspace into each rank, and gloo's pairs (gpt_350m and
-# gpt_1.3b over 4 ZeRO-3 ranks: 0.23-0.25 GiB a rank above 2 ranks' intercept).
+# every local rank's 66 MiB workspace into each rank (gpt_350m and gpt_1.3b over 4 ZeRO-3
+# ranks: 0.23-0.25 GiB a rank above 2 ranks' intercept). Shared: the host holds it once.
 PEER_HOST_BYTES = 0.12 * GIB
 # ZeRO-3 on CPU ranks, per parameter of this rank's partition: the fp32 flat gradient
 # DeepSpeed builds at its step (``_prepare_fp32_grad_for_sub_group``), the norm's and the

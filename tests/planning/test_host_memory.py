@@ -72,6 +72,14 @@ def test_a_zero_ranks_process_grows_with_the_ranks_on_its_host():
     for ranks in (1, 2):
         process = run_peak(shape, setting, plan, cpu=True, local_ranks=ranks).process
         assert process == PROCESS_HOST_BYTES
+    # the host holds the shared workspaces once: the check counts no rank's peers
+    from collage_train.planning.fit_check import host_need
+
+    need = host_need(
+        shape, setting, ranks_here=4, micro_batch=1, global_batch=4, checkpointing=False,
+        loss_chunk_tokens=None, async_checkpoint=False, export=False,
+    )  # fmt: skip
+    assert need == pytest.approx(4 * run_peak(shape, setting, plan, cpu=True, local_ranks=2).total)
 
 
 @pytest.mark.parametrize(
