@@ -87,17 +87,7 @@ def check_run_fits(
     copy = checkpoint_copy_bytes(shape, setting) if cfg.train.async_checkpoint else 0.0
 
     def here() -> float | None:
-        check_state_fits(
-            num_params,
-            strategy,
-            engine,
-            device,
-            host_transient_bytes=host_transient_bytes(meta, strategy),
-            model_name=cfg.model.name,
-            distributed=engine.name,
-            checkpoint_copy_bytes=copy,
-        )
-        if device.type == "cpu":
+        if device.type == "cpu":  # first: its refusal names the settings that fit
             ranks_here = local_world_size() if engine.world_size > 1 else 1
             check_host_fits(
                 shape,
@@ -112,6 +102,16 @@ def check_run_fits(
                 export=bool(cfg.train.export_hf),
                 model_name=cfg.model.name,
             )
+        check_state_fits(
+            num_params,
+            strategy,
+            engine,
+            device,
+            host_transient_bytes=host_transient_bytes(meta, strategy),
+            model_name=cfg.model.name,
+            distributed=engine.name,
+            checkpoint_copy_bytes=copy,
+        )
         return device_free_memory(device)
 
     free = gathered(here)

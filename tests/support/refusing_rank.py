@@ -5,7 +5,8 @@ Each rank's entry (``cli_runner.run_ranks(..., entry="tests/support/refusing_ran
 for tests/run/test_agreement.py; ``REFUSING_CHECK`` says which check refuses on one rank:
 
 - ``memory``: rank 1's free memory probe reports 1 KiB (``planning.fit_check.available_memory``:
-  its host on a CPU run, its GPU and host on a CUDA run): the start-up state check;
+  its host on a CPU run, its GPU and host on a CUDA run): the start-up host check on a
+  CPU run, the state check on a CUDA run;
 - ``data``: rank 1's corpus refuses (``build_data`` raises a DataError);
 - ``downstream``: rank 0's in-run downstream evaluation refuses (the harness rejects a
   task; every task name passes the start-up check), while the other ranks wait for it.
@@ -36,6 +37,7 @@ def _refuse_task(*args: object, **kwargs: object) -> None:
 
 if CHECK == "memory" and RANK == 1:
     fit_check.available_memory = lambda device: 2**10
+    fit_check.process_memory = lambda: 0  # the host check adds back nothing
 elif CHECK == "data" and RANK == 1:
     trainer.build_data = _refuse_data
 elif CHECK == "downstream":
