@@ -10,6 +10,7 @@ and locked the run directory against a second launch.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -138,7 +139,7 @@ def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> di
         main = trainer.engine.is_main
         if main:
             print(trainer.describe(), flush=True)
-        switch = None
+        switch, restoring = None, time.perf_counter()
         if restored is not None:
             trainer.resume_from(restored)
             switch = trainer.checkpointer.switch  # another strategy's state, converted
@@ -155,7 +156,9 @@ def _train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None) -> di
             record_changes(run_dir, trainer.step, [], switch)
         if existing is not None and main:
             also = f" with changed settings: {', '.join(changes)}" if changes else ""
-            print(f"resumed from {existing} at step {trainer.step}{also}", flush=True)
+            took = time.perf_counter() - restoring  # a reshard or a switch included
+            line = f"resumed from {existing} at step {trainer.step} in {took:.1f} s{also}"
+            print(line, flush=True)
             if changes or switch:
                 record_changes(run_dir, trainer.step, changes, switch)
         if main:  # the run is accepted: record what it runs

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -324,8 +325,10 @@ def main() -> None:
         if resume_async
         else ""
     )
+    restored = re.search(r"resumed from \S+ at step \d+ in ([\d.]+) s", second["output"])
     second["notes"] = (
-        f"resume to first step {second['first_step_s']:.1f} s (reshard included); export "
+        f"restored (resharded) in {restored.group(1) if restored else '?'} s; "
+        f"launch to first step {second['first_step_s']:.1f} s; export "
         f"{size / 1e6:.1f} MB, last step to exit {second['after_last_step_s']:.1f} s{saves}"
     )
     diff = compare_logits(run)

@@ -6,6 +6,7 @@ the background."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,7 @@ def test_the_chain_runs_at_tiny_size_within_the_planned_peaks(tmp_path):
         assert max(row["peaks"]) <= row["planned"], row["leg"]
     assert "logits max |diff| 0.00e+00" in rows[-1]["notes"]
     assert "blocked" in rows[2]["notes"]  # the resume's background saves, timed
+    assert re.search(r"restored \(resharded\) in \d+\.\d s", rows[2]["notes"])
     assert "switched" in Path(tmp_path / "scratch" / "leg-2.log").read_text()
     table = [line for line in done.stdout.splitlines() if line.startswith("|")]
     assert len(table) == 2 + len(rows)  # one markdown table: header, rule, a row per leg
