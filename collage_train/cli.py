@@ -83,8 +83,8 @@ def train(cfg: DictConfig, run_dir: Path, extra_sinks: list[Sink] | None = None)
     with determinism.applied(cfg.train.deterministic):
         try:
             return _train(cfg, run_dir, extra_sinks)
-        finally:  # also when a check refuses before the engine exists to close it: a
-            close_process_group()  # group left to the interpreter's exit can abort a rank
+        finally:  # also when a check refuses before the engine exists to close it
+            close_process_group()
 
 
 def _existing_checkpoint(cfg: DictConfig, run_dir: Path) -> Path | None:

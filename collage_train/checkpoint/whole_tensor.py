@@ -8,10 +8,9 @@ form every such entry holds one value per element (the absmax or scale it is und
 nothing lost, independent of the writer's layout. ``element_range`` makes it from a flat
 tensor's state; ``compact`` rebuilds a flat tensor's state for a new layout (scales bit
 for bit; an 8-bit element re-quantised, within ``REQUANTISE_BOUND``, only where the new
-block's absmax is another); ``restore_flat`` fills a flat tensor (a ZeRO partition) from
-any checkpoint, a window of elements at a time. ``values`` gives the canonical fp32
-``weight``, ``exp_avg`` and ``exp_avg_sq``; ``quantised_elements`` and ``scaled_elements``
-go back.
+block's absmax is another); ``restore_flat`` fills a ZeRO partition from any checkpoint, a
+window at a time. ``values`` gives the canonical fp32 ``weight``, ``exp_avg`` and
+``exp_avg_sq``; ``quantised_elements`` and ``scaled_elements`` go back.
 Design and measurements: docs/design.md, "Resharding state that is not per element".
 """
 
@@ -240,8 +239,9 @@ def _place(out: dict[str, torch.Tensor], key: str, value: torch.Tensor, lo: int,
     per_block = key in ABSMAX_KEYS
     total, at = (-(-numel // BLOCK_SIZE), lo // BLOCK_SIZE) if per_block else (numel, lo)
     if key not in out:  # the value of an element no piece covers, in every window
-        out[key] = torch.zeros(total, dtype=value.dtype, device=value.device)
-        if not per_block:
+        if per_block:
+            out[key] = torch.zeros(total, dtype=value.dtype, device=value.device)
+        else:
             out[key] = blank(key, total, value.dtype, value.device)
     out[key][at : at + value.numel()].copy_(value)
 

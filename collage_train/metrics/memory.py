@@ -15,23 +15,21 @@ def available_memory(device: torch.device) -> int | None:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return _proc_bytes("/proc/meminfo", "MemAvailable:")
 
 
 def process_memory() -> int | None:
     """This process's share of host memory now (its proportional set size: private pages,
     and shared ones divided among the processes mapping them; None when unknown)."""
+    return _proc_bytes("/proc/self/smaps_rollup", "Pss:")
+
+
+def _proc_bytes(path: str, field: str) -> int | None:
+    """The bytes of ``field`` (a line ``FIELD  N kB``) in the /proc file ``path``."""
     try:
-        with open("/proc/self/smaps_rollup") as rollup:
-            for line in rollup:
-                if line.startswith("Pss:"):
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None

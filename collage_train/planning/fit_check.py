@@ -363,8 +363,8 @@ def host_need(
         checkpointing=checkpointing,
         loss_chunk_tokens=loss_chunk_tokens,
     )
-    # each rank's own process; the peers' shared workspaces it maps are its peers' bytes
-    peak = run_peak(shape, setting, plan, cpu=True, local_ranks=min(ranks_here, 2))
+    # each rank's own process: the peers' shared workspaces it maps count in their owners
+    peak = run_peak(shape, setting, plan, cpu=True, local_ranks=1)
     if not export:
         peak = replace(peak, run_end=0.0)
     copy = checkpoint_copy_bytes(shape, setting) if async_checkpoint else 0.0

@@ -39,7 +39,7 @@ ZERO3_CPU_STEP_BYTES = 8.0
 # strategies) 4.8-5.0 bytes measured (gpt_350m, collage_8bit and collage_plus, 2 ranks);
 # with fp32 partitions (mixed_fp32's master, fp32 weights) 2.5, the fp32 gradient planned.
 ZERO12_CPU_STEP_BYTES = 5.0
-ZERO12_CPU_STEP_BYTES_FP32_MASTER = 2.5
+ZERO12_CPU_STEP_BYTES_FP32 = 2.5
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def deepspeed_cpu_bytes(shape: ModelShape, setting: Setting) -> float:
     if setting.stage == 3:
         per_element = ZERO3_CPU_STEP_BYTES
     elif torch.float32 in (setting.strategy.master_dtype, setting.strategy.param_dtype):
-        per_element = ZERO12_CPU_STEP_BYTES_FP32_MASTER
+        per_element = ZERO12_CPU_STEP_BYTES_FP32
     else:
         per_element = ZERO12_CPU_STEP_BYTES
     return per_element * shape.num_params / setting.gpus

@@ -19,7 +19,7 @@ from collage_train.planning.host_memory import (
     PROCESS_HOST_BYTES,
     ZERO3_CPU_STEP_BYTES,
     ZERO12_CPU_STEP_BYTES,
-    ZERO12_CPU_STEP_BYTES_FP32_MASTER,
+    ZERO12_CPU_STEP_BYTES_FP32,
     run_end_bytes,
     run_peak,
 )
@@ -85,7 +85,7 @@ def test_a_zero_ranks_process_grows_with_the_ranks_on_its_host():
 @pytest.mark.parametrize(
     ("precision", "per_element"),
     [("collage_8bit", ZERO12_CPU_STEP_BYTES), ("collage_plus", ZERO12_CPU_STEP_BYTES),
-     ("mixed_fp32", ZERO12_CPU_STEP_BYTES_FP32_MASTER)],
+     ("mixed_fp32", ZERO12_CPU_STEP_BYTES_FP32)],
 )  # fmt: skip
 def test_zero2_cpu_ranks_count_deepspeeds_step_copies_of_their_partition(precision, per_element):
     """The 1.3B rehearsal's ZeRO-2 ranks were OOM-killed at a plan that counted none: the
