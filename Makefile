@@ -46,8 +46,11 @@ install: $(DEV_STAMP)
 train: $(TRAIN_STAMP)
 	$(PY) -m collage_train $(ARGS)
 
+# The suite starts some hundred interpreters and two workers that rewrite every test
+# module's asserts: with PYTHONDONTWRITEBYTECODE set (some images set it), each would
+# compile the package and the rewritten tests from source again.
 test: $(DEV_STAMP)
-	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=25 $(ARGS)
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=25 $(ARGS)
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .

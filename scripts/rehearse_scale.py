@@ -5,13 +5,15 @@ Legs: start-up on ZeRO-3 over ``--ranks`` ranks, a few steps with a background c
 every step, SIGTERM during a step; an elastic resume on ``--resume-ranks`` ranks (ZeRO
 ``--resume-stage``), more steps, the export to ``hf/`` and the sample; the export reloaded
 by transformers, its logits compared with the checkpoint's; ``collage_train.evaluate`` on a
-local task; a new run ``model.init_from`` the export. Prints one markdown table.
+local task (``--evaluate false``: skipped); a new run ``model.init_from`` the export.
+Prints one markdown table.
 
     python scripts/rehearse_scale.py                       # gpt_1.3b, 4 -> 2 CPU ranks
     python scripts/rehearse_scale.py --model gpt_tiny --ranks 2 --resume-ranks 1
 
-Peaks are each rank's VmHWM (read from /proc while it runs: the launcher's children),
-against the plan for that leg (``predicted``: the start-up check's, per rank).
+Peaks are each rank's VmHWM (read from /proc while it runs: torchrun's children, or the
+process of a one-rank leg, started without torchrun), against the plan for that leg
+(``predicted``: the start-up check's, per rank).
 With ``--device cuda`` a leg that ends normally shows the device's peak (rank 0's, from
 summary.json) against the device plan (``planning.host_memory.run_peak``); the SIGTERMed
 leg, which writes no summary, its host peak.
@@ -231,6 +233,12 @@ def main() -> None:
         action="store_true",
         help="only the start-up, one step and the sample (issue 51's llama_1b)",
     )
+    cli.add_argument(
+        "--evaluate",
+        default="true",
+        choices=["true", "false"],
+        help="collage_train.evaluate on the export (false: skip it; the suite's smoke run)",
+    )
     cli.add_argument("--seq-len", type=int, default=64)
     cli.add_argument("--steps", type=int, default=3, help="steps before the SIGTERM")
     cli.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -262,7 +270,10 @@ def main() -> None:
     torchrun = str(Path(sys.executable).parent / "torchrun")
 
     def ranks_cmd(ranks: int, overrides: list[str]) -> list[str]:
+        """torchrun over ``ranks`` ranks; one rank: the process itself, as a user starts it."""
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
+        if ranks == 1:
+            return [sys.executable, "-m", "collage_train", *overrides]
         return [torchrun, "--master_port", str(free_port()), "--nproc_per_node", str(ranks),
                 "-m", "collage_train", *overrides]  # fmt: skip
 
@@ -332,13 +343,14 @@ def main() -> None:
         f"{size / 1e6:.1f} MB, last step to exit {second['after_last_step_s']:.1f} s{saves}"
     )
     diff = compare_logits(run)
-    evaluate = subprocess.run(
-        [sys.executable, "-m", "collage_train.evaluate", str(run / "hf"), "--tasks",
-         "stdlib_lines", "--include-path", str(scratch / "tasks"), "--limit", "8"],
-        cwd=REPO, env=env, capture_output=True, text=True,
-    )  # fmt: skip
-    if evaluate.returncode:
-        raise SystemExit(f"error: collage_train.evaluate failed: {evaluate.stderr[-2000:]}")
+    if args.evaluate == "true":
+        evaluate = subprocess.run(
+            [sys.executable, "-m", "collage_train.evaluate", str(run / "hf"), "--tasks",
+             "stdlib_lines", "--include-path", str(scratch / "tasks"), "--limit", "8"],
+            cwd=REPO, env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        if evaluate.returncode:
+            raise SystemExit(f"error: collage_train.evaluate failed: {evaluate.stderr[-2000:]}")
     init_precision = args.init_precision or args.precision
     init = [*common, f"precision={init_precision}", "distributed=unsharded",
             "train.global_batch_size=1", "train.max_steps=1", "train.async_checkpoint=false",
@@ -346,7 +358,8 @@ def main() -> None:
             "train.export_hf=false", "logging.sample_tokens=0",
             f"hydra.run.dir={fresh}"]  # fmt: skip
     third = leg("new run, model.init_from the export", 1, init, fresh)
-    third["notes"] = f"export reloaded: logits max |diff| {diff:.2e}; evaluate ok"
+    evaluated = "evaluate ok" if args.evaluate == "true" else "evaluate skipped"
+    third["notes"] = f"export reloaded: logits max |diff| {diff:.2e}; {evaluated}"
 
     precisions = (
         f"{args.precision} -> {args.resume_precision or args.precision}, "
