@@ -103,14 +103,15 @@ def _write_switched(
     state = open_full_state(source)
     config = checkpoint.read_meta(source)["config"]
     betas = (betas_of(config), betas_of(config))  # the run's betas, unchanged offline
-    switch = measure(state, written, precision, betas)
+    options = (config.get("precision"), None)  # the target's defaults: its meta says so
+    switch = measure(state, written, precision, betas, options)
     changes = {
         "precision": precision,
         "holds": list(get_strategy(precision).checkpoint_holds),
         "config": {**config, "precision": {"name": precision}},
         SWITCHED: switch.record(),
     }
-    state = switched(state, written, precision, betas)
+    state = switched(state, written, precision, betas, options)
     written_out = write_universal(source, state, out, changes)
     announce(switch.line())
     return written_out

@@ -29,6 +29,7 @@ from collage_train.precision.base import (
     adamw_hyperparameters,
     register,
 )
+from collage_train.precision.state_form import ScaledForm
 
 MATMULS = ("fp8", "fp16", "bf16", "fp32")
 MASTERS = ("fp16", "fp32")
@@ -222,6 +223,7 @@ def scalify_strategy(
         optimizer_state=(("exp_avg", moment), ("exp_avg_sq", moment)),
         not_under_zero=None if params == "fp32" else SCALED_PARAMS_NOT_UNDER_ZERO,
         chunked_loss=False,  # its LM head is a ScaledLinear (fp8/fp16 matmuls)
+        state_form=ScaledForm(params, master, state),
         matmul=matmul,
         master=master,
         state=state,

@@ -2,40 +2,50 @@
 
 The canonical form of a range of a parameter is three float64 1-D tensors: ``weight`` (the
 best value the state holds: fp32 master, theta + dtheta, weight + compensation or
-remainder), ``exp_avg`` and ``exp_avg_sq`` (Adam's own moments; Collage-plus: v + dv), all
-exact in float64. A strategy's ``state_form`` turns ``FullState.read``'s components into it
-(``to_canonical``) and back (``from_canonical``: what its own checkpoint would hold),
-element by element; ``AdamStep`` (step, betas) undoes a stored bias correction
-(bf16_kahan). ``holds`` names each value's format: ``fp32``, ``bf16``, ``bf16+bf16``,
-``bf16/debiased`` or ``8bit``; a conversion is exact when the target's formats contain the
-source's (``contains``), else it rounds within ``BOUNDS`` (8-bit: ``BLOCK_BOUND`` of the
-block's absmax). Formats, bounds and the table of exact pairs: docs/runs.md, "Switching
-strategy on resume".
+remainder, scaled data x scale), ``exp_avg`` and ``exp_avg_sq`` (Adam's own moments;
+Collage-plus: v + dv), all exact in float64. A strategy's ``state_form`` turns
+``FullState.read``'s components into it (``to_canonical``) and back (``from_canonical``:
+what its own checkpoint would hold), element by element but for what ``tensor_scales``
+takes from the whole tensor first (Scalify's scales); ``AdamStep`` undoes a stored bias
+correction (bf16_kahan). ``holds`` names each value's format (``FORMATS``); a conversion
+is exact when the target's formats contain the source's (``contains``), else it rounds
+within ``BOUNDS`` (8-bit: ``BLOCK_BOUND`` of the block's absmax; scaled fp16 below its
+normal range: ``SCALED_BOUND`` of the tensor's RMS). Formats, bounds and the table of
+exact pairs: docs/runs.md, "Switching strategy on resume".
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 CANONICAL = ("weight", "exp_avg", "exp_avg_sq")
-FORMATS = ("fp32", "bf16", "bf16+bf16", "bf16/debiased", "8bit")
+FORMATS = ("fp32", "bf16", "bf16+bf16", "bf16/debiased", "8bit", "fp16/scaled")
 # The largest relative error, per element, of rounding a value into each format (normal
 # numbers; the unit roundoff 2^-p of p significant bits): bf16 8 bits, fp32 24, bf16+bf16
-# the value's bf16 rounding and that of the rest (2^-8 of 2^-8 of it).
-BOUNDS = {"bf16": 2.0**-8, "fp32": 2.0**-24, "bf16+bf16": 2.0**-16, "bf16/debiased": 2.0**-8}
+# the value's bf16 rounding and that of the rest (2^-8 of 2^-8 of it); fp16/scaled 11 bits
+# where the data is an fp16 normal number.
+BOUNDS = {"bf16": 2.0**-8, "fp32": 2.0**-24, "bf16+bf16": 2.0**-16, "bf16/debiased": 2.0**-8,
+          "fp16/scaled": 2.0**-11}  # fmt: skip
 # 8-bit blockwise codes (``8bit``) are bounded against their block's absmax, not per element
 # (an element far below it rounds to 0 or to the map's smallest value):
 BLOCK_BOUND = 2.0**-6  # half the map's widest gap, 0.0070 below -0.99297 (docs/strategies.md)
+# Scaled fp16 (``fp16/scaled``: fp16 data x a power-of-two scale per tensor, at most twice its
+# RMS) below 2^-14 of the scale is subnormal data, 2^-24 apart: an element moves by at most
+# half that, 2^-25 of the scale, so 2^-24 of the tensor's RMS (one under 2^-25 of it: to 0).
+SCALED_BOUND = 2.0**-24
 Components = dict[str, torch.Tensor]
+CanonicalOf = Callable[[int, int], Components]  # [lo, hi) of a parameter -> its canonical form
 
 
 def contains(outer: str, inner: str) -> bool:
     """Whether every value of format ``inner`` is a value of format ``outer``."""
     if inner == "8bit":  # code x scale: one fp32 product; a requantised block moves
         return outer == "fp32"
+    if inner == "fp16/scaled":  # 11 bits within fp32's range; a bf16 and the 3-bit rest
+        return outer in ("fp16/scaled", "fp32", "bf16+bf16")
     return outer == inner or (inner == "bf16" and outer in ("fp32", "bf16+bf16"))
 
 
@@ -74,8 +84,14 @@ class StateForm:
         raise NotImplementedError
 
     def from_canonical(self, canonical: Components, at: AdamStep) -> Components:
-        """This strategy's components (FullState's names and dtypes) of ``canonical``."""
+        """This strategy's components (FullState's names and dtypes) of ``canonical``; a
+        range of a parameter with its whole tensor's ``tensor_scales`` beside it."""
         raise NotImplementedError
+
+    def tensor_scales(self, canonical_of: CanonicalOf, numel: int) -> Components:
+        """What ``from_canonical`` of a range needs of its whole tensor of ``numel``
+        elements (``canonical_of(lo, hi)``), as 0-d tensors; {}: nothing (element-wise)."""
+        return {}
 
     def describe(self) -> str:
         """What the weight and moments are held as, for the switch's line."""
@@ -236,3 +252,143 @@ class BlockwiseForm(StateForm):
             blocks = torch.arange(codes.numel(), device=codes.device) // blockwise8.BLOCK_SIZE
             out[key], out[f"{key}_absmax"] = codes, absmax[blocks]
         return out
+
+
+# Elements of a parameter ``ScaledForm.tensor_scales`` reads at a time.
+SCALE_WINDOW = 2**22
+
+
+@dataclass(frozen=True)
+class ScaledForm(StateForm):
+    """Scalify's state (``scalify.adamw.ScaledAdamW``) in the whole-tensor form: fp16 data
+    and, per element, its tensor's power-of-two scale. ``params="fp16"`` (scalify): the
+    weight is scaled fp16 (``weight_scale``), an fp32 ``master`` beside it with
+    ``master="fp32"``; ``"fp32"`` (scalify_fp32_params): the fp32 weight, which holds the
+    scaled-fp16 master exactly (``master_scale``) with ``master="fp16"``. ``state``: the
+    moments' format (fp32 ones under scales of 1). Read as it finds the components (any
+    options); written as ``params``, ``master`` and ``state`` say, each scaled value under
+    its whole tensor's RMS scale (``tensor_scales``)."""
+
+    params: str = "fp16"
+    master: str = "fp16"
+    state: str = "fp16"
+
+    @property
+    def holds(self) -> dict[str, str]:  # type: ignore[override]
+        moment = "fp16/scaled" if self.state == "fp16" else "fp32"
+        return {"weight": "fp16/scaled" if self.master == "fp16" else "fp32",
+                "exp_avg": moment, "exp_avg_sq": moment}  # fmt: skip
+
+    def to_canonical(self, components: Components, at: AdamStep) -> Components:
+        if "master" in components:  # a copy beside the weight (an fp16 one: scaled)
+            out = {"weight": _descaled(components, "master", "master_scale")}
+        else:  # scaled fp16, or an fp32 weight (holding the scaled-fp16 master exactly)
+            out = {"weight": _descaled(components, "weight", "weight_scale")}
+        for name in ("exp_avg", "exp_avg_sq"):
+            out[name] = _descaled(components, name, f"{name}_scale")
+        return out
+
+    def _scaled(self) -> dict[str, str]:
+        """canonical value -> the component naming its scale, for each value stored scaled
+        (a scalify weight beside an fp32 master too: the weight is its scaled rounding)."""
+        scaled = {}
+        if self.params == "fp16":
+            scaled["weight"] = "weight_scale"
+        elif self.master == "fp16":
+            scaled["weight"] = "master_scale"
+        if self.state == "fp16":
+            scaled.update(exp_avg="exp_avg_scale", exp_avg_sq="exp_avg_sq_scale")
+        return scaled
+
+    def tensor_scales(self, canonical_of: CanonicalOf, numel: int) -> Components:
+        """Each scaled value's scale (``_scaled``'s names, 0-d fp32): the power-of-two RMS
+        scale ScaledAdamW gives it, or a neighbour (x2, /2) where only that one holds every
+        element in fp16 exactly (the RMS of stored data can round across a power of two
+        from that of the value its scale was taken from): scaled fp16 stays bit for bit."""
+        scaled = self._scaled()
+        if not scaled:
+            return {}
+        windows = [(lo, min(lo + SCALE_WINDOW, numel)) for lo in range(0, numel, SCALE_WINDOW)]
+        rms = _rms_scales(canonical_of, windows, list(scaled), numel)
+        options = torch.stack([rms, rms * 2, rms / 2], dim=1)  # per value: first choice first
+        choice = _first_exact(canonical_of, windows, list(scaled), options)
+        return {name: options[row, choice[row]] for row, name in enumerate(scaled.values())}
+
+    def from_canonical(self, canonical: Components, at: AdamStep) -> Components:
+        scaled = self._scaled()
+        scales = {name: canonical[name] for name in scaled.values() if name in canonical}
+        numel = canonical["weight"].numel()
+        if len(scales) < len(scaled):  # a whole tensor, alone
+            scales = self.tensor_scales(lambda lo, hi: _range(canonical, lo, hi), numel)
+        out: Components = {}
+        for key in CANONICAL:
+            value, name = canonical[key], scaled.get(key)
+            if name is None:  # fp32: the value itself (moments under scales of 1)
+                out[key] = value.to(torch.float32)
+                if key != "weight":
+                    out[f"{key}_scale"] = torch.ones(numel)
+                continue
+            data = _fp16_nearest(value / scales[name].double())
+            out[name] = scales[name].to(torch.float32).expand(numel).clone()
+            if key == "weight" and self.params == "fp32":  # the fp32 weight holds the master
+                out[key] = (data.double() * scales[name].double()).to(torch.float32)
+            else:
+                out[key] = data
+        if self.params == "fp16" and self.master == "fp32":
+            out["master"] = canonical["weight"].to(torch.float32)
+        return out
+
+
+Windows = list[tuple[int, int]]
+
+
+def _rms_scales(
+    canonical_of: CanonicalOf, windows: Windows, keys: list[str], numel: int
+) -> torch.Tensor:
+    """The power-of-two RMS scale of each canonical value ``keys`` over the whole tensor
+    (``scalify.scale.rms_scales_from_sums``: float64 sums of squares, 1 for zeros)."""
+    from collage_train.scalify.scale import rms_scales_from_sums
+
+    sums = torch.zeros(len(keys), dtype=torch.float64)
+    for lo, hi in windows:
+        values = canonical_of(lo, hi)
+        sums += torch.stack([values[key].square().sum() for key in keys])
+    return rms_scales_from_sums(sums, torch.tensor(float(numel), dtype=torch.float64))
+
+
+def _first_exact(
+    canonical_of: CanonicalOf, windows: Windows, keys: list[str], options: torch.Tensor
+) -> list[int]:
+    """For each canonical value ``keys[row]``, the first of the scales ``options[row]``
+    under which fp16 data holds every element exactly; 0 where none does."""
+    held = torch.ones_like(options, dtype=torch.bool)
+    for lo, hi in windows:
+        values = canonical_of(lo, hi)
+        for row, key in enumerate(keys):
+            for column, scale in enumerate(options[row]):
+                data = values[key] / scale.double()
+                held[row, column] &= bool(torch.equal(_fp16_nearest(data).double(), data))
+    return [int(row.nonzero()[0]) if bool(row.any()) else 0 for row in held]
+
+
+def _descaled(components: Components, key: str, scale_key: str) -> torch.Tensor:
+    """``components[key]`` in float64, times ``components[scale_key]`` where there is one."""
+    value = _f64(components[key])
+    return value * _f64(components[scale_key]) if scale_key in components else value
+
+
+def _range(canonical: Components, lo: int, hi: int) -> Components:
+    return {key: canonical[key][lo:hi] for key in CANONICAL}
+
+
+def _fp16_nearest(value: torch.Tensor) -> torch.Tensor:
+    """float64 ``value`` rounded once to fp16, to nearest (torch rounds through fp32: a value
+    just past a midpoint of fp16 can land on its other side), clamped to fp16's range as
+    ``scalify.scale.store_scaled`` clamps."""
+    limit = float(torch.finfo(torch.float16).max)
+    value = value.clamp(-limit, limit)
+    first = value.to(torch.float16)
+    toward = torch.where(value > first.double(), torch.inf, -torch.inf).to(torch.float16)
+    other = torch.nextafter(first, toward)
+    nearer = (value - other.double()).abs() < (value - first.double()).abs()  # a tie: first
+    return torch.where(nearer, other, first)

@@ -27,7 +27,7 @@ import torch
 from collage_train import checkpoint
 from collage_train.checkpoint.full_state import needs_reshard, open_full_state
 from collage_train.checkpoint.staging import HostStaging
-from collage_train.checkpoint.switch import Betas, betas_of, measure, switched
+from collage_train.checkpoint.switch import Betas, Options, betas_of, measure, switched
 from collage_train.checkpoint.whole_tensor import EIGHT_BIT_RECUT
 from collage_train.engine import Engine
 from collage_train.errors import (
@@ -307,14 +307,16 @@ def restore(
     param_order: list[str],
     precision: str | None = None,
     betas: tuple[float, float] | None = None,
+    options: Options = None,
 ) -> dict[str, Any]:
     """Load model and optimizer state from checkpoint ``path`` into ``engine``; return the
     trainer's client state (step, loader position, RNG).
 
     ``param_order`` names the parameters in the optimizer's order (its parameter
     groups), which a per-parameter read needs to match state to parameters. ``precision``
-    names this run's strategy (``betas``: its AdamW betas): a checkpoint of another is
-    converted to it (``checkpoint.switch``), and the client state then holds the
+    names this run's strategy (``betas``: its AdamW betas; ``options``: its ``precision``
+    config): a checkpoint of another is converted to it (``checkpoint.switch``), and the
+    client state then holds the
     measured ``Switch`` under ``SWITCH_KEY`` (None: the checkpoint's own).
     """
     meta = checkpoint.read_meta(path)
@@ -324,7 +326,8 @@ def restore(
             switch = None
             if written != precision and precision is not None:
                 there = betas_of(meta["config"])
-                switch = _Switching(written, precision, (there, betas or there))
+                sides = (meta["config"].get("precision"), options)
+                switch = _Switching(written, precision, (there, betas or there), sides)
             return _restore_resharded(engine, model, path, distributed, param_order, switch)
         return engine.load(path)
     except (RuntimeError, ValueError, KeyError) as err:
@@ -340,6 +343,7 @@ class _Switching(NamedTuple):
     source: str
     target: str
     betas: Betas
+    options: tuple[Options, Options]
 
 
 def _restore_resharded(

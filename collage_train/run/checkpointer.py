@@ -92,6 +92,7 @@ class Checkpointer:
         client_state = checkpoint_saver.restore(
             self._engine, model, path, distributed=self._engine.name, param_order=param_order,
             precision=precision, betas=betas_of(identity["config"]),
+            options=identity["config"].get("precision"),
         )  # fmt: skip
         self.switch = client_state.pop(checkpoint_saver.SWITCH_KEY, None)
         offline = checkpoint.read_meta(path).get(SWITCHED)

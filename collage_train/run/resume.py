@@ -184,7 +184,7 @@ def check_resume(path: Path, cfg: DictConfig, world_size: int) -> list[str]:
     saved = meta.get("config", {})
     if switching:  # the strategy's own options change with it
         saved = {key: value for key, value in saved.items() if key != "precision"}
-        changes = [f"precision.name {written!r} -> {cfg.precision.name!r}"]
+        changes = [f"precision.name {written!r} -> {str(cfg.precision.name)!r}"]
         return changes + check_settings(path, saved, current)
     return check_settings(path, saved, current)
 

@@ -154,18 +154,18 @@ def test_a_resume_cannot_change_what_defines_the_run(resume, override, monkeypat
 
 
 @pytest.mark.parametrize(
-    ("override", "message"),
+    ("overrides", "message"),
     [
-        (  # a switch of strategy (docs/runs.md) to one that cannot be switched to yet
-            "precision=scalify",
-            "written with precision=mixed_fp32: precision=scalify cannot be switched",
+        (  # a switch of strategy (docs/runs.md) where it cannot be made: into replicas
+            ("precision=bf16", "comm=diloco"),
+            "written with precision=mixed_fp32, this run uses precision=bf16: replicas",
         ),
-        ("comm=diloco", "written with comm=every_step, this run uses comm=diloco"),
+        (("comm=diloco",), "written with comm=every_step, this run uses comm=diloco"),
     ],
 )
-def test_a_resume_with_another_strategy_or_method_is_refused_first(resume, override, message):
+def test_a_resume_with_another_strategy_or_method_is_refused_first(resume, overrides, message):
     before = directory_contents(resume.run_dir)
-    status, _, err = resume(override)
+    status, _, err = resume(*overrides)
     (line,) = [line for line in err.splitlines() if line.startswith("error:")]
     assert status == 2 and message in line, line
     assert directory_contents(resume.run_dir) == before

@@ -41,10 +41,12 @@ def assert_bitwise(mine: dict, theirs: dict) -> None:
 def assert_zero_state_matches(zero: Trainer, expected: dict[str, dict]) -> None:
     """Each master partition and optimizer-state tensor of an in-process ZeRO rank, and each
     weight, holds the one-process state ``expected`` (``state_of``) element for element,
-    tie positions renumbered into the flat partition."""
+    tie positions renumbered into the flat partition, Scalify's scales per piece as one per
+    element (``whole_tensor.element_range``)."""
     flats = zero.engine.master_partitions()
     for pieces, flat in zip(zero.engine.partition_pieces(), flats, strict=True):
         state, ties = zero.optimizer.state[flat], []
+        scales = whole_tensor.element_range(state, 0, flat.numel())
         for piece in pieces:
             want = expected[piece.name]
             span = slice(piece.flat_start, piece.flat_start + piece.numel)
@@ -55,7 +57,8 @@ def assert_zero_state_matches(zero: Trainer, expected: dict[str, dict]) -> None:
                 if key == "remainder_ties":
                     ties.append(value + piece.flat_start)
                 elif key not in ("weight", "master", "step", "stream"):  # streams: per layout
-                    assert torch.equal(state[key][span], value.reshape(-1)), (piece, key)
+                    held = scales[key] if key in whole_tensor.SCALE_KEYS else state[key]
+                    assert torch.equal(held[span], value.reshape(-1)), (piece, key)
         if ties:
             assert torch.equal(state["remainder_ties"], torch.cat(ties))
     with zero.engine.full_weights() as model:
