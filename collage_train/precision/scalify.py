@@ -9,10 +9,8 @@ AdamW by ``ScaledAdamW``. ``scalify`` stores each parameter and gradient as scal
 numerics but for where roundings of accumulated gradients fall. Options, the same for
 both: ``precision.matmul``, ``precision.master``, ``precision.optimizer_state`` and
 ``precision.rescale`` (the dynamic rescale points); the defaults are the paper's full
-low-precision configuration.
-
-Layouts, options, defaults and their numbers: docs/strategies.md, "Scalify:
-power-of-two scaled low-precision training (`scalify`, `scalify_fp32_params`)".
+low-precision configuration. Layouts, options, defaults and numbers: docs/strategies.md,
+"Scalify: power-of-two scaled low-precision training (`scalify`, `scalify_fp32_params`)".
 """
 
 from __future__ import annotations

@@ -316,8 +316,8 @@ def restore(
     groups), which a per-parameter read needs to match state to parameters. ``precision``
     names this run's strategy (``betas``: its AdamW betas; ``options``: its ``precision``
     config): a checkpoint of another is converted to it (``checkpoint.switch``), and the
-    client state then holds the
-    measured ``Switch`` under ``SWITCH_KEY`` (None: the checkpoint's own).
+    client state then holds the measured ``Switch`` under ``SWITCH_KEY`` (None: the
+    checkpoint's own).
     """
     meta = checkpoint.read_meta(path)
     written = meta.get("precision", precision)
