@@ -365,7 +365,7 @@ class GuardedWindow:
             "tokens": self.step * tokens_per_step,
             "rollback_from_step": from_step,
             "rollbacks": len(self.rollbacks),
-            "skipped_steps": self.skipped_steps,
+            "skipped_steps": self.skipped_steps_all_ranks,  # replicas: every one's, as logged
         }
         return line, record
 
