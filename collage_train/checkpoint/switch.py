@@ -145,13 +145,17 @@ class Switch:
 
     def record(self) -> dict[str, Any]:
         """The switch as JSON (summary.json, W&B's config, meta.json of a conversion)."""
+        forms = {"forms": list(self.forms)} if self.forms else {}
         return {"from": self.source, "to": self.target, "step": self.step,
-                "exact": self.exact, "max_rel_error": dict(self.errors)}  # fmt: skip
+                "exact": self.exact, "max_rel_error": dict(self.errors), **forms}  # fmt: skip
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Switch:
+        """The switch ``record`` describes (one written before ``forms`` were recorded:
+        named with the strategies' default options)."""
+        forms = tuple(record["forms"]) if "forms" in record else None
         return cls(record["from"], record["to"], int(record["step"]),
-                   dict(record["max_rel_error"]))  # fmt: skip
+                   dict(record["max_rel_error"]), forms)  # fmt: skip
 
 
 def measure(

@@ -311,6 +311,20 @@ def test_a_switch_writes_what_the_targets_scalify_options_hold(sources, cfg_for,
         assert torch.equal(trainer.optimizer.state[param]["master"], master), name
 
 
+def test_a_switch_read_back_from_its_record_names_what_each_side_held(sources):
+    """A record (meta.json of a conversion, summary.json) keeps each side's formats: the
+    line rebuilt from it names the options the switch ran with, not the defaults; a record
+    written without them names the defaults."""
+    options = {"name": "scalify", "master": "fp32", "optimizer_state": "fp32"}
+    state = open_full_state(sources["mixed_fp32"].path)
+    switch = measure(state, "mixed_fp32", "scalify", BETAS, (None, options))
+    record = json.loads(json.dumps(switch.record()))  # as written to JSON and read back
+    assert Switch.from_record(record).line() == switch.line()
+    assert "-> weight fp32, exp_avg fp32, exp_avg_sq fp32;" in switch.line()
+    del record["forms"]
+    assert "-> weight fp16/scaled, exp_avg fp16/scaled" in Switch.from_record(record).line()
+
+
 def test_the_same_strategy_resumes_unconverted(sources, targets):
     trainer = targets("collage_plus")
     trainer.resume_from(sources["collage_plus"].path)
