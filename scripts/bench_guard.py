@@ -94,15 +94,16 @@ def main() -> None:
         *args.overrides,
     ]
     runs = []
-    scratch = Path(tempfile.mkdtemp(prefix="bench_guard_"))
-    for rep in range(args.repeats):
-        for enabled in ("true", "false"):
-            run_dir = scratch / f"{enabled}-{rep}"
-            summary, records = run_training([*overrides, f"train.guard.enabled={enabled}"], run_dir)
-            step_s = steady_step_time(records)
-            runs.append({"guard": enabled == "true", "rep": rep, "step_s": step_s,
-                         "skipped_steps": summary["skipped_steps"]})  # fmt: skip
-            print(f"guard {enabled:5} rep {rep}: {runs[-1]['step_s']:.3f} s/step", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench_guard_") as scratch:
+        for rep in range(args.repeats):
+            for enabled in ("true", "false"):
+                run_dir = Path(scratch) / f"{enabled}-{rep}"
+                guard = f"train.guard.enabled={enabled}"
+                summary, records = run_training([*overrides, guard], run_dir)
+                runs.append({"guard": enabled == "true", "rep": rep,
+                             "step_s": steady_step_time(records),
+                             "skipped_steps": summary["skipped_steps"]})  # fmt: skip
+                print(f"guard {enabled:5} rep {rep}: {runs[-1]['step_s']:.3f} s/step", flush=True)
     on = [r["step_s"] for r in runs if r["guard"]]
     off = [r["step_s"] for r in runs if not r["guard"]]
     step, step_on = statistics.fmean(off), statistics.fmean(on)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,11 @@ def test_the_guard_benchmark_reports_its_cost_as_a_fraction_of_the_step(
     ]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.setattr(bench_guard, "run_training", run_training_forked)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     bench_guard.main()
+    assert not list(scratch.glob("bench_guard_*"))  # its runs' directories removed
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert [(r["guard"], r["skipped_steps"]) for r in result["runs"]] == [(True, 0), (False, 0)]
