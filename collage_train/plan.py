@@ -36,6 +36,7 @@ from collage_train.planning.memory_plan import (
     largest_micro_batch,
 )
 from collage_train.precision import available, get_strategy, strategy_for
+from collage_train.run.vocabulary import check_vocabulary, tokenizer_ids
 
 
 @dataclass
@@ -125,9 +126,10 @@ def make_plan(cfg: Any) -> Plan:
     configured = strategy_for(cfg.precision)  # the chosen strategy with its options
     configured.check_engine(_stage_name(stage))
     chosen = configured.name
-    vocab = cfg.model.vocab_size or cfg.data.vocab_size
-    if cfg.model.init_from:  # the directory's embedding (its tokenizer fits it)
-        vocab = 1
+    check_vocabulary(cfg)  # the run's own start-up refusal, before planning its embedding
+    # the tokenizer's ids (data.tokenizer's own size, not data.vocab_size), which
+    # model.vocab_size may pad; model.init_from: the directory's embedding
+    vocab = 1 if cfg.model.init_from else tokenizer_ids(cfg)[0]
     shape = ModelShape.from_config(cfg.model, vocab_size=vocab, seq_len=cfg.data.seq_len)
     # optim.kernel=auto may fall back to the eager step at its start-up probe (a kernel
     # that fails to build or to match): plan for the eager step's chunk, so a fallback

@@ -315,6 +315,28 @@ def test_gradient_dtypes_change_what_a_zero_rank_holds():
     assert plan(mixed, fp32, bf16, stage=1).gradients == 2 * n
 
 
+def test_the_plan_embeds_the_tokenizer_the_run_uses(make_cfg, corpus_dir, tmp_path):
+    """``data.tokenizer``: its own ids, not ``data.vocab_size`` (which only a tokenizer
+    trained on the corpus has); ``model.vocab_size`` pads them, and fewer rows than ids is
+    the run's own one-line refusal."""
+    from tiny_config import train_tokenizer
+
+    from collage_train.errors import ConfigError
+    from collage_train.plan import make_plan
+
+    path = tmp_path / "tokenizer.model"
+    assert train_tokenizer(corpus_dir, path, vocab_size=640).vocab_size == 640
+
+    def vocab(*overrides: str) -> int:
+        return make_plan(make_cfg("data.vocab_size=512", *overrides)).shape.vocab
+
+    assert vocab() == 512  # trained on the corpus: data.vocab_size pieces
+    assert vocab(f"data.tokenizer={path}") == 640
+    assert vocab(f"data.tokenizer={path}", "model.vocab_size=704") == 704
+    with pytest.raises(ConfigError, match="smaller than the tokenizer's 640 ids"):
+        make_plan(make_cfg(f"data.tokenizer={path}", "model.vocab_size=600"))
+
+
 @pytest.mark.slow
 def test_the_plan_uses_the_configured_gradient_dtypes(make_cfg):
     from collage_train.plan import make_plan
