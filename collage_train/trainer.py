@@ -246,9 +246,10 @@ class Trainer:
         newest = self.checkpointer.newest()
         self.window.check_rollback(newest)
         loader, from_step = self.data.train_loader.state_dict(), self.window.step
+        tally = self.window.tally()  # the run's, which the older checkpoint's must not replace
         self.resume_from(newest)
         self.data.train_loader.load_state_dict(loader)  # past the offending batches
-        line, record = self.window.rolled_back(from_step, self.facts.tokens_per_step)
+        line, record = self.window.rolled_back(from_step, self.facts.tokens_per_step, tally)
         log.notice(line)
         return record
 

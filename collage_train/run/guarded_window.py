@@ -347,10 +347,14 @@ class GuardedWindow:
             "or raise train.guard.max_consecutive_skips / train.guard.z_threshold"
         )
 
-    def rolled_back(self, from_step: int, tokens_per_step: int) -> tuple[str, dict[str, Any]]:
+    def rolled_back(
+        self, from_step: int, tokens_per_step: int, tally: dict[str, Any]
+    ) -> tuple[str, dict[str, Any]]:
         """After the newest checkpoint was restored (``load_state_dict``) with the data
-        position kept past the refused steps: record the rollback; return its console line
-        and its record."""
+        position kept past the refused steps: put back the run's ``tally`` of before the
+        restore (the checkpoint's is older) and record the rollback; return its console
+        line and its record."""
+        self.restore_tally(tally)
         steps = self._describe_run()
         skipped = list(self._skip_run)  # empty on a replica whose steps were applied
         self._skip_run.clear()
@@ -381,9 +385,25 @@ class GuardedWindow:
 
     # ------------------------------------------------------------- state
 
+    def tally(self) -> dict[str, Any]:
+        """What the guard refused over the whole run (every launch so far): this rank's
+        skipped steps and every rank's (as of the last settle), the skips kept
+        (``report.SKIPS_KEPT``) and the rollbacks."""
+        return {"skipped_steps": self.skipped_steps,
+                "skipped_steps_all_ranks": self.skipped_steps_all_ranks,
+                "skips": list(self.skips), "rollbacks": list(self.rollbacks)}  # fmt: skip
+
+    def restore_tally(self, tally: dict[str, Any]) -> None:
+        self.skipped_steps = int(tally["skipped_steps"])
+        self.skipped_steps_all_ranks = int(tally["skipped_steps_all_ranks"])
+        self.skips, self.rollbacks = list(tally["skips"]), list(tally["rollbacks"])
+
     def state_dict(self) -> dict[str, Any]:
-        """The counters a resumed run needs, and the guard's window."""
-        state: dict[str, Any] = {"step": self.step, "applied_steps": self.applied_steps}
+        """The counters a resumed run needs, the guard's window, and its tally: a resumed
+        run goes on counting its skips and rollbacks (``train.guard.max_rollbacks`` is the
+        run's) from where the checkpoint's left them."""
+        state: dict[str, Any] = {"step": self.step, "applied_steps": self.applied_steps,
+                                 "guard_tally": self.tally()}  # fmt: skip
         if self.guard is not None:
             state["guard"] = self.guard.state_dict()
         return state
@@ -391,5 +411,7 @@ class GuardedWindow:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.applied_steps = int(state.get("applied_steps", self.step))  # older checkpoints
+        if "guard_tally" in state:  # older checkpoints: counted from this launch
+            self.restore_tally(state["guard_tally"])
         if self.guard is not None and "guard" in state:
             self.guard.load_state_dict(state["guard"])

@@ -265,6 +265,30 @@ def test_steps_skipped_in_a_row_roll_back_and_the_run_continues_past_them(
 
 
 @pytest.mark.slow
+def test_a_resumed_run_counts_the_skips_of_its_earlier_launches(
+    make_cfg, tmp_path, patched_trainer
+):
+    """A NaN at step 2 of a launch stopped at step 4, another at step 6 of the launch that
+    resumes it: the records and the summary count both, as one launch would."""
+    run_dir, run = tmp_path / "run", ("train.max_steps=8", "train.checkpoint_every=4")
+    first = patched_trainer()
+    inject(first, "nan", "2")
+    _, stopped = _run(make_cfg, run_dir, first, *run, "train.stop_at_step=4")
+    assert stopped is None
+    second = patched_trainer()
+    inject(second, "nan", "2")  # the second step this launch draws: step 6
+    resumed = second(make_cfg(*GUARDED, *run), run_dir)
+    resumed.resume_from(run_dir / "checkpoints" / "step-4")
+    sink = RecordingSink()
+    summary = resumed.fit([sink])
+    assert [r["step"] for r in sink.records if "skip_reason" in r] == [6]
+    assert [r["skipped_steps"] for r in sink.records if "loss" in r] == [1, 2, 2, 2]
+    assert summary["skipped_steps"] == 2
+    assert [skip["step"] for skip in summary["skips"]] == [2, 6]
+    assert summary["steps"] == 8 and summary["steps_this_launch"] == 4
+
+
+@pytest.mark.slow
 def test_held_skipped_and_rolled_back_steps_all_reach_wandb(
     make_cfg, tmp_path, patched_trainer, monkeypatch
 ):

@@ -126,6 +126,7 @@ def test_a_masked_refusal_takes_the_held_steps_again_from_the_same_state():
 def test_too_many_refusals_roll_back_or_stop_in_one_line():
     win = window(masks=False, max_skips=2)
     take(win, 3.0)
+    checkpointed = win.state_dict()  # step 1's, before any refusal
     take(win, math.nan)
     assert not win.wants_settle(due=False)
     take(win, math.nan)
@@ -134,8 +135,11 @@ def test_too_many_refusals_roll_back_or_stop_in_one_line():
     with pytest.raises(TrainingDiverged, match=r"skipped steps 2-3 in a row .non-finite loss.*no"):
         win.check_rollback(None)
     win.check_rollback(newest=object())  # a checkpoint and a rollback left: go ahead
-    win.load_state_dict({"step": 1, "applied_steps": 1})
-    line, record = win.rolled_back(from_step=3, tokens_per_step=64)
+    tally = win.tally()
+    win.load_state_dict(checkpointed)  # its tally is older: the rollback puts the run's back
+    assert win.skipped_steps == 0 and win.skips == []
+    line, record = win.rolled_back(from_step=3, tokens_per_step=64, tally=tally)
+    assert win.skipped_steps == 2 and [skip["step"] for skip in win.skips] == [2, 3]
     assert line.startswith("warning: the step guard skipped steps 2-3 in a row (non-finite")
     assert record == {
         "step": 1,
@@ -147,3 +151,36 @@ def test_too_many_refusals_roll_back_or_stop_in_one_line():
     assert win.rollbacks == [{"from_step": 3, "to_step": 1, "skipped": [2, 3]}]
     with pytest.raises(TrainingDiverged, match=r"after 1 rollback\(s\) \(3 -> 1\)"):
         win.check_rollback(newest=object())
+
+
+def test_a_resumed_window_goes_on_from_the_checkpoints_tally():
+    """Skips, skipped steps and rollbacks are the run's, not a launch's: a checkpoint carries
+    them, and ``train.guard.max_rollbacks`` (1 here) counts the rollbacks of earlier
+    launches. A checkpoint written before the tally was kept starts it at zero."""
+    win = window(masks=False, max_skips=2)
+    take(win, 3.0)
+    checkpointed = win.state_dict()
+    take(win, math.nan)
+    take(win, math.nan)
+    assert win.settle(FACTS).action is Action.ROLL_BACK
+    tally = win.tally()
+    win.load_state_dict(checkpointed)
+    win.rolled_back(from_step=3, tokens_per_step=64, tally=tally)
+    take(win, 2.9)
+    win.settle(FACTS)
+    saved = win.state_dict()
+
+    resumed = window(masks=False, max_skips=2)  # the next launch
+    resumed.load_state_dict(saved)
+    assert resumed.step == 2 and resumed.skipped_steps == resumed.skipped_steps_all_ranks == 2
+    assert [skip["step"] for skip in resumed.skips] == [2, 3]
+    assert resumed.rollbacks == [{"from_step": 3, "to_step": 1, "skipped": [2, 3]}]
+    take(resumed, math.nan)
+    take(resumed, math.nan)
+    assert resumed.settle(FACTS).action is Action.ROLL_BACK
+    with pytest.raises(TrainingDiverged, match=r"3-4 in a row .* after 1 rollback\(s\) \(3 -> 1\)"):
+        resumed.check_rollback(newest=object())
+
+    older = window(masks=False)
+    older.load_state_dict({"step": 2, "applied_steps": 1})
+    assert (older.skipped_steps, older.skips, older.rollbacks) == (0, [], [])
