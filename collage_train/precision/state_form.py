@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from collage_train.scalify.scale import ExactFp16Scales
 
 CANONICAL = ("weight", "exp_avg", "exp_avg_sq")
 FORMATS = ("fp32", "bf16", "bf16+bf16", "bf16/debiased", "8bit", "fp16/scaled")
@@ -308,10 +312,10 @@ class ScaledForm(StateForm):
         scaled = self._scaled()
         if not scaled:
             return {}
-        windows = [(lo, min(lo + SCALE_WINDOW, numel)) for lo in range(0, numel, SCALE_WINDOW)]
-        rms = _rms_scales(canonical_of, windows, list(scaled), numel)
+        rms, exact = _one_pass(canonical_of, list(scaled), numel)
         options = torch.stack([rms, rms * 2, rms / 2], dim=1)  # per value: first choice first
-        choice = _first_exact(canonical_of, windows, list(scaled), options)
+        choice = [next((c for c, scale in enumerate(row) if held.holds(scale)), 0)
+                  for row, held in zip(options, exact, strict=True)]  # fmt: skip
         return {name: options[row, choice[row]] for row, name in enumerate(scaled.values())}
 
     def from_canonical(self, canonical: Components, at: AdamStep) -> Components:
@@ -339,36 +343,22 @@ class ScaledForm(StateForm):
         return out
 
 
-Windows = list[tuple[int, int]]
-
-
-def _rms_scales(
-    canonical_of: CanonicalOf, windows: Windows, keys: list[str], numel: int
-) -> torch.Tensor:
-    """The power-of-two RMS scale of each canonical value ``keys`` over the whole tensor
-    (``scalify.scale.rms_scales_from_sums``: float64 sums of squares, 1 for zeros)."""
-    from collage_train.scalify.scale import rms_scales_from_sums
+def _one_pass(
+    canonical_of: CanonicalOf, keys: list[str], numel: int
+) -> tuple[torch.Tensor, list[ExactFp16Scales]]:
+    """Reading the whole tensor once, SCALE_WINDOW elements at a time: the power-of-two
+    RMS scale of each canonical value ``keys`` (``scalify.scale.rms_scales_from_sums``:
+    float64 sums of squares, 1 for zeros) and the scales under which fp16 holds it."""
+    from collage_train.scalify.scale import ExactFp16Scales, rms_scales_from_sums
 
     sums = torch.zeros(len(keys), dtype=torch.float64)
-    for lo, hi in windows:
-        values = canonical_of(lo, hi)
+    exact = [ExactFp16Scales() for _ in keys]
+    for lo in range(0, numel, SCALE_WINDOW):
+        values = canonical_of(lo, min(lo + SCALE_WINDOW, numel))
         sums += torch.stack([values[key].square().sum() for key in keys])
-    return rms_scales_from_sums(sums, torch.tensor(float(numel), dtype=torch.float64))
-
-
-def _first_exact(
-    canonical_of: CanonicalOf, windows: Windows, keys: list[str], options: torch.Tensor
-) -> list[int]:
-    """For each canonical value ``keys[row]``, the first of the scales ``options[row]``
-    under which fp16 data holds every element exactly; 0 where none does."""
-    held = torch.ones_like(options, dtype=torch.bool)
-    for lo, hi in windows:
-        values = canonical_of(lo, hi)
-        for row, key in enumerate(keys):
-            for column, scale in enumerate(options[row]):
-                data = values[key] / scale.double()
-                held[row, column] &= bool(torch.equal(_fp16_nearest(data).double(), data))
-    return [int(row.nonzero()[0]) if bool(row.any()) else 0 for row in held]
+        for key, held in zip(keys, exact, strict=True):
+            held.add(values[key])
+    return rms_scales_from_sums(sums, torch.tensor(float(numel), dtype=torch.float64)), exact
 
 
 def _descaled(components: Components, key: str, scale_key: str) -> torch.Tensor:

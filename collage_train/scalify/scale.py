@@ -7,12 +7,15 @@ sum, rotary embedding) compute in float64 and round the result down to a power o
 so every scale they return is exact. A stored scaled tensor is ``(data, scale)`` with
 fp16 ``data`` (``store_scaled``, read back exactly by ``load_scaled``); a parameter held
 that way (``collage_train.scalify.params``) carries its scale as ``scalify_scale``, and
-``value_rms_scale`` gives the RMS scale of the value such a tensor stands for.
+``value_rms_scale`` gives the RMS scale of the value such a tensor stands for, and
+``ExactFp16Scales`` the scales under which fp16 data holds a tensor exactly.
 
 The rules: docs/strategies.md, "Scales and the propagation rules".
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -151,3 +154,43 @@ def rotary_scale(scale: torch.Tensor) -> torch.Tensor:
     """
     one = torch.ones((), dtype=scale.dtype, device=scale.device)
     return add_scale(mul_scale(scale, one), mul_scale(scale, one))
+
+
+@dataclass
+class ExactFp16Scales:
+    """The power-of-two scales ``2**k`` under which every element seen so far, divided by
+    the scale, is an fp16 value (``store_scaled`` holds it exactly): ``low <= k <= high``,
+    none when ``low > high``. Fed a tensor at a time (``add``), so one pass over a whole
+    tensor answers for any scale chosen after it (``holds``).
+
+    An element ``m * 2**e`` (``m`` odd) divided by ``2**k`` is an fp16 value exactly when
+    ``m`` has at most 11 bits, ``e - k >= -24`` (fp16's smallest step) and its leading bit
+    is at most ``2**15`` (fp16's largest finite value, 65504, has 11 ones below it)."""
+
+    low: float = -torch.inf
+    high: float = torch.inf
+
+    def add(self, values: torch.Tensor) -> None:
+        values = values.double().flatten()
+        values = values[values != 0]  # zero is exact under any scale
+        if values.numel() == 0:
+            return
+        if not bool(torch.isfinite(values).all()):
+            self.low, self.high = 1.0, 0.0
+            return
+        mantissa, exponent = torch.frexp(values)  # |value| = mantissa * 2**exponent
+        significand = (mantissa.abs() * 2.0**53).to(torch.int64)  # 53 bits, the top one set
+        trailing = torch.frexp((significand & -significand).double())[1] - 1  # zero bits
+        if bool((trailing < 42).any()):  # more than 11 significant bits: no scale holds it
+            self.low, self.high = 1.0, 0.0
+            return
+        self.low = max(self.low, float((exponent - 16).max()))  # leading bit <= 2**15
+        self.high = min(self.high, float((exponent + trailing - 29).min()))  # lowest >= 2**-24
+
+    def holds(self, scale: torch.Tensor) -> bool:
+        """Whether every element seen divided by ``scale`` is fp16; never for a scale that
+        is not a power of two (0 or inf past fp32's range)."""
+        if not is_power_of_two(scale):
+            return False
+        k = int(torch.frexp(scale.double())[1]) - 1
+        return self.low <= k <= self.high

@@ -293,6 +293,30 @@ def test_scaled_fp16_keeps_a_tensor_its_own_scale_holds():
     assert float(out["exp_avg"][0]) == 1 + 2.0**-10
 
 
+def test_a_whole_tensors_scales_take_one_read_of_it(monkeypatch):
+    """``tensor_scales`` reads each window of the tensor once for the RMS scales and the
+    check that fp16 holds every element, and keeps the neighbour scale that holds them
+    where the RMS scale would not (the RMS scale of 3s is 2, under which 2^-24 is lost;
+    half of it, 1, holds both)."""
+    from collage_train.precision import state_form
+
+    monkeypatch.setattr(state_form, "SCALE_WINDOW", 7)
+    data = torch.full((50,), 3.0, dtype=torch.float16)
+    data[33] = 2.0**-24  # in the fifth window
+    canonical = {key: data.double() for key in CANONICAL}
+    reads = []
+
+    def canonical_of(lo: int, hi: int) -> dict[str, torch.Tensor]:
+        reads.append((lo, hi))
+        return {key: value[lo:hi] for key, value in canonical.items()}
+
+    scales = ScaledForm(params="fp32").tensor_scales(canonical_of, 50)
+    assert reads == [(lo, min(lo + 7, 50)) for lo in range(0, 50, 7)]
+    assert {key: float(value) for key, value in scales.items()} == {
+        "master_scale": 1.0, "exp_avg_scale": 1.0, "exp_avg_sq_scale": 1.0
+    }  # fmt: skip
+
+
 def test_a_switch_writes_what_the_targets_scalify_options_hold(sources, cfg_for, tmp_path):
     """``precision.master=fp32``: the fp32 master beside the scaled weight is the source's
     fp32 master bit for bit, and the line says so; ``precision.optimizer_state=fp32``:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from collage_train.scalify.scale import (
+    ExactFp16Scales,
     add_scale,
     is_power_of_two,
     matmul_scale,
@@ -123,3 +124,47 @@ def test_rules_keep_the_device_and_float32():
         mul_scale(_pow2(1), _pow2(2)),
     ):
         assert scale.dtype == torch.float32 and scale.dim() == 0
+
+
+def _fp16_holds(values: torch.Tensor, ks: torch.Tensor) -> list[bool]:
+    """float64 reference, for each exponent k of ``ks``: ``values / 2**k`` stored as fp16
+    (clamped to its range, as ``store_scaled`` clamps) reads back unchanged. Any rounding
+    of a value fp16 holds is the value, and of one it does not hold is another value."""
+    data = values.double()[None, :] / torch.pow(2.0, ks.double())[:, None]
+    stored = data.clamp(-65504, 65504).to(torch.float16).double()
+    return (stored == data).all(dim=1).tolist()  # nan: never equal
+
+
+def _exactness_cases() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    edges = torch.tensor([65504.0, 65505.0, 65519.0, 65520.0, 2.0**-24, 3 * 2.0**-24, 2.0**-25,
+                          0.0, -0.0, 2047.0, 2049.0, 4094.0, 4095.0])  # fmt: skip
+    cases = [torch.zeros(3), torch.tensor([math.nan, 1.0]), torch.tensor([math.inf, 1.0])]
+    for n in range(120):
+        shift = 2.0 ** int(torch.randint(-40, 40, (1,), generator=gen))
+        sample = torch.randn(1 + n % 7, generator=gen)
+        cases.append(
+            [
+                (sample * 100).half().double() * shift,  # fp16 values, scaled
+                sample.bfloat16().double() * shift,  # 8 significant bits
+                sample.float().double(),  # 24: fp16 holds none under any scale
+                torch.randint(-9000, 9000, sample.shape, generator=gen).double() * shift,
+                edges[torch.randint(0, len(edges), sample.shape, generator=gen)] * shift,
+            ][n % 5]
+        )
+    return cases
+
+
+def test_exact_fp16_scales_are_the_powers_of_two_under_which_fp16_holds_every_element():
+    """Fed in one piece or in two, the interval of exponents agrees with the float64
+    reference for every power of two from 2**-80 to 2**79 (nan and inf: none)."""
+    ks = torch.arange(-80, 80)
+    for values in _exactness_cases():
+        expected = _fp16_holds(values, ks)
+        for pieces in (1, 2):
+            exact = ExactFp16Scales()
+            for piece in values.chunk(pieces):
+                exact.add(piece)
+            held = [exact.holds(torch.tensor(2.0 ** int(k), dtype=torch.float64)) for k in ks]
+            assert held == expected, values
+    assert not ExactFp16Scales().holds(torch.tensor(3.0))  # not a power of two
