@@ -171,6 +171,8 @@ class ExactFp16Scales:
     high: float = torch.inf
 
     def add(self, values: torch.Tensor) -> None:
+        if self.low > self.high:  # none already: no later element can widen it
+            return
         values = values.double().flatten()
         values = values[values != 0]  # zero is exact under any scale
         if values.numel() == 0:
